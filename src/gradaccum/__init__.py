@@ -1,0 +1,23 @@
+"""gradaccum: exact gradient accumulation for PyTorch.
+
+Train with the batch size your recipe needs on the memory you have, and get exactly the
+gradient that the large batch would have given. See README.md for the tour.
+"""
+
+from gradaccum.batching import batch_size, split, windows
+from gradaccum.engine import Accumulator, AccumulatorState, StepResult
+from gradaccum.loss import causal_lm_loss, sample_mean, token_cross_entropy
+
+__all__ = [
+    "Accumulator",
+    "AccumulatorState",
+    "StepResult",
+    "batch_size",
+    "causal_lm_loss",
+    "sample_mean",
+    "split",
+    "token_cross_entropy",
+    "windows",
+]
+
+__version__ = "0.1.0"

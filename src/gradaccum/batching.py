@@ -1,0 +1,106 @@
+"""Split a batch into micro-batches and group micro-batches into windows.
+
+A batch is a tensor or a (possibly nested) tuple, list or mapping of tensors whose first
+dimension is the sample dimension. Tuples and lists are read as *fields* (inputs, labels),
+not as samples; every tensor leaf must hold the same number of samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["split", "windows", "batch_size"]
+
+
+def _check_positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(batch, torch.Tensor):
+        yield path, batch
+    elif isinstance(batch, Mapping):
+        for key, value in batch.items():
+            yield from _leaves(value, f"{path}[{key!r}]")
+    elif isinstance(batch, (tuple, list)):
+        for i, value in enumerate(batch):
+            yield from _leaves(value, f"{path}[{i}]")
+    elif batch is None:
+        return
+    else:
+        raise TypeError(
+            f"{path} is a {type(batch).__name__}; a batch holds tensors in tuples, lists or "
+            "mappings (None is passed through)"
+        )
+
+
+def batch_size(batch: Any) -> int:
+    """The number of samples in ``batch``: the common size of dim 0 of every tensor in it."""
+    sizes: dict[str, int] = {}
+    for path, tensor in _leaves(batch):
+        if tensor.dim() == 0:
+            raise ValueError(f"{path} is a 0-dim tensor; every tensor needs a sample dimension 0")
+        sizes[path] = tensor.shape[0]
+    if not sizes:
+        raise ValueError("batch holds no tensor to split")
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{p}: {n}" for p, n in sizes.items())
+        raise ValueError(f"tensors in the batch disagree on the number of samples ({listed})")
+    return next(iter(sizes.values()))
+
+
+def _rebuild(batch: Any, start: int, length: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.narrow(0, start, length)
+    if isinstance(batch, Mapping):
+        items = {k: _rebuild(v, start, length) for k, v in batch.items()}
+        try:  # keep the user's mapping type (a Hugging Face BatchEncoding, an OrderedDict)
+            return type(batch)(items)
+        except TypeError:
+            return items
+    if isinstance(batch, tuple):
+        parts = [_rebuild(v, start, length) for v in batch]
+        if hasattr(batch, "_fields"):  # namedtuple
+            return type(batch)(*parts)
+        return tuple(parts)
+    if isinstance(batch, list):
+        return [_rebuild(v, start, length) for v in batch]
+    return batch  # None
+
+
+def split(batch: Any, micro_size: int) -> list[Any]:
+    """Split ``batch`` along dim 0 into micro-batches of ``micro_size`` samples.
+
+    The last micro-batch holds the remainder when ``micro_size`` does not divide the batch;
+    every sample appears in exactly one micro-batch. Micro-batches are views, not copies,
+    and keep the batch's container types. An empty batch gives an empty list.
+    """
+    _check_positive_int(micro_size, "micro_size")
+    total = batch_size(batch)
+    return [
+        _rebuild(batch, start, min(micro_size, total - start))
+        for start in range(0, total, micro_size)
+    ]
+
+
+def windows(micro_batches: Iterable[Any], n: int) -> Iterator[list[Any]]:
+    """Group an iterable of micro-batches into windows of ``n`` (one optimizer step each).
+
+    Lazy, so it works on a DataLoader. The last window keeps whatever is left (it may be
+    shorter than ``n``); the Accumulator normalizes it by its own item count, so it is still
+    an exact mean-gradient step over the samples it holds.
+    """
+    _check_positive_int(n, "n (micro-batches per window)")
+    window: list[Any] = []
+    for micro_batch in micro_batches:
+        window.append(micro_batch)
+        if len(window) == n:
+            yield window
+            window = []
+    if window:
+        yield window

@@ -1,0 +1,473 @@
+"""The Accumulator: one window of micro-batches -> one optimizer step.
+
+Every loss returns ``(loss_sum, count)``. Backward runs on the sum; at the window's end the
+summed gradient is divided once by the window's total count, which is the full-batch mean
+gradient whatever the micro-batch sizes, padding or a ragged last window. Clipping, the
+non-finite guard, the optimizer step and the scheduler step all happen there, once.
+
+``step()`` is a loop over the manual API (``micro_batch()``, ``backward()``,
+``end_window()``), so a user who keeps their own loop runs exactly the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+
+__all__ = ["Accumulator", "AccumulatorState", "StepResult"]
+
+log = logging.getLogger("gradaccum")
+
+_FORMAT = "gradaccum.accumulator/1"
+
+LossFn = Callable[[torch.nn.Module, Any], "tuple[torch.Tensor, int | torch.Tensor]"]
+
+
+@dataclass
+class AccumulatorState:
+    """Counters that travel with a checkpoint; all are totals since the run began."""
+
+    optimizer_steps: int = 0
+    windows: int = 0
+    skipped_windows: int = 0
+    micro_batches: int = 0
+    items: int = 0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one window did.
+
+    ``loss`` is the mean loss per item over the window (None when the window held no item);
+    ``grad_norm`` is the global norm of the normalized gradient before clipping (None when
+    the window held no item); ``skipped`` is None or why the optimizer did not step.
+    """
+
+    loss: float | None
+    count: int
+    grad_norm: float | None
+    stepped: bool
+    skipped: str | None
+    micro_batches: int
+    step: int  # optimizer steps taken so far, this window included
+
+
+@dataclass
+class _Window:
+    """The window in progress (never checkpointed: checkpoints fall between windows)."""
+
+    micro_batches: int = 0
+    int_count: int = 0
+    tensor_counts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    loss_sum: torch.Tensor | None = None
+    in_micro_batch: bool = False
+    backward_done: bool = False
+
+
+def _check_count(count: Any, index: int) -> int | torch.Tensor:
+    """A Python count is checked now; a tensor count is checked at the window's end, with one
+    host sync for the whole window instead of one per micro-batch."""
+    where = f"from micro-batch {index}"
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1:
+            raise ValueError(
+                f"count must be an integer or a 0-dim tensor, got a tensor of shape "
+                f"{tuple(count.shape)} {where}"
+            )
+        if count.is_complex() or count.dtype == torch.bool:
+            raise ValueError(f"count must be a real number of items, got dtype {count.dtype} {where}")
+        return count.detach().reshape(())
+    if isinstance(count, bool):
+        raise ValueError(f"count must be a non-negative integer, got {count!r} {where}")
+    if isinstance(count, float) and count.is_integer():
+        count = int(count)
+    if not isinstance(count, int) or count < 0:
+        raise ValueError(f"count must be a non-negative integer, got {count!r} {where}")
+    return count
+
+
+def _check_loss(loss_sum: Any, index: int) -> torch.Tensor:
+    where = f"from micro-batch {index}"
+    if not isinstance(loss_sum, torch.Tensor):
+        raise TypeError(f"loss_sum must be a 0-dim tensor, got {type(loss_sum).__name__} {where}")
+    if loss_sum.dim() != 0:
+        raise ValueError(
+            f"loss_sum must be a 0-dim tensor (the loss summed over the micro-batch's items), got "
+            f"shape {tuple(loss_sum.shape)} {where}; reduce it with .sum() or ga.sample_mean"
+        )
+    if not loss_sum.is_floating_point():
+        raise TypeError(f"loss_sum must be a floating-point tensor, got {loss_sum.dtype} {where}")
+    if not loss_sum.requires_grad:
+        raise ValueError(
+            f"loss_sum {where} does not require grad: was it computed under torch.no_grad(), "
+            "detached, or from a model with no trainable parameters?"
+        )
+    return loss_sum
+
+
+def _unpack(result: Any, index: int) -> tuple[Any, Any]:
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        got = (
+            f"a {type(result).__name__} of length {len(result)}"
+            if isinstance(result, (tuple, list))
+            else f"a {type(result).__name__}"
+        )
+        raise TypeError(
+            f"loss_fn must return (loss_sum, count), got {got} from micro-batch {index}; return "
+            "the loss summed over the micro-batch's items and the number of items, e.g. "
+            "ga.sample_mean(F.mse_loss(pred, y, reduction='none'))"
+        )
+    return result[0], result[1]
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    if not grads:
+        return torch.zeros(())
+    device = grads[0].device
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional; its generator is saved when it is there
+        return state
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {
+        "name": name,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        saved = state["numpy"]
+        np.random.set_state(
+            (
+                saved["name"],
+                saved["keys"].numpy().astype(np.uint32),
+                saved["pos"],
+                saved["has_gauss"],
+                saved["cached_gaussian"],
+            )
+        )
+
+
+class Accumulator:
+    """Runs windows of micro-batches; each window is one exact optimizer step.
+
+    Args:
+        model: the module being trained.
+        optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
+        scheduler: optional learning-rate scheduler; stepped once per optimizer step, never
+            on a skipped window.
+        max_grad_norm: optional clip on the global norm of the normalized window gradient.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scheduler: Any | None = None,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if max_grad_norm is not None and (
+            isinstance(max_grad_norm, bool)
+            or not isinstance(max_grad_norm, (int, float))
+            or not math.isfinite(max_grad_norm)
+            or max_grad_norm <= 0
+        ):
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
+
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        all_params = list(model.parameters())
+        trainable = [p for p in all_params if p.requires_grad]
+        if not trainable:
+            raise ValueError(
+                f"model has no trainable parameters ({len(all_params)} parameters, none with "
+                "requires_grad=True); there is nothing to accumulate"
+            )
+        # Every parameter whose gradient the window produces is normalized and cleared, the
+        # optimizer's own extras (a learned loss temperature outside the model) included.
+        seen: set[int] = set()
+        self._params: list[torch.nn.Parameter] = []
+        optimizer_params = [p for group in optimizer.param_groups for p in group["params"]]
+        for p in trainable + optimizer_params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                self._params.append(p)
+
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.state = AccumulatorState()
+        self._window: _Window | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Accumulator({type(self.model).__name__}, {type(self.optimizer).__name__}, "
+            f"max_grad_norm={self.max_grad_norm}, state={self.state})"
+        )
+
+    # -- one window -------------------------------------------------------------------------
+
+    def step(self, micro_batches: Iterable[Any], loss_fn: LossFn) -> StepResult:
+        """Run one window: forward and backward for every micro-batch, then one step.
+
+        ``micro_batches``: an iterable of micro-batches (see ``ga.split``); ``loss_fn(model,
+        micro_batch)`` returns ``(loss_sum, count)``.
+        """
+        if isinstance(micro_batches, (torch.Tensor, Mapping)):
+            raise TypeError(
+                f"step() takes a sequence of micro-batches, got a {type(micro_batches).__name__};"
+                " split a batch first with ga.split(batch, micro_size)"
+            )
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if self._window is not None:
+            raise RuntimeError(
+                f"a manual window is open with {self._window.micro_batches} micro-batches; "
+                "finish it with end_window() or drop it with abort_window() before step()"
+            )
+        for index, micro_batch in enumerate(micro_batches):
+            with self.micro_batch():
+                loss_sum, count = _unpack(loss_fn(self.model, micro_batch), index)
+                self.backward(loss_sum, count)
+        if self._window is None:
+            raise ValueError("step() got an empty window: a window needs at least one micro-batch")
+        return self.end_window()
+
+    @contextmanager
+    def micro_batch(self) -> Iterator[None]:
+        """Context for one micro-batch in a hand-written loop; call ``backward`` inside it.
+
+        An exception inside aborts the whole window (gradients cleared, parameters untouched)
+        and propagates.
+        """
+        if self._window is None:
+            self._open_window()
+        window = self._window
+        assert window is not None
+        if window.in_micro_batch:
+            raise RuntimeError("micro_batch() contexts do not nest")
+        window.in_micro_batch = True
+        window.backward_done = False
+        try:
+            yield
+        except BaseException:
+            self.abort_window()
+            raise
+        if not window.backward_done:
+            self.abort_window()
+            raise RuntimeError(
+                f"micro-batch {window.micro_batches} ended without acc.backward(loss_sum, count);"
+                " every micro-batch of a window must run backward (use count 0 for one that "
+                "holds no item)"
+            )
+        window.in_micro_batch = False
+        window.micro_batches += 1
+
+    def backward(self, loss_sum: torch.Tensor, count: int | torch.Tensor) -> None:
+        """Backpropagate one micro-batch's summed loss and record its item count."""
+        window = self._window
+        if window is None or not window.in_micro_batch:
+            raise RuntimeError("backward() must be called inside `with acc.micro_batch():`")
+        index = window.micro_batches
+        if window.backward_done:
+            raise RuntimeError(
+                f"backward() called twice in micro-batch {index}; add the losses and counts "
+                "and call it once"
+            )
+        loss_sum = _check_loss(loss_sum, index)
+        checked = _check_count(count, index)
+        loss_sum.backward()
+        if isinstance(checked, torch.Tensor):
+            window.tensor_counts.append((index, checked))
+        else:
+            window.int_count += checked
+        detached = loss_sum.detach().to(torch.float64)
+        window.loss_sum = detached if window.loss_sum is None else window.loss_sum + detached
+        window.backward_done = True
+
+    def end_window(self) -> StepResult:
+        """Normalize the window's gradient by its count, clip, guard, and step once."""
+        window = self._window
+        if window is None or window.micro_batches == 0:
+            raise ValueError(
+                "empty window: no micro-batch ran since the last step; a window needs at least "
+                "one micro-batch"
+            )
+        if window.in_micro_batch:
+            raise RuntimeError("end_window() called inside a micro_batch() context")
+        try:
+            total = window.int_count + self._tensor_count_total(window)
+        except BaseException:
+            self.abort_window()
+            raise
+
+        grads = [p.grad for p in self._params if p.grad is not None]
+        loss = grad_norm = skipped = None
+        if total == 0:
+            skipped = "zero count"
+        else:
+            assert window.loss_sum is not None
+            loss = window.loss_sum.item() / total
+            for g in grads:
+                g.div_(total)
+            grad_norm = _total_norm(grads).item()
+            if not math.isfinite(grad_norm):
+                skipped = "non-finite gradient"
+            elif self.max_grad_norm is not None:
+                # Same rule as torch.nn.utils.clip_grad_norm_, on the normalized gradient.
+                coef = self.max_grad_norm / (grad_norm + 1e-6)
+                if coef < 1.0:
+                    for g in grads:
+                        g.mul_(coef)
+        if skipped is None:
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self._clear_grads()
+        self._window = None
+
+        state = self.state
+        state.windows += 1
+        state.micro_batches += window.micro_batches
+        state.items += total
+        if skipped is None:
+            state.optimizer_steps += 1
+        else:
+            state.skipped_windows += 1
+            log.warning(
+                "window %d skipped (%s, grad norm %s); %d skipped so far",
+                state.windows,
+                skipped,
+                grad_norm,
+                state.skipped_windows,
+            )
+        return StepResult(
+            loss=loss,
+            count=total,
+            grad_norm=grad_norm,
+            stepped=skipped is None,
+            skipped=skipped,
+            micro_batches=window.micro_batches,
+            step=state.optimizer_steps,
+        )
+
+    def abort_window(self) -> None:
+        """Drop the window in progress: clear its gradients; parameters stay as they were."""
+        self._clear_grads()
+        self._window = None
+
+    @property
+    def in_window(self) -> bool:
+        """True between a window's first micro-batch and its end."""
+        return self._window is not None
+
+    def _open_window(self) -> None:
+        for p in self._params:
+            if p.grad is not None:
+                name = self._names.get(id(p), "an optimizer parameter")
+                raise RuntimeError(
+                    f"parameter {name} already has a gradient before the window's first "
+                    "micro-batch; it would leak into this step. Clear it with "
+                    "optimizer.zero_grad(set_to_none=True) before using the Accumulator"
+                )
+        self._window = _Window()
+
+    def _clear_grads(self) -> None:
+        for p in self._params:
+            p.grad = None
+
+    @staticmethod
+    def _tensor_count_total(window: _Window) -> int:
+        if not window.tensor_counts:
+            return 0
+        values = torch.stack([c.to(torch.float64) for _, c in window.tensor_counts]).cpu()
+        total = 0
+        for (index, _), value in zip(window.tensor_counts, values.tolist()):
+            if value < 0 or not float(value).is_integer():
+                raise ValueError(
+                    f"count must be a non-negative integer, got {value:g} from micro-batch {index}"
+                )
+            total += int(value)
+        return total
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue bit for bit: model, optimizer,
+        scheduler, the accumulator's counters and the random generators. Loadable with
+        ``torch.load(..., weights_only=True)``. Only at a window boundary."""
+        if self._window is not None:
+            raise RuntimeError(
+                f"state_dict() called inside a window after {self._window.micro_batches} "
+                "micro-batches; checkpoint between windows so a resumed run is the same run"
+            )
+        return {
+            "format": _FORMAT,
+            "accumulator": asdict(self.state),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "rng": _rng_state(),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict()`` saved; refuses a mismatched checkpoint clearly."""
+        if not isinstance(state_dict, Mapping) or state_dict.get("format") != _FORMAT:
+            got = state_dict.get("format") if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise ValueError(f"not a gradaccum Accumulator checkpoint (format {got!r}, expected {_FORMAT!r})")
+        if self._window is not None:
+            raise RuntimeError("load_state_dict() called inside a window; call abort_window() first")
+        missing = [k for k in ("accumulator", "model", "optimizer", "scheduler", "rng") if k not in state_dict]
+        if missing:
+            raise ValueError(f"checkpoint is missing {', '.join(missing)}")
+        if (state_dict["scheduler"] is None) != (self.scheduler is None):
+            has = "has" if state_dict["scheduler"] is not None else "has no"
+            mine = "one" if self.scheduler is not None else "none"
+            raise ValueError(f"checkpoint {has} scheduler state but this Accumulator has {mine}")
+        counters = state_dict["accumulator"]
+        known = {f.name for f in fields(AccumulatorState)}
+        unknown = set(counters) - known
+        if unknown:
+            raise ValueError(f"checkpoint has unknown accumulator fields {sorted(unknown)}")
+        self.model.load_state_dict(state_dict["model"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state_dict["scheduler"])
+        self.state = AccumulatorState(**counters)
+        _set_rng_state(state_dict["rng"])

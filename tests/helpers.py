@@ -1,0 +1,214 @@
+"""Small models, data and independent references shared by the tests.
+
+The references here never call gradaccum: a full batch, a mean loss from torch itself,
+backward, step. That is what every accumulated result is compared against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradaccum as ga
+
+# Uneven micro-batch sizes for a batch of 13, one list per N.
+UNEVEN_SIZES = {1: [13], 2: [9, 4], 4: [1, 5, 3, 4], 7: [2, 1, 3, 1, 2, 3, 1]}
+BATCH = 13
+VOCAB = 32
+SEQ = 20
+PAD = 0
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 6, hidden: int = 16, d_out: int = 3) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class GroupNormCNN(nn.Module):
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.GroupNorm(4, 8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1, stride=2),
+            nn.GroupNorm(4, 8),
+            nn.ReLU(),
+        )
+        self.head = nn.Linear(8 * 4 * 4, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        # No qkv bias: the key bias has an exactly zero gradient (softmax ignores a shift
+        # shared by a row's scores), so its computed gradient is pure rounding noise, which
+        # Adam scales up to full-size updates in any two computations, exact or not.
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class TinyLM(nn.Module):
+    """A causal transformer LM small enough for exact tests in seconds."""
+
+    def __init__(self, vocab: int = VOCAB, d: int = 16, heads: int = 2, layers: int = 2,
+                 max_len: int = SEQ, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(max_len, d)
+        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def regression_batch(seed: int, n: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    return x, torch.randn(n, 3, generator=g)
+
+
+def image_batch(seed: int, n: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def padded_lm_batch(seed: int, n: int = BATCH) -> dict[str, torch.Tensor]:
+    """Sequences of very different lengths, right-padded, padding labelled -100."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, SEQ + 1, (n,), generator=g)
+    ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+    pad = torch.arange(SEQ)[None, :] >= lengths[:, None]
+    ids[pad] = PAD
+    labels = ids.clone()
+    labels[pad] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def trim(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop columns that are padding in every row (dynamic padding per micro-batch)."""
+    longest = int((batch["labels"] != -100).sum(1).max())
+    return {k: v[:, : max(longest, 2)] for k, v in batch.items()}
+
+
+# -- the three tasks: (model factory, batch maker, gradaccum loss_fn, reference mean loss) --
+
+
+def mlp_loss(model, mb):
+    x, y = mb
+    return ga.sample_mean(F.mse_loss(model(x), y, reduction="none"))
+
+
+def mlp_reference(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def cnn_loss(model, mb):
+    x, y = mb
+    return ga.sample_mean(F.cross_entropy(model(x), y, reduction="none"))
+
+
+def cnn_reference(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def lm_loss(model, mb):
+    mb = trim(mb)
+    return ga.causal_lm_loss(model(mb["input_ids"]), mb["labels"])
+
+
+def lm_reference(model, batch):
+    logits = model(batch["input_ids"])[:, :-1]
+    labels = batch["labels"][:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=-100)
+
+
+TASKS = {
+    "mlp": (MLP, regression_batch, mlp_loss, mlp_reference),
+    "cnn": (GroupNormCNN, image_batch, cnn_loss, cnn_reference),
+    "lm": (TinyLM, padded_lm_batch, lm_loss, lm_reference),
+}
+
+
+def make_model(factory, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return factory()
+
+
+def split_sizes(batch, sizes: list[int]) -> list:
+    """Uneven micro-batches, independent of ga.split."""
+    out, start = [], 0
+    for size in sizes:
+        if isinstance(batch, dict):
+            out.append({k: v[start:start + size] for k, v in batch.items()})
+        else:
+            out.append(tuple(t[start:start + size] for t in batch))
+        start += size
+    return out
+
+
+def reference_grads(model, batch, reference) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    reference(model, batch).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def capture_step_grads(optimizer, model) -> list[dict[str, torch.Tensor]]:
+    """Record the gradients the optimizer is handed at each step (a real optimizer hook)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def hook(opt, args, kwargs):
+        seen.append({names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]
+                     if p.grad is not None})
+
+    optimizer.register_step_pre_hook(hook)
+    return seen
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    denom = torch.linalg.vector_norm(b.double())
+    diff = torch.linalg.vector_norm((a.double() - b.double()))
+    if denom == 0:
+        return float(diff)
+    return float(diff / denom)
+
+
+def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(rel_err(a[k], b[k]) for k in b)
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
