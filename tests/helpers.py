@@ -72,8 +72,15 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """A causal transformer LM small enough for exact tests in seconds."""
 
-    def __init__(self, vocab: int = VOCAB, d: int = 16, heads: int = 2, layers: int = 2,
-                 max_len: int = SEQ, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab: int = VOCAB,
+        d: int = 16,
+        heads: int = 2,
+        layers: int = 2,
+        max_len: int = SEQ,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(max_len, d)
@@ -148,8 +155,9 @@ def lm_loss(model, mb):
 def lm_reference(model, batch):
     logits = model(batch["input_ids"])[:, :-1]
     labels = batch["labels"][:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           ignore_index=-100)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+    )
 
 
 TASKS = {
@@ -169,9 +177,9 @@ def split_sizes(batch, sizes: list[int]) -> list:
     out, start = [], 0
     for size in sizes:
         if isinstance(batch, dict):
-            out.append({k: v[start:start + size] for k, v in batch.items()})
+            out.append({k: v[start : start + size] for k, v in batch.items()})
         else:
-            out.append(tuple(t[start:start + size] for t in batch))
+            out.append(tuple(t[start : start + size] for t in batch))
         start += size
     return out
 
@@ -190,8 +198,14 @@ def capture_step_grads(optimizer, model) -> list[dict[str, torch.Tensor]]:
     seen: list[dict[str, torch.Tensor]] = []
 
     def hook(opt, args, kwargs):
-        seen.append({names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]
-                     if p.grad is not None})
+        seen.append(
+            {
+                names[id(p)]: p.grad.clone()
+                for g in opt.param_groups
+                for p in g["params"]
+                if p.grad is not None
+            }
+        )
 
     optimizer.register_step_pre_hook(hook)
     return seen
@@ -199,7 +213,7 @@ def capture_step_grads(optimizer, model) -> list[dict[str, torch.Tensor]]:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = torch.linalg.vector_norm(b.double())
-    diff = torch.linalg.vector_norm((a.double() - b.double()))
+    diff = torch.linalg.vector_norm(a.double() - b.double())
     if denom == 0:
         return float(diff)
     return float(diff / denom)

@@ -82,7 +82,9 @@ def _check_count(count: Any, index: int) -> int | torch.Tensor:
                 f"{tuple(count.shape)} {where}"
             )
         if count.is_complex() or count.dtype == torch.bool:
-            raise ValueError(f"count must be a real number of items, got dtype {count.dtype} {where}")
+            raise ValueError(
+                f"count must be a real number of items, got dtype {count.dtype} {where}"
+            )
         return count.detach().reshape(())
     if isinstance(count, bool):
         raise ValueError(f"count must be a non-negative integer, got {count!r} {where}")
@@ -206,7 +208,9 @@ class Accumulator:
             or not math.isfinite(max_grad_norm)
             or max_grad_norm <= 0
         ):
-            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
+            raise ValueError(
+                f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}"
+            )
         if scheduler is not None and not callable(getattr(scheduler, "step", None)):
             raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
 
@@ -418,7 +422,7 @@ class Accumulator:
             return 0
         values = torch.stack([c.to(torch.float64) for _, c in window.tensor_counts]).cpu()
         total = 0
-        for (index, _), value in zip(window.tensor_counts, values.tolist()):
+        for (index, _), value in zip(window.tensor_counts, values.tolist(), strict=True):
             if value < 0 or not float(value).is_integer():
                 raise ValueError(
                     f"count must be a non-negative integer, got {value:g} from micro-batch {index}"
@@ -449,11 +453,23 @@ class Accumulator:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what ``state_dict()`` saved; refuses a mismatched checkpoint clearly."""
         if not isinstance(state_dict, Mapping) or state_dict.get("format") != _FORMAT:
-            got = state_dict.get("format") if isinstance(state_dict, Mapping) else type(state_dict).__name__
-            raise ValueError(f"not a gradaccum Accumulator checkpoint (format {got!r}, expected {_FORMAT!r})")
+            got = (
+                state_dict.get("format")
+                if isinstance(state_dict, Mapping)
+                else type(state_dict).__name__
+            )
+            raise ValueError(
+                f"not a gradaccum Accumulator checkpoint (format {got!r}, expected {_FORMAT!r})"
+            )
         if self._window is not None:
-            raise RuntimeError("load_state_dict() called inside a window; call abort_window() first")
-        missing = [k for k in ("accumulator", "model", "optimizer", "scheduler", "rng") if k not in state_dict]
+            raise RuntimeError(
+                "load_state_dict() called inside a window; call abort_window() first"
+            )
+        missing = [
+            k
+            for k in ("accumulator", "model", "optimizer", "scheduler", "rng")
+            if k not in state_dict
+        ]
         if missing:
             raise ValueError(f"checkpoint is missing {', '.join(missing)}")
         if (state_dict["scheduler"] is None) != (self.scheduler is None):

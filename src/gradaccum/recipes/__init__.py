@@ -1,0 +1,1 @@
+"""Built-in models and data for the examples and the CLI; nothing here is downloaded."""

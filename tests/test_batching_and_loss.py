@@ -1,0 +1,134 @@
+"""split, windows and the (sum, count) loss helpers against direct torch computations."""
+
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradaccum as ga
+
+
+def test_split_tensor_keeps_every_sample_once():
+    x = torch.arange(10 * 3).reshape(10, 3)
+    parts = ga.split(x, 4)
+    assert [p.shape[0] for p in parts] == [4, 4, 2]
+    assert torch.equal(torch.cat(parts), x)
+    assert all(p.data_ptr() >= x.data_ptr() for p in parts)  # views, not copies
+
+
+@pytest.mark.parametrize("micro", [1, 3, 7, 10, 50])
+def test_split_containers(micro):
+    Pair = namedtuple("Pair", "inputs labels")
+    n = 10
+    x, y = torch.randn(n, 2), torch.arange(n)
+    batches = {
+        "tuple": (x, y),
+        "list": [x, y],
+        "dict": {"x": x, "y": y},
+        "ordered": OrderedDict(x=x, y=y),
+        "namedtuple": Pair(x, y),
+        "nested": {"pair": (x, y), "extra": [y], "none": None},
+    }
+    for name, batch in batches.items():
+        parts = ga.split(batch, micro)
+        assert sum(ga.batch_size(p) for p in parts) == n, name
+        assert type(parts[0]) is type(batch), name
+        labels = [
+            p["pair"][1] if name == "nested" else (p["y"] if isinstance(p, dict) else p[1])
+            for p in parts
+        ]
+        assert torch.equal(torch.cat(labels), y), name
+    assert parts[0]["none"] is None
+
+
+def test_split_batch_encoding_stays_a_batch_encoding():
+    from transformers import BatchEncoding
+
+    enc = BatchEncoding(
+        {
+            "input_ids": torch.arange(14).reshape(7, 2),
+            "attention_mask": torch.ones(7, 2, dtype=torch.long),
+        }
+    )
+    parts = ga.split(enc, 3)
+    assert [type(p) for p in parts] == [BatchEncoding] * 3
+    assert [p["input_ids"].shape[0] for p in parts] == [3, 3, 1]
+    assert torch.equal(torch.cat([p.input_ids for p in parts]), enc["input_ids"])
+
+
+def test_split_refuses_what_it_cannot_split():
+    with pytest.raises(
+        ValueError, match=r"disagree on the number of samples \(batch\[0\]: 4, batch\[1\]: 5\)"
+    ):
+        ga.split((torch.zeros(4), torch.zeros(5)), 2)
+    with pytest.raises(ValueError, match=r"batch\['x'\] is a 0-dim tensor"):
+        ga.split({"x": torch.tensor(1.0)}, 2)
+    with pytest.raises(TypeError, match=r"batch\[1\] is a str"):
+        ga.split((torch.zeros(4), "text"), 2)
+    with pytest.raises(ValueError, match="holds no tensor"):
+        ga.split((None,), 2)
+    assert ga.split(torch.zeros(0, 3), 2) == []
+
+
+def test_windows_keeps_the_last_partial_window_and_is_lazy():
+    assert list(ga.windows(range(7), 3)) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert list(ga.windows(range(6), 3)) == [[0, 1, 2], [3, 4, 5]]
+    assert list(ga.windows([], 3)) == []
+
+    def endless():
+        i = 0
+        while True:
+            yield i
+            i += 1
+
+    first = next(iter(ga.windows(endless(), 4)))
+    assert first == [0, 1, 2, 3]
+
+
+def test_causal_lm_loss_counts_shifted_labels():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    labels = torch.tensor([[1, 2, 3, -100, -100], [4, 5, 6, 1, 2]])
+    loss_sum, count = ga.causal_lm_loss(logits, labels)
+    # position t predicts label t+1: row 0 has labels 2, 3 (then ignored), row 1 has 4.
+    assert int(count) == 2 + 4
+    expected = F.cross_entropy(
+        logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    assert torch.allclose(loss_sum, expected)
+    mean = F.cross_entropy(logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1))
+    assert torch.allclose(loss_sum / count, mean)
+
+
+def test_token_cross_entropy_without_shift_and_custom_ignore():
+    logits = torch.randn(3, 4, 5)
+    labels = torch.tensor([[0, 1, 9, 9], [2, 9, 9, 9], [3, 4, 0, 1]])
+    loss_sum, count = ga.token_cross_entropy(logits, labels, ignore_index=9)
+    assert int(count) == 7
+    assert torch.allclose(
+        loss_sum / count, F.cross_entropy(logits.reshape(-1, 5), labels.reshape(-1), ignore_index=9)
+    )
+    with pytest.raises(
+        ValueError, match=r"labels shape \(3, 3\) does not match logits shape \(3, 4, 5\)"
+    ):
+        ga.token_cross_entropy(logits, labels[:, :3])
+    with pytest.raises(ValueError, match=r"causal_lm_loss expects logits \(batch, seq, vocab\)"):
+        ga.causal_lm_loss(logits[0], labels[0])
+
+
+def test_low_precision_logits_are_summed_in_fp32_and_fp64_stays_fp64():
+    logits = torch.randn(2, 6, 5)
+    labels = torch.randint(0, 5, (2, 6))
+    assert ga.token_cross_entropy(logits.bfloat16(), labels)[0].dtype == torch.float32
+    assert ga.token_cross_entropy(logits.double(), labels)[0].dtype == torch.float64
+
+
+def test_sample_mean_matches_a_full_batch_mean():
+    pred, target = torch.randn(6, 4), torch.randn(6, 4)
+    loss_sum, count = ga.sample_mean(F.mse_loss(pred, target, reduction="none"))
+    assert count == 6
+    assert torch.allclose(loss_sum / count, F.mse_loss(pred, target))
+    assert ga.sample_mean(torch.zeros(0, 4))[1] == 0
+    with pytest.raises(ValueError, match="reduction='none'"):
+        ga.sample_mean(F.mse_loss(pred, target))

@@ -1,0 +1,221 @@
+"""Window boundaries, clipping, scheduler, the non-finite guard and the manual mode."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import (
+    MLP,
+    TASKS,
+    UNEVEN_SIZES,
+    TinyLM,
+    capture_step_grads,
+    make_model,
+    max_rel_err,
+    mlp_loss,
+    padded_lm_batch,
+    params,
+    reference_grads,
+    regression_batch,
+    split_sizes,
+)
+
+import gradaccum as ga
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def optimizer_tensors(optimizer) -> dict:
+    out = {}
+    for i, st in optimizer.state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"{i}.{k}"] = v.clone() if torch.is_tensor(v) else torch.tensor(v)
+    return out
+
+
+def test_manual_mode_parameters_change_only_at_window_end():
+    model = make_model(MLP)
+    batch = regression_batch(seed=5)
+    expected = reference_grads(make_model(MLP), batch, TASKS["mlp"][3])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = capture_step_grads(optimizer, model)
+    acc = ga.Accumulator(model, optimizer)
+    start = params(model)
+
+    for mb in split_sizes(batch, UNEVEN_SIZES[4]):
+        with acc.micro_batch():
+            loss_sum, count = mlp_loss(model, mb)
+            acc.backward(loss_sum, count)
+        assert same(params(model), start), "a parameter moved before the window's end"
+        assert all(p.grad is not None for p in model.parameters())
+        assert acc.in_window
+    result = acc.end_window()
+
+    assert result.stepped and result.micro_batches == 4 and result.count == 13
+    assert not acc.in_window
+    assert not same(params(model), start)
+    assert all(p.grad is None for p in model.parameters()), "gradients leaked past the window"
+    assert max_rel_err(seen[0], expected) <= 1e-6  # the manual path is the same exact step
+
+
+def test_scheduler_steps_once_per_optimizer_step_and_not_on_skips():
+    model = make_model(MLP)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s)
+    steps = []
+    optimizer.register_step_post_hook(lambda *_: steps.append(1))
+    acc = ga.Accumulator(model, optimizer, scheduler=scheduler)
+
+    def poisoned(model, mb):
+        loss_sum, count = mlp_loss(model, mb)
+        return loss_sum * float("nan"), count
+
+    results = []
+    for w in range(5):
+        micro = ga.split(regression_batch(seed=w, n=12), 3)  # 4 micro-batches per window
+        results.append(acc.step(micro, poisoned if w == 2 else mlp_loss))
+
+    assert [r.stepped for r in results] == [True, True, False, True, True]
+    assert len(steps) == 4 == acc.state.optimizer_steps
+    assert scheduler.last_epoch == 4  # not 5 windows, not 20 micro-batches
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5**4)
+    assert acc.state.windows == 5 and acc.state.micro_batches == 20 and acc.state.items == 60
+
+
+@pytest.mark.parametrize("case", ["clipped", "below"])
+def test_clipping_once_per_window_on_the_normalized_gradient(case):
+    factory, make_batch, loss_fn, reference = TASKS["lm"]
+    batch = make_batch(seed=7)
+    full = reference_grads(make_model(factory), batch, reference)
+    full_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in full.values()))
+    # "below": under the normalized norm's clip level but far under the summed gradient's
+    # norm (about count x larger), so clipping before normalization would wrongly clip.
+    max_norm = full_norm / 2 if case == "clipped" else full_norm * 2
+    model = make_model(factory)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = capture_step_grads(optimizer, model)
+    acc = ga.Accumulator(model, optimizer, max_grad_norm=max_norm)
+    result = acc.step(split_sizes(batch, UNEVEN_SIZES[7]), loss_fn)
+
+    assert result.grad_norm == pytest.approx(full_norm, rel=1e-5)  # reported before clipping
+    scale = max_norm / (full_norm + 1e-6) if case == "clipped" else 1.0
+    expected = {k: g * scale for k, g in full.items()}
+    # Clipping per micro-batch would change the direction, not just the length; a match
+    # with the clipped full-batch gradient shows it happened once, at the end.
+    assert max_rel_err(seen[0], expected) <= 1e-6
+    seen_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in seen[0].values()))
+    assert seen_norm == pytest.approx(min(full_norm, max_norm), rel=1e-5)
+
+
+def lm_setup(seed=0):
+    model = make_model(TinyLM, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    return (
+        model,
+        optimizer,
+        ga.Accumulator(model, optimizer, scheduler=scheduler, max_grad_norm=1.0),
+    )
+
+
+def lm_window(seed):
+    return ga.split(padded_lm_batch(seed=seed), 4)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_non_finite_window_is_skipped_whole_and_training_goes_on(poison, caplog):
+    _, _, lm_loss, _ = TASKS["lm"]
+
+    def poisoned(model, mb):
+        loss_sum, count = lm_loss(model, mb)
+        if mb["input_ids"].shape[0] == 1:  # only the window's ragged last micro-batch
+            loss_sum = loss_sum * poison
+        return loss_sum, count
+
+    # Reference: the same run without the bad window.
+    ref_model, _, ref_acc = lm_setup()
+    ref_acc.step(lm_window(1), lm_loss)
+    ref_acc.step(lm_window(3), lm_loss)
+
+    model, optimizer, acc = lm_setup()
+    acc.step(lm_window(1), lm_loss)
+    before_params, before_opt = params(model), optimizer_tensors(optimizer)
+    lr_before = optimizer.param_groups[0]["lr"]
+
+    result = acc.step(lm_window(2), poisoned)
+
+    assert not result.stepped and result.skipped == "non-finite gradient"
+    assert not math.isfinite(result.grad_norm)
+    assert same(params(model), before_params)
+    assert same(optimizer_tensors(optimizer), before_opt)
+    assert optimizer.param_groups[0]["lr"] == lr_before
+    assert all(p.grad is None for p in model.parameters())
+    assert acc.state.skipped_windows == 1 and acc.state.optimizer_steps == 1
+    assert "skipped (non-finite gradient" in caplog.text
+
+    assert acc.step(lm_window(3), lm_loss).stepped
+    assert same(params(model), params(ref_model)), "the bad window left a trace"
+
+
+def test_zero_count_window_is_skipped_without_nan():
+    _, _, lm_loss, _ = TASKS["lm"]
+    model, optimizer, acc = lm_setup()
+    acc.step(lm_window(1), lm_loss)
+    before_params, before_opt = params(model), optimizer_tensors(optimizer)
+    empty = padded_lm_batch(seed=2)
+    empty["labels"][:] = -100  # every token ignored
+
+    result = acc.step(ga.split(empty, 4), lm_loss)
+
+    assert result.skipped == "zero count" and not result.stepped
+    assert result.count == 0 and result.loss is None and result.grad_norm is None
+    assert same(params(model), before_params)
+    assert same(optimizer_tensors(optimizer), before_opt)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    nxt = acc.step(lm_window(3), lm_loss)
+    assert nxt.stepped and math.isfinite(nxt.loss)
+
+
+def test_a_micro_batch_with_no_item_contributes_nothing():
+    """Count 0 inside an otherwise normal window is fine and changes nothing."""
+    factory, make_batch, loss_fn, reference = TASKS["lm"]
+    batch = make_batch(seed=8)
+    expected = reference_grads(make_model(factory), batch, reference)
+    extra = {k: v[:2].clone() for k, v in batch.items()}
+    extra["labels"][:] = -100
+    model = make_model(factory)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = capture_step_grads(optimizer, model)
+    ga.Accumulator(model, optimizer).step(ga.split(batch, 5) + [extra], loss_fn)
+    assert max_rel_err(seen[0], expected) <= 1e-6
+
+
+def test_gradients_already_present_are_refused_not_leaked():
+    model = make_model(MLP)
+    acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = regression_batch(seed=0)
+    F.mse_loss(model(x), y).backward()  # a stray backward outside any window
+    with pytest.raises(RuntimeError, match=r"net\.0\.weight already has a gradient"):
+        acc.step(ga.split((x, y), 4), mlp_loss)
+
+
+def test_an_exception_mid_window_leaves_parameters_and_no_gradient():
+    model = make_model(MLP)
+    acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    start = params(model)
+    calls = []
+
+    def failing(model, mb):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyError("bad record")
+        return mlp_loss(model, mb)
+
+    with pytest.raises(KeyError):
+        acc.step(ga.split(regression_batch(seed=0), 3), failing)
+    assert same(params(model), start)
+    assert all(p.grad is None for p in model.parameters()) and not acc.in_window
+    assert acc.step(ga.split(regression_batch(seed=0), 3), mlp_loss).stepped
