@@ -11,6 +11,7 @@ non-finite guard, the optimizer step and the scheduler step all happen there, on
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -20,6 +21,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
+
+from gradaccum.precision import Precision
 
 __all__ = ["Accumulator", "AccumulatorState", "StepResult"]
 
@@ -133,7 +136,9 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     if not grads:
         return torch.zeros(())
     device = grads[0].device
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads]
+    # At least fp32 for the sum of squares; fp64 buffers keep their own precision.
+    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
+    norms = [torch.linalg.vector_norm(g, dtype=dtype).to(device) for g in grads]
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
@@ -186,6 +191,13 @@ class Accumulator:
         scheduler: optional learning-rate scheduler; stepped once per optimizer step, never
             on a skipped window.
         max_grad_norm: optional clip on the global norm of the normalized window gradient.
+        precision: ``"fp32"`` (no autocast), ``"bf16"`` (autocast) or ``"fp16"`` (autocast and
+            a GradScaler, one scaler cycle per window). See ``gradaccum.precision``.
+        accumulate_dtype: dtype of the buffers that accumulate low-precision gradients across
+            the window's micro-batches; ``"auto"`` (default) is ``torch.float32`` when a
+            trainable parameter is bf16 or fp16 and off otherwise; ``None`` turns it off.
+        scaler: a ``torch.amp.GradScaler`` to use with ``precision="fp16"`` (for its
+            init_scale or growth_interval); by default one is made for the model's device.
     """
 
     def __init__(
@@ -195,6 +207,9 @@ class Accumulator:
         *,
         scheduler: Any | None = None,
         max_grad_norm: float | None = None,
+        precision: str = "fp32",
+        accumulate_dtype: Any = "auto",
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -231,6 +246,12 @@ class Accumulator:
             if id(p) not in seen:
                 seen.add(id(p))
                 self._params.append(p)
+        # The gradient that is normalized, measured, clipped and stepped: the optimizer's.
+        # A trainable parameter outside the optimizer only has its gradient cleared.
+        self._step_params = [p for p in optimizer_params if p.requires_grad]
+        self._mp = Precision(
+            precision, accumulate_dtype, self._params, trainable[0].device.type, scaler
+        )
 
         self.model = model
         self.optimizer = optimizer
@@ -242,8 +263,22 @@ class Accumulator:
     def __repr__(self) -> str:
         return (
             f"Accumulator({type(self.model).__name__}, {type(self.optimizer).__name__}, "
-            f"max_grad_norm={self.max_grad_norm}, state={self.state})"
+            f"max_grad_norm={self.max_grad_norm}, precision={self._mp.name!r}, "
+            f"accumulate_dtype={self._mp.accumulate_dtype}, state={self.state})"
         )
+
+    @property
+    def precision(self) -> str:
+        return self._mp.name
+
+    @property
+    def accumulate_dtype(self) -> torch.dtype | None:
+        return self._mp.accumulate_dtype
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler of ``precision="fp16"``, else None."""
+        return self._mp.scaler
 
     # -- one window -------------------------------------------------------------------------
 
@@ -289,7 +324,8 @@ class Accumulator:
         window.in_micro_batch = True
         window.backward_done = False
         try:
-            yield
+            with self._mp.autocast():
+                yield
         except BaseException:
             self.abort_window()
             raise
@@ -316,7 +352,7 @@ class Accumulator:
             )
         loss_sum = _check_loss(loss_sum, index)
         checked = _check_count(count, index)
-        loss_sum.backward()
+        self._mp.backward(loss_sum, checked, index == 0, self._params)
         if isinstance(checked, torch.Tensor):
             window.tensor_counts.append((index, checked))
         else:
@@ -341,28 +377,32 @@ class Accumulator:
             self.abort_window()
             raise
 
-        grads = [p.grad for p in self._params if p.grad is not None]
         loss = grad_norm = skipped = None
-        if total == 0:
-            skipped = "zero count"
-        else:
-            assert window.loss_sum is not None
-            loss = window.loss_sum.item() / total
-            for g in grads:
-                g.div_(total)
-            grad_norm = _total_norm(grads).item()
-            if not math.isfinite(grad_norm):
-                skipped = "non-finite gradient"
-            elif self.max_grad_norm is not None:
-                # Same rule as torch.nn.utils.clip_grad_norm_, on the normalized gradient.
-                coef = self.max_grad_norm / (grad_norm + 1e-6)
-                if coef < 1.0:
-                    for g in grads:
-                        g.mul_(coef)
-        if skipped is None:
-            self.optimizer.step()
-            if self.scheduler is not None:
+        try:
+            if total == 0:
+                skipped = "zero count"
+            else:
+                assert window.loss_sum is not None
+                loss = window.loss_sum.item() / total
+                grads, carried = self._mp.gather(self.optimizer, self._step_params)
+                for g in grads:
+                    g.div_(total * carried)
+                grad_norm = _total_norm(grads).item()
+                if not math.isfinite(grad_norm):
+                    skipped = "fp16 overflow" if self._mp.scaler else "non-finite gradient"
+                elif self.max_grad_norm is not None:
+                    # Same rule as torch.nn.utils.clip_grad_norm_, on the normalized gradient.
+                    coef = self.max_grad_norm / (grad_norm + 1e-6)
+                    if coef < 1.0:
+                        for g in grads:
+                            g.mul_(coef)
+            scale = self._mp.scale()
+            self._mp.apply(self.optimizer, self._step_params, step=skipped is None)
+            if skipped is None and self.scheduler is not None:
                 self.scheduler.step()
+        except BaseException:
+            self.abort_window()
+            raise
         self._clear_grads()
         self._window = None
 
@@ -374,11 +414,13 @@ class Accumulator:
             state.optimizer_steps += 1
         else:
             state.skipped_windows += 1
+            rescaled = f"; loss scale {scale:g} -> {self._mp.scale():g}" if scale else ""
             log.warning(
-                "window %d skipped (%s, grad norm %s); %d skipped so far",
+                "window %d skipped (%s, grad norm %s)%s; %d skipped so far",
                 state.windows,
                 skipped,
                 grad_norm,
+                rescaled,
                 state.skipped_windows,
             )
         return StepResult(
@@ -393,8 +435,21 @@ class Accumulator:
 
     def abort_window(self) -> None:
         """Drop the window in progress: clear its gradients; parameters stay as they were."""
+        self._mp.abort()
         self._clear_grads()
         self._window = None
+
+    def accumulated_gradient(self) -> dict[str, torch.Tensor]:
+        """The window's gradient summed so far (not yet divided by the count), by parameter
+        name: the fp32 buffer where one is used, else ``.grad``. Read-only; for diagnostics."""
+        if self._window is None:
+            raise RuntimeError("accumulated_gradient() is only defined inside a window")
+        out = {}
+        for p in self._params:
+            g = self._mp.accumulated(p)
+            if g is not None:
+                out[self._names.get(id(p), f"param{len(out)}")] = g.detach()
+        return out
 
     @property
     def in_window(self) -> bool:
@@ -447,6 +502,7 @@ class Accumulator:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "scaler": None if self._mp.scaler is None else self._mp.scaler.state_dict(),
             "rng": _rng_state(),
         }
 
@@ -465,17 +521,17 @@ class Accumulator:
             raise RuntimeError(
                 "load_state_dict() called inside a window; call abort_window() first"
             )
-        missing = [
-            k
-            for k in ("accumulator", "model", "optimizer", "scheduler", "rng")
-            if k not in state_dict
-        ]
+        keys = ("accumulator", "model", "optimizer", "scheduler", "scaler", "rng")
+        missing = [k for k in keys if k not in state_dict]
         if missing:
             raise ValueError(f"checkpoint is missing {', '.join(missing)}")
-        if (state_dict["scheduler"] is None) != (self.scheduler is None):
-            has = "has" if state_dict["scheduler"] is not None else "has no"
-            mine = "one" if self.scheduler is not None else "none"
-            raise ValueError(f"checkpoint {has} scheduler state but this Accumulator has {mine}")
+        for key, mine in (("scheduler", self.scheduler), ("scaler", self._mp.scaler)):
+            if (state_dict[key] is None) != (mine is None):
+                has = "has" if state_dict[key] is not None else "has no"
+                raise ValueError(
+                    f"checkpoint {has} {key} state but this Accumulator has "
+                    f"{'one' if mine is not None else 'none'}"
+                )
         counters = state_dict["accumulator"]
         known = {f.name for f in fields(AccumulatorState)}
         unknown = set(counters) - known
@@ -485,5 +541,7 @@ class Accumulator:
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state_dict["scheduler"])
+        if self._mp.scaler is not None:
+            self._mp.scaler.load_state_dict(state_dict["scaler"])
         self.state = AccumulatorState(**counters)
         _set_rng_state(state_dict["rng"])
