@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
+
+# Benchmarks are never part of `make test`: they time and measure, and write bench/results/.
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	for script in bench/*.py; do OMP_NUM_THREADS=2 $(PY) $$script || exit 1; done
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
