@@ -11,7 +11,9 @@ non-finite guard, the optimizer step and the scheduler step all happen there, on
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import gc
 import logging
 import math
 import random
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 
+from gradaccum.batching import batch_size
+from gradaccum.memory import OOMPolicy
 from gradaccum.precision import Precision
 
 __all__ = ["Accumulator", "AccumulatorState", "StepResult"]
@@ -42,6 +46,7 @@ class AccumulatorState:
     skipped_windows: int = 0
     micro_batches: int = 0
     items: int = 0
+    oom_replays: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class StepResult:
     skipped: str | None
     micro_batches: int
     step: int  # optimizer steps taken so far, this window included
+    oom_replays: int = 0  # times this window was replayed at a smaller micro-batch size
 
 
 @dataclass
@@ -198,6 +204,13 @@ class Accumulator:
             trainable parameter is bf16 or fp16 and off otherwise; ``None`` turns it off.
         scaler: a ``torch.amp.GradScaler`` to use with ``precision="fp16"`` (for its
             init_scale or growth_interval); by default one is made for the model's device.
+        oom_replay: in ``step()``, on ``torch.OutOfMemoryError`` during forward or backward,
+            drop the window's gradients, halve the micro-batch size, re-split the same
+            window and replay it (every sample once). Off: the error propagates.
+        grow_after: clean windows after which a shrunken micro-batch size doubles again,
+            up to the size of the micro-batches given (never above).
+        fault_hook: called with each micro-batch's size before its forward in ``step()``;
+            for tests, e.g. ``ga.memory.inject_oom(16)`` raises OutOfMemoryError above 16.
     """
 
     def __init__(
@@ -210,6 +223,9 @@ class Accumulator:
         precision: str = "fp32",
         accumulate_dtype: Any = "auto",
         scaler: torch.amp.GradScaler | None = None,
+        oom_replay: bool = True,
+        grow_after: int = 50,
+        fault_hook: Callable[[int], None] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -257,6 +273,11 @@ class Accumulator:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        if fault_hook is not None and not callable(fault_hook):
+            raise TypeError(f"fault_hook must be callable, got {type(fault_hook).__name__}")
+        self.oom_replay = bool(oom_replay)
+        self.oom = OOMPolicy(grow_after=grow_after)
+        self._fault_hook = fault_hook
         self.state = AccumulatorState()
         self._window: _Window | None = None
 
@@ -300,13 +321,38 @@ class Accumulator:
                 f"a manual window is open with {self._window.micro_batches} micro-batches; "
                 "finish it with end_window() or drop it with abort_window() before step()"
             )
-        for index, micro_batch in enumerate(micro_batches):
+        given = list(micro_batches)
+        if not given:
+            raise ValueError("step() got an empty window: a window needs at least one micro-batch")
+        replays = 0
+        while True:
+            run = self.oom.arrange(given)
+            try:
+                self._run_micro_batches(run, loss_fn)
+            except torch.OutOfMemoryError:
+                # micro_batch() has dropped the window's gradients. Decide here, replay after
+                # the except block: the traceback holds the failed forward's activations.
+                if not self.oom_replay or self.oom.shrink(run, self.state.windows + 1) is None:
+                    raise
+                replays += 1
+            else:
+                break
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        self.state.oom_replays += replays
+        result = self.end_window()
+        if replays == 0:
+            self.oom.window_done(given, self.state.windows)
+        return dataclasses.replace(result, oom_replays=replays)
+
+    def _run_micro_batches(self, run: list[Any], loss_fn: LossFn) -> None:
+        for index, micro_batch in enumerate(run):
             with self.micro_batch():
+                if self._fault_hook is not None:
+                    self._fault_hook(batch_size(micro_batch))
                 loss_sum, count = _unpack(loss_fn(self.model, micro_batch), index)
                 self.backward(loss_sum, count)
-        if self._window is None:
-            raise ValueError("step() got an empty window: a window needs at least one micro-batch")
-        return self.end_window()
 
     @contextmanager
     def micro_batch(self) -> Iterator[None]:
@@ -503,6 +549,7 @@ class Accumulator:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "scaler": None if self._mp.scaler is None else self._mp.scaler.state_dict(),
+            "oom": self.oom.state_dict(),
             "rng": _rng_state(),
         }
 
@@ -521,7 +568,7 @@ class Accumulator:
             raise RuntimeError(
                 "load_state_dict() called inside a window; call abort_window() first"
             )
-        keys = ("accumulator", "model", "optimizer", "scheduler", "scaler", "rng")
+        keys = ("accumulator", "model", "optimizer", "scheduler", "scaler", "oom", "rng")
         missing = [k for k in keys if k not in state_dict]
         if missing:
             raise ValueError(f"checkpoint is missing {', '.join(missing)}")
@@ -544,4 +591,5 @@ class Accumulator:
         if self._mp.scaler is not None:
             self._mp.scaler.load_state_dict(state_dict["scaler"])
         self.state = AccumulatorState(**counters)
+        self.oom.load_state_dict(state_dict["oom"])
         _set_rng_state(state_dict["rng"])
