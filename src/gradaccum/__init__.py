@@ -7,13 +7,28 @@ gradient that the large batch would have given. See README.md for the tour.
 from gradaccum.batching import batch_size, split, windows
 from gradaccum.engine import Accumulator, AccumulatorState, StepResult
 from gradaccum.loss import causal_lm_loss, sample_mean, token_cross_entropy
+from gradaccum.memory import (
+    disable_checkpointing,
+    enable_checkpointing,
+    format_bytes,
+    inject_oom,
+    parse_bytes,
+)
+from gradaccum.plan import Plan, plan
 
 __all__ = [
     "Accumulator",
     "AccumulatorState",
     "StepResult",
     "batch_size",
+    "Plan",
     "causal_lm_loss",
+    "disable_checkpointing",
+    "enable_checkpointing",
+    "format_bytes",
+    "inject_oom",
+    "parse_bytes",
+    "plan",
     "sample_mean",
     "split",
     "token_cross_entropy",

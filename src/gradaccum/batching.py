@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["split", "windows", "batch_size"]
+__all__ = ["split", "windows", "batch_size", "take"]
 
 
 def _check_positive_int(value: Any, name: str) -> int:
@@ -104,3 +104,32 @@ def windows(micro_batches: Iterable[Any], n: int) -> Iterator[list[Any]]:
             window = []
     if window:
         yield window
+
+
+def _repeat(batch: Any, times: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return torch.cat([batch] * times)
+    if isinstance(batch, Mapping):
+        items = {k: _repeat(v, times) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:
+            return items
+    if isinstance(batch, tuple):
+        parts = [_repeat(v, times) for v in batch]
+        return type(batch)(*parts) if hasattr(batch, "_fields") else tuple(parts)
+    if isinstance(batch, list):
+        return [_repeat(v, times) for v in batch]
+    return batch
+
+
+def take(batch: Any, n: int) -> Any:
+    """The first ``n`` samples of ``batch``; when it holds fewer, its samples repeated until
+    there are ``n`` (a stand-in of the right shape, e.g. for measuring memory)."""
+    _check_positive_int(n, "n")
+    total = batch_size(batch)
+    if total == 0:
+        raise ValueError("cannot take samples from an empty batch")
+    if n > total:
+        batch = _repeat(batch, -(-n // total))
+    return _rebuild(batch, 0, n)

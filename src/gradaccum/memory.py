@@ -6,6 +6,11 @@
   resident set (``VmRSS``/``VmHWM`` in /proc/self/status); before each measurement freed
   heap pages are handed back to the OS (``malloc_trim``) and the high-water mark is reset
   (``/proc/self/clear_refs``), so consecutive measurements do not hide behind each other.
+- ``LiveTensorBytes``: on CPU, the peak of live tensor bytes (what CUDA's allocator counters
+  report on a GPU), from every op's outputs while it is active. RSS also holds what glibc's
+  malloc keeps after a free, which grows with the number of micro-batches although the
+  tensors in use do not; this meter tells the two apart. Slow (a Python call per op): for
+  measurements, not for training.
 - ``saved_activation_bytes``: bytes of the tensors autograd saves for backward, each storage
   counted once and parameters excluded (``torch.autograd.graph.saved_tensors_hooks``).
 - ``OOMPolicy``: how ``Accumulator.step`` survives ``torch.OutOfMemoryError``: halve the
@@ -21,6 +26,7 @@ import gc
 import logging
 import math
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +37,7 @@ import torch
 from gradaccum.batching import batch_size, split
 
 __all__ = [
+    "LiveTensorBytes",
     "MemoryMeter",
     "OOMPolicy",
     "format_bytes",
@@ -126,6 +133,62 @@ def saved_activation_bytes(model: torch.nn.Module) -> Iterator[list[int]]:
     total[0] = sum(seen.values())
 
 
+class LiveTensorBytes:
+    """Context manager: peak bytes of tensor storages allocated inside it and still alive.
+
+    Each op's outputs are recorded once per storage; a storage leaves the count when it is
+    freed. Tensors that existed before the block are not counted (they are the baseline).
+    Works on any device; on CPU it is the counterpart of ``torch.cuda.max_memory_allocated``.
+    """
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+        self._mode: Any = None
+
+    def _track(self, out: Any) -> None:
+        stack = [out]
+        while stack:
+            obj = stack.pop()
+            if isinstance(obj, torch.Tensor):
+                storage = obj.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self._sizes:
+                    size = storage.nbytes()
+                    self._sizes[key] = size
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._release, key, size)
+            elif isinstance(obj, (list, tuple)):
+                stack.extend(obj)
+
+    def _release(self, key: int, size: int) -> None:
+        if self._sizes.pop(key, None) is not None:
+            self.live -= size
+
+    def __enter__(self) -> LiveTensorBytes:
+        # The dispatch-mode hook is the documented way to see every op (FlopCounterMode
+        # uses it); it lives in a private module, so it is imported only when measuring.
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        meter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                out = func(*args, **(kwargs or {}))
+                meter._track(out)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        self._mode = None
+
+
 def _libc() -> Any:
     name = ctypes.util.find_library("c")
     try:
@@ -151,23 +214,36 @@ def rss_bytes() -> int:
     return _status_bytes("VmRSS")
 
 
+METERS = ("auto", "rss", "tensors")
+
+
 class MemoryMeter:
     """Peak memory above a starting point, for one device.
 
+    ``kind``: "auto" reads CUDA's caching allocator on a GPU and the process's resident set
+    on CPU; "rss" forces the resident set (Linux); "tensors" counts live tensor storages
+    (``LiveTensorBytes``): deterministic, blind to allocator overheads, slow.
+
     ``start()`` frees what can be freed and records the baseline; ``peak()`` is the most
-    memory in use since, minus that baseline. CUDA: the caching allocator's counters. CPU
-    (Linux): resident set size, with the high-water mark reset at ``start()``.
+    memory in use since, minus that baseline; ``stop()`` ends a "tensors" measurement.
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, kind: str = "auto") -> None:
         self.device = torch.device(device)
-        if self.device.type == "cpu" and not (_STATUS.exists() and _CLEAR_REFS.exists()):
-            raise RuntimeError(
-                "measuring CPU memory needs Linux's /proc/self/status and /proc/self/clear_refs"
-            )
+        if kind not in METERS:
+            raise ValueError(f"meter must be one of {', '.join(METERS)}, got {kind!r}")
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"memory can be measured on cpu or cuda, not {self.device.type!r}")
+        if kind == "auto":
+            kind = "cuda" if self.device.type == "cuda" else "rss"
+        if kind == "rss" and not (_STATUS.exists() and _CLEAR_REFS.exists()):
+            raise RuntimeError(
+                "measuring resident memory needs Linux's /proc/self/status and "
+                "/proc/self/clear_refs; use meter='tensors' elsewhere"
+            )
+        self.kind = kind
         self.baseline = 0
+        self._live: LiveTensorBytes | None = None
 
     def _settle(self) -> None:
         gc.collect()
@@ -178,25 +254,37 @@ class MemoryMeter:
             _LIBC.malloc_trim(0)  # give freed heap pages back, so RSS is what is in use
 
     def current(self) -> int:
-        if self.device.type == "cuda":
+        if self.kind == "cuda":
             return torch.cuda.memory_allocated(self.device)
-        return rss_bytes()
+        if self.kind == "rss":
+            return rss_bytes()
+        return 0 if self._live is None else self._live.live
 
     def start(self) -> None:
+        self.stop()
         self._settle()
-        if self.device.type == "cuda":
+        if self.kind == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
+        elif self.kind == "rss":
             _CLEAR_REFS.write_text("5")  # reset VmHWM to the current RSS
+        else:
+            self._live = LiveTensorBytes().__enter__()
         self.baseline = self.current()
+
+    def stop(self) -> None:
+        if self._live is not None and self._live._mode is not None:
+            self._live.__exit__(None, None, None)
 
     def peak(self) -> int:
         """Peak bytes in use since ``start()``, above the baseline."""
-        if self.device.type == "cuda":
+        if self.kind == "cuda":
             torch.cuda.synchronize(self.device)
             top = torch.cuda.max_memory_allocated(self.device)
-        else:
+        elif self.kind == "rss":
             top = _status_bytes("VmHWM")
+        else:
+            self.stop()
+            return 0 if self._live is None else self._live.peak
         return max(0, top - self.baseline)
 
 
@@ -283,3 +371,61 @@ class OOMPolicy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.cap = state["cap"]
         self.clean_windows = state["clean_windows"]
+
+
+# -- activation checkpointing ----------------------------------------------------------------
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's repeated blocks: children of every ``nn.ModuleList`` that holds two or
+    more modules of one type (a transformer's layers)."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) >= 2:
+            if len({type(child) for child in module}) == 1:
+                found.extend((f"{name}.{i}" if name else str(i), c) for i, c in enumerate(module))
+    return found
+
+
+def enable_checkpointing(model: torch.nn.Module) -> list[str]:
+    """Recompute each repeated block's activations in backward instead of saving them
+    (``torch.utils.checkpoint``, non-reentrant, random state preserved so dropout replays
+    the same masks). Parameter names and ``state_dict`` keys do not change. Returns the
+    names of the wrapped blocks; refuses a model with none."""
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} has no repeated blocks to checkpoint (an nn.ModuleList of "
+            "two or more modules of one type)"
+        )
+    for _, block in blocks:
+        if getattr(block, "_gradaccum_plain_forward", None) is not None:
+            continue
+        plain = block.forward
+
+        def forward(*args: Any, _plain: Callable[..., Any] = plain, **kwargs: Any) -> Any:
+            if torch.is_grad_enabled():
+                return torch.utils.checkpoint.checkpoint(
+                    _plain, *args, use_reentrant=False, **kwargs
+                )
+            return _plain(*args, **kwargs)
+
+        block._gradaccum_plain_forward = plain
+        block.forward = forward
+    return [name for name, _ in blocks]
+
+
+def disable_checkpointing(model: torch.nn.Module) -> None:
+    """Undo ``enable_checkpointing``."""
+    for _, block in repeated_blocks(model):
+        plain = getattr(block, "_gradaccum_plain_forward", None)
+        if plain is not None:
+            del block.forward
+            del block._gradaccum_plain_forward
+
+
+def checkpointing_enabled(model: torch.nn.Module) -> bool:
+    return any(
+        getattr(block, "_gradaccum_plain_forward", None) is not None
+        for _, block in repeated_blocks(model)
+    )

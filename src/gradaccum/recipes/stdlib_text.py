@@ -52,3 +52,12 @@ def padded_lines_batch(
         ids[row, : len(seq)] = seq
         labels[row, : len(seq)] = seq
     return {"input_ids": ids, "labels": labels}
+
+
+def full_length_batch(data: bytes, n: int, length: int, seed: int) -> dict[str, torch.Tensor]:
+    """``n`` windows of exactly ``length`` bytes from random places: no padding, the largest
+    shape the model sees (what memory is planned for)."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(data) - length, (n,), generator=gen).tolist()
+    ids = torch.tensor([list(data[s : s + length]) for s in starts], dtype=torch.long)
+    return {"input_ids": ids, "labels": ids.clone()}

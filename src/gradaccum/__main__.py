@@ -1,0 +1,5 @@
+import sys
+
+from gradaccum.cli import main
+
+sys.exit(main())

@@ -1,0 +1,71 @@
+"""A fresh process that trains a recipe's windows and reports the memory they took.
+
+`gradaccum plan` runs this to measure its planned micro-batch as training will see it: in
+a new process, from the first step. It is a module, not a listed command:
+
+    python -m gradaccum.cli.measure --recipe gpt --micro 20 --micro-batches 8
+
+Prints one JSON line: {"peak": bytes}. On CPU: parameters and buffers (counted tensor by
+tensor) plus how far the resident set's high-water mark rose above the baseline taken once
+the model and optimizer exist; on CUDA: the allocator's peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from gradaccum.batching import split
+from gradaccum.engine import Accumulator
+from gradaccum.memory import MemoryMeter, enable_checkpointing, tensor_bytes
+from gradaccum.recipes import get_recipe
+
+
+def measure(recipe_name: str, micro: int, micro_batches: int, windows: int, precision: str,
+            checkpointing: bool, seed: int) -> int:  # fmt: skip
+    recipe = get_recipe(recipe_name)
+    batch = recipe.sample_batch(micro * micro_batches)
+    torch.manual_seed(seed)
+    model = recipe.build_model()
+    if torch.cuda.is_available():
+        model = model.cuda()
+        batch = {k: v.cuda() for k, v in batch.items()} if isinstance(batch, dict) else batch
+    if checkpointing:
+        enable_checkpointing(model)
+    acc = Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-3), precision=precision)
+    device = next(model.parameters()).device
+    meter = MemoryMeter(device)
+    meter.start()
+    resident = (
+        0
+        if device.type == "cuda"
+        else tensor_bytes(list(model.parameters()) + list(model.buffers()))
+    )
+    if device.type == "cuda":
+        resident = meter.baseline  # the allocator's count already holds the parameters
+    for _ in range(windows):
+        acc.step(split(batch, micro), recipe.loss_fn)
+    return resident + meter.peak()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gradaccum.cli.measure")
+    ap.add_argument("--recipe", required=True)
+    ap.add_argument("--micro", type=int, required=True)
+    ap.add_argument("--micro-batches", type=int, required=True)
+    ap.add_argument("--windows", type=int, default=3)  # RSS settles over a few windows
+    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    peak = measure(a.recipe, a.micro, a.micro_batches, a.windows, a.precision,
+                   a.checkpointing, a.seed)  # fmt: skip
+    print(json.dumps({"peak": peak}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

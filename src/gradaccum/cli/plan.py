@@ -1,0 +1,147 @@
+"""`gradaccum plan`: the micro-batch that fits a memory budget, for a built-in recipe."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from gradaccum.cli import options
+from gradaccum.memory import checkpointing_enabled
+from gradaccum.plan import CHECKPOINTING, Plan, plan
+from gradaccum.precision import PRECISIONS
+from gradaccum.recipes import RECIPES, get_recipe
+
+
+@dataclass(kw_only=True)
+class PlanConfig:
+    effective_batch: int = field(
+        default=256, metadata={"help": "samples per optimizer step, over all ranks"}
+    )
+    budget: str = field(
+        default="2GiB",
+        metadata={"help": "memory budget: bytes, or a number with B, KB, MB, GB (powers of "
+                  "1000) or KiB, MiB, GiB (powers of 1024)"},
+    )  # fmt: skip
+    recipe: str = field(
+        default="gpt", metadata={"help": "built-in model and data", "choices": sorted(RECIPES)}
+    )
+    world_size: int = field(default=1, metadata={"help": "ranks the effective batch is split over"})
+    margin: float = field(
+        default=0.10, metadata={"help": "fraction of the budget kept free for what is not measured"}
+    )
+    checkpointing: str = field(
+        default="off",
+        metadata={"help": "activation checkpointing of repeated blocks: off, on, or auto (only "
+                  "when nothing fits without)", "choices": list(CHECKPOINTING)},
+    )  # fmt: skip
+    precision: str = field(
+        default="fp32", metadata={"help": "autocast precision", "choices": list(PRECISIONS)}
+    )
+    seed: int = field(default=0, metadata={"help": "seed for the model's initialization"})
+    json: bool = field(default=False, metadata={"help": "print the plan as JSON"})
+    plot: str | None = field(
+        default=None,
+        metadata={"help": "draw predicted vs measured memory per probed size to this PNG",
+                  "metavar": "FILE.png"},
+    )  # fmt: skip
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="plan the micro-batch size for a memory budget (measured, not guessed)",
+        description="Measure a built-in recipe's memory at a few micro-batch sizes, fit a "
+        "line, and print the largest micro-batch that fits the budget with the effective "
+        "batch kept exact.",
+    )
+    options.add_arguments(parser, PlanConfig)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = options.build(PlanConfig, options.given(args, PlanConfig))
+    recipe = get_recipe(cfg.recipe)
+    torch.manual_seed(cfg.seed)
+    model = recipe.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    print(f"planning {recipe.name}: {recipe.summary}; probing micro-batch sizes 1, 2, 4, 8",
+          file=sys.stderr)  # fmt: skip
+    result = plan(
+        model, optimizer, recipe.sample_batch(8), recipe.loss_fn,
+        effective_batch=cfg.effective_batch, budget=cfg.budget, world_size=cfg.world_size,
+        margin=cfg.margin, checkpointing=cfg.checkpointing, precision=cfg.precision,
+        verify=fresh_process_verifier(cfg, model),
+    )  # fmt: skip
+    if cfg.plot:
+        draw(result, cfg.plot)
+    if cfg.json:
+        print(json.dumps({"recipe": recipe.name, **result.to_dict()}, indent=2))
+    else:
+        print(result.summary())
+        print()
+        print(result.table())
+        if cfg.plot:
+            print(f"\nplot: {cfg.plot}")
+    return 0
+
+
+def fresh_process_verifier(cfg: PlanConfig, model: torch.nn.Module):
+    """Measure a planned size where training will run: in a new process, from its first
+    step (python -m gradaccum.cli.measure)."""
+
+    def verify(micro: int, micro_batches: int) -> int:
+        cmd = [
+            sys.executable, "-m", "gradaccum.cli.measure", "--recipe", cfg.recipe,
+            "--micro", str(micro), "--micro-batches", str(micro_batches),
+            "--precision", cfg.precision, "--seed", str(cfg.seed),
+        ]  # fmt: skip
+        if checkpointing_enabled(model):
+            cmd.append("--checkpointing")
+        print(f"measuring micro-batch {micro} x {micro_batches} in a fresh process",
+              file=sys.stderr)  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"measuring micro-batch {micro} failed:\n{proc.stderr[-2000:]}")
+        return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak"])
+
+    return verify
+
+
+def draw(result: Plan, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise SystemExit(
+            f"--plot needs matplotlib: pip install 'gradaccum[plot]' ({err})"
+        ) from None
+    mib = 2**20
+    top = max(result.micro_size, max(p.micro_size for p in result.probes))
+    xs = list(range(1, top + 1))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(xs, [result.predict(x) / mib for x in xs], label="predicted peak")
+    ax.scatter(
+        [p.micro_size for p in result.probes],
+        [(result.static_bytes + result.overhead_bytes + p.peak_bytes) / mib for p in result.probes],
+        color="black", zorder=3, label="measured (probes)",
+    )  # fmt: skip
+    ax.axhline(result.budget / mib, color="red", linestyle="--", label="budget")
+    ax.axhline(result.budget * (1 - result.margin) / mib, color="red", linestyle=":",
+               label=f"budget less {result.margin:.0%} margin")  # fmt: skip
+    ax.axvline(result.micro_size, color="green", linestyle="-.",
+               label=f"planned micro-batch {result.micro_size}")  # fmt: skip
+    ax.set_xlabel("micro-batch size (samples)")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title(f"plan: effective batch {result.effective_batch} on {result.device}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,438 @@
+"""plan(): the largest micro-batch that fits a memory budget, measured, not guessed.
+
+One warm-up step, then a few probe micro-batch sizes, each a real window through the real
+Accumulator (forward, backward, normalization, optimizer step). Each probe measures the
+peak memory above its start and the activation bytes saved for backward. A straight line
+through the peaks, plus the static memory (parameters, optimizer state, buffers, counted
+tensor by tensor after the warm-up step), predicts the peak of any micro-batch size. The
+largest size whose prediction, times (1 + margin), fits the budget is the plan; the
+effective batch stays exact (micro-batches balanced, the last one may be smaller).
+
+The model, the optimizer and the random state are restored afterwards: planning leaves no
+trace. Lives above the engine because it drives it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from gradaccum.batching import batch_size, take
+from gradaccum.engine import Accumulator, LossFn
+from gradaccum.memory import (
+    METERS,
+    MemoryMeter,
+    checkpointing_enabled,
+    disable_checkpointing,
+    enable_checkpointing,
+    format_bytes,
+    parse_bytes,
+    saved_activation_bytes,
+    tensor_bytes,
+)
+
+__all__ = ["Fit", "Plan", "Probe", "plan"]
+
+CHECKPOINTING = ("off", "on", "auto")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``bytes = intercept + slope * micro_size``, least squares over the probes."""
+
+    intercept: float
+    slope: float
+    max_error: float  # largest |residual| / measured over the probes
+
+    def __call__(self, micro_size: float) -> float:
+        return self.intercept + self.slope * micro_size
+
+
+@dataclass(frozen=True)
+class Probe:
+    micro_size: int
+    peak_bytes: int  # peak above the memory in use when the probe started
+    activation_bytes: int  # saved for backward; storages once, parameters excluded
+    predicted_bytes: float  # the peak fit at this size
+    kind: str = "fit"  # "fit": a point of the line; "verify": the planned size, measured
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to run: per rank, ``micro_batches`` micro-batches of ``micro_size`` samples per
+    window, the last one ``last_micro_size``; predicted peak within the budget."""
+
+    effective_batch: int
+    world_size: int
+    per_rank_batch: int
+    micro_size: int
+    micro_batches: int
+    last_micro_size: int
+    budget: int
+    margin: float
+    predicted_peak: float
+    static_bytes: int  # parameters, buffers and optimizer state
+    overhead_bytes: int  # first-step runtime allocations of a fresh process
+    bytes_per_sample: float
+    peak_fit: Fit
+    activation_fit: Fit
+    probes: tuple[Probe, ...]
+    checkpointing: bool
+    checkpointed_blocks: tuple[str, ...]
+    device: str
+    seconds: float
+    largest_fitting: int  # before balancing the window
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def micro_sizes(self) -> list[int]:
+        """Sizes of one rank's micro-batches in a window."""
+        return [self.micro_size] * (self.micro_batches - 1) + [self.last_micro_size]
+
+    def predict(self, micro_size: int) -> float:
+        return self.static_bytes + self.overhead_bytes + self.peak_fit(micro_size)
+
+    def apply(self, model: torch.nn.Module) -> None:
+        """Put the plan's activation checkpointing on ``model`` (a no-op when it has none)."""
+        if self.checkpointing:
+            enable_checkpointing(model)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["micro_sizes"] = self.micro_sizes
+        return out
+
+    def summary(self) -> str:
+        sizes = self.micro_sizes
+        shape = (
+            f"{self.micro_batches} x {self.micro_size}"
+            if self.last_micro_size == self.micro_size
+            else f"{self.micro_batches - 1} x {self.micro_size} + 1 x {self.last_micro_size}"
+        )
+        per_rank = f" per rank ({self.world_size} ranks)" if self.world_size > 1 else ""
+        lines = [
+            f"effective batch {self.effective_batch}: {shape} = {sum(sizes)} samples{per_rank}",
+            f"micro-batch {self.micro_size} (largest that fits: {self.largest_fitting}), "
+            f"{self.micro_batches} micro-batches per window"
+            + (
+                f", activation checkpointing on {len(self.checkpointed_blocks)} blocks"
+                if self.checkpointing
+                else ""
+            ),
+            f"predicted peak {format_bytes(self.predicted_peak)} of budget "
+            f"{format_bytes(self.budget)} ({self.margin:.0%} margin kept free) on {self.device}",
+            f"static {format_bytes(self.static_bytes)} (parameters, buffers, optimizer state) + "
+            f"first-step overhead {format_bytes(self.overhead_bytes)} + "
+            f"{format_bytes(self.peak_fit.intercept)} + "
+            f"{format_bytes(self.bytes_per_sample)} per sample; fit error "
+            f"{self.peak_fit.max_error:.1%}",
+            f"activations saved for backward: {format_bytes(self.activation_fit.slope)} per "
+            f"sample (fit error {self.activation_fit.max_error:.1%}); planned in "
+            f"{self.seconds:.1f} s",
+            *self.notes,
+        ]
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        """Predicted vs measured memory per probed size (markdown)."""
+        rows = [
+            "| micro-batch | probe | measured peak | line's prediction | error | activations |",
+            "|---:|---|---:|---:|---:|---:|",
+        ]
+        for p in self.probes:
+            err = (p.predicted_bytes - p.peak_bytes) / p.peak_bytes if p.peak_bytes else 0.0
+            rows.append(
+                f"| {p.micro_size} | {p.kind} | {format_bytes(p.peak_bytes)} | "
+                f"{format_bytes(p.predicted_bytes)} | {err:+.1%} | "
+                f"{format_bytes(p.activation_bytes)} |"
+            )
+        return "\n".join(rows)
+
+
+def _fit(xs: Sequence[float], ys: Sequence[float]) -> Fit:
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+    intercept = my - slope * mx
+    errors = [abs(intercept + slope * x - y) / y for x, y in zip(xs, ys, strict=True) if y > 0]
+    return Fit(intercept=intercept, slope=slope, max_error=max(errors, default=0.0))
+
+
+def _check_int(value: Any, name: str, problems: list[str], minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        problems.append(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def plan(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sample_batch: Any,
+    loss_fn: LossFn,
+    effective_batch: int,
+    budget: int | str,
+    world_size: int = 1,
+    *,
+    margin: float = 0.10,
+    probe_sizes: Sequence[int] | None = None,
+    checkpointing: str = "off",
+    precision: str = "fp32",
+    accumulate_dtype: Any = "auto",
+    verify: Callable[[int, int], int] | None = None,
+    meter: str = "auto",
+) -> Plan:
+    """Plan the micro-batch for ``effective_batch`` samples (over all ranks) in ``budget``.
+
+    ``sample_batch``: a batch at its largest shape (longest sequences); its samples are
+    repeated when a probe needs more of them (memory depends on shapes, not values).
+    ``budget``: bytes, or a string such as "2GiB" or "1500MB"; on CUDA it bounds the
+    allocator's peak, on CPU the resident memory of training: parameters, buffers and
+    optimizer state, plus what the process's RSS grows by while it trains. ``margin``: the
+    fraction of the budget kept free for what the measurement cannot see (other processes,
+    run-to-run allocator variation). ``checkpointing``: "off", "on" (checkpoint the model's
+    repeated blocks) or "auto" (only if nothing fits without). ``probe_sizes``: micro-batch
+    sizes to measure (default 1, 2, 4, 8, capped by the per-rank batch). After the fit, a
+    window at the planned size is measured too, and the size steps down until it fits:
+    in this process by default, or by ``verify(micro_size, micro_batches) -> peak bytes``,
+    which ``gradaccum plan`` points at a fresh process (where training will run, and where
+    CPU memory is not shaped by the probes before it). ``meter``: "auto" (CUDA's allocator
+    on a GPU, resident memory on CPU), "rss", or "tensors" (live tensor bytes: deterministic,
+    blind to the allocator's own overheads).
+    """
+    problems: list[str] = []
+    _check_int(effective_batch, "effective_batch", problems)
+    _check_int(world_size, "world_size", problems)
+    try:
+        budget_bytes = parse_bytes(budget)
+    except ValueError as err:
+        problems.append(f"budget: {err}")
+        budget_bytes = 0
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        problems.append(f"margin must be a fraction in [0, 1), got {margin!r}")
+    if meter not in METERS:
+        problems.append(f"meter must be one of {', '.join(METERS)}, got {meter!r}")
+    if checkpointing not in CHECKPOINTING:
+        problems.append(
+            f"checkpointing must be one of {', '.join(CHECKPOINTING)}, got {checkpointing!r}"
+        )
+    if not problems and effective_batch % world_size:
+        problems.append(
+            f"effective_batch {effective_batch} does not divide over world_size {world_size} "
+            f"ranks ({effective_batch} = {world_size} x {effective_batch // world_size} + "
+            f"{effective_batch % world_size}); choose a multiple of {world_size}"
+        )
+    sample_n = 0
+    try:
+        sample_n = batch_size(sample_batch)
+    except (TypeError, ValueError) as err:
+        problems.append(f"sample_batch: {err}")
+    if problems:
+        raise ValueError("cannot plan: " + "; ".join(problems))
+    per_rank = effective_batch // world_size
+
+    if sample_n == 0:
+        raise ValueError("cannot plan: sample_batch holds no sample")
+    if probe_sizes is None:
+        probe_sizes = [s for s in (1, 2, 4, 8) if s <= max(2, per_rank)]
+    else:
+        probe_sizes = sorted(set(probe_sizes))
+        bad = [s for s in probe_sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+        if bad or len(probe_sizes) < 2:
+            raise ValueError(
+                f"probe_sizes must be two or more different integers >= 1, got {list(probe_sizes)}"
+            )
+
+    device = next(p for p in model.parameters()).device
+    memory = MemoryMeter(device, meter)
+    started = time.perf_counter()
+    saved = {
+        "model": copy.deepcopy(model.state_dict()),
+        "optimizer": copy.deepcopy(optimizer.state_dict()),
+        "rng": torch.get_rng_state(),
+        "checkpointing": checkpointing_enabled(model),
+    }
+    usable = budget_bytes * (1 - margin)
+    try:
+        use_ckpt = checkpointing == "on"
+        while True:
+            prober = _Prober(model, optimizer, sample_batch, loss_fn, use_ckpt, precision,
+                             accumulate_dtype, memory)  # fmt: skip
+            m = prober.measure(probe_sizes)
+            fits = m.need(1) <= usable
+            if fits or checkpointing != "auto" or use_ckpt:
+                break
+            use_ckpt = True  # nothing fits as it is: try recomputing activations
+            _restore(model, optimizer, saved)
+        if not fits:
+            raise ValueError(_too_small(model, budget_bytes, margin, use_ckpt, m.need(1)))
+        largest = min(per_rank, int((usable - m.need(0)) // max(m.peak_fit.slope, 1.0)))
+        largest, micro, verified = _verify(prober, m, per_rank, largest, usable, verify)
+    finally:
+        _restore(model, optimizer, saved)
+
+    windows = math.ceil(per_rank / micro)
+    last = per_rank - (windows - 1) * micro
+    notes = []
+    if m.peak_fit.max_error > 0.05:
+        notes.append(
+            f"note: the memory fit is off by up to {m.peak_fit.max_error:.0%} on the probes; "
+            "the planned size was measured directly"
+        )
+    return Plan(
+        effective_batch=effective_batch,
+        world_size=world_size,
+        per_rank_batch=per_rank,
+        micro_size=micro,
+        micro_batches=windows,
+        last_micro_size=last,
+        budget=budget_bytes,
+        margin=float(margin),
+        predicted_peak=m.static + m.overhead + verified.peak_bytes,
+        static_bytes=m.static,
+        overhead_bytes=m.overhead,
+        bytes_per_sample=m.peak_fit.slope,
+        peak_fit=m.peak_fit,
+        activation_fit=m.activation_fit,
+        probes=m.probes + (verified,),
+        checkpointing=bool(m.blocks),
+        checkpointed_blocks=m.blocks,
+        device=str(device),
+        seconds=time.perf_counter() - started,
+        largest_fitting=largest,
+        notes=tuple(notes),
+    )
+
+
+def _verify(prober: _Prober, m: _Measured, per_rank: int, largest: int, usable: float,
+            verify: Callable[[int, int], int] | None):  # fmt: skip
+    """Measure a window at the planned size itself; step down while it does not fit.
+
+    The line through small probes extrapolates; the allocator's behaviour at the planned
+    size (fragmentation, kernel workspaces) is measured, not assumed."""
+    for _ in range(8):
+        micro = math.ceil(per_rank / math.ceil(per_rank / largest))  # balanced window
+        n = min(math.ceil(per_rank / micro), 8)
+        act = int(m.activation_fit(micro))
+        if verify is not None:
+            peak = int(verify(micro, n)) - m.static - m.overhead
+            kind = "verify, fresh process"
+        else:
+            # The planned window, twice, keeping the larger peak: on CPU, RSS grows over
+            # the first windows as malloc's free lists fragment.
+            peak, act = max(prober.window(micro, micro_batches=n) for _ in range(2))
+            kind = "verify"
+        verified = Probe(micro, peak, act, m.peak_fit(micro), kind=kind)
+        over = m.static + m.overhead + peak - usable
+        if over <= 0 or micro == 1:
+            return largest, micro, verified
+        shrink = max(1, math.ceil(over / max(peak / micro, 1.0)))
+        largest = max(1, micro - shrink)
+    return largest, micro, verified
+
+
+def _too_small(model: torch.nn.Module, budget: int, margin: float, ckpt: bool, need: float) -> str:
+    usable = budget * (1 - margin)
+    return (
+        f"budget {format_bytes(budget)} is too small for {type(model).__name__}: one sample "
+        f"per micro-batch needs a predicted {format_bytes(need)}"
+        + (" even with activation checkpointing" if ckpt else "")
+        + f", above the {format_bytes(usable)} usable after the {margin:.0%} margin; give at "
+        f"least {format_bytes(need / (1 - margin))}"
+        + ("" if ckpt else " or allow checkpointing='auto'")
+    )
+
+
+def _restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    if saved["checkpointing"]:
+        enable_checkpointing(model)
+    else:
+        disable_checkpointing(model)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
+    for p in model.parameters():
+        p.grad = None
+    torch.set_rng_state(saved["rng"])
+
+
+@dataclass(frozen=True)
+class _Measured:
+    static: int
+    overhead: int
+    peak_fit: Fit
+    activation_fit: Fit
+    probes: tuple[Probe, ...]
+    blocks: tuple[str, ...]
+
+    def need(self, micro_size: int) -> float:
+        """Predicted peak for ``micro_size`` (0: the part that does not grow with it)."""
+        return self.static + self.overhead + self.peak_fit(micro_size)
+
+
+class _Prober:
+    """Runs measured windows through a real Accumulator on the user's model."""
+
+    def __init__(self, model, optimizer, sample_batch, loss_fn, use_ckpt, precision,
+                 accumulate_dtype, meter) -> None:  # fmt: skip
+        self.blocks = enable_checkpointing(model) if use_ckpt else []
+        self.model, self.optimizer = model, optimizer
+        self.sample_batch, self.loss_fn, self.meter = sample_batch, loss_fn, meter
+        self.acc = Accumulator(model, optimizer, precision=precision,
+                               accumulate_dtype=accumulate_dtype, oom_replay=False)  # fmt: skip
+
+    def window(self, size: int, micro_batches: int = 2) -> tuple[int, int]:
+        """Peak memory of a window of micro-batches of ``size`` above its start, and the
+        activation bytes one micro-batch saves for backward. From the second micro-batch on,
+        the first one's gradients are held, as in training."""
+        micro = take(self.sample_batch, size)
+        self.meter.start()
+        try:
+            for i in range(micro_batches):
+                with self.acc.micro_batch():
+                    if i == 0:
+                        with saved_activation_bytes(self.model) as act:
+                            loss_sum, count = self.loss_fn(self.model, micro)
+                    else:
+                        loss_sum, count = self.loss_fn(self.model, micro)
+                    self.acc.backward(loss_sum, count)
+            self.acc.end_window()
+        except BaseException:
+            self.meter.stop()
+            raise
+        return self.meter.peak(), act[0]
+
+    def measure(self, probe_sizes: Sequence[int]) -> _Measured:
+        state_before = tensor_bytes(self.optimizer.state_dict()["state"])
+        warm_peak, _ = self.window(probe_sizes[0])  # optimizer state, lazy allocations
+        state_after = tensor_bytes(self.optimizer.state_dict()["state"])
+        static = (
+            tensor_bytes(list(self.model.parameters()))
+            + tensor_bytes(list(self.model.buffers()))
+            + state_after
+        )
+        measured: list[tuple[int, int, int]] = []
+        for size in probe_sizes:
+            try:
+                measured.append((size, *self.window(size)))
+            except torch.OutOfMemoryError:
+                self.acc.abort_window()
+                break  # a real device ran out: larger probes would too
+        if len(measured) < 2:
+            raise torch.OutOfMemoryError(
+                f"only {len(measured)} probe size fit on {self.meter.device} (sizes "
+                f"{list(probe_sizes)}); two are needed to fit the memory model"
+            )
+        xs = [m[0] for m in measured]
+        peak_fit = _fit(xs, [m[1] for m in measured])
+        act_fit = _fit(xs, [m[2] for m in measured])
+        # What the first step of a fresh process allocates beyond its share (thread pools,
+        # kernel workspaces): in a training run it is paid once, at the top of the peak.
+        first = peak_fit(probe_sizes[0])
+        overhead = max(0, int(warm_peak - (state_after - state_before) - first))
+        probes = tuple(Probe(s, pk, a, peak_fit(s)) for s, pk, a in measured)
+        return _Measured(static, overhead, peak_fit, act_fit, probes, tuple(self.blocks))

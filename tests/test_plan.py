@@ -1,0 +1,322 @@
+"""plan(): measured memory, a linear model, an exact effective batch, checkpointing."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import GroupNormCNN, TinyLM, make_model, max_rel_err, params
+
+import gradaccum as ga
+from gradaccum.memory import LiveTensorBytes, parse_bytes
+from gradaccum.recipes import get_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def lm_setup(dropout=0.0, seq=64, layers=3, d=32):
+    model = make_model(lambda: TinyLM(d=d, layers=layers, max_len=seq, dropout=dropout))
+    # TinyLM's 32-token vocabulary keeps the logits small, so blocks dominate activations
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 32, (16, seq), generator=g)
+
+    def loss_fn(model, mb):
+        return ga.causal_lm_loss(model(mb["input_ids"]), mb["labels"])
+
+    return model, {"input_ids": ids, "labels": ids.clone()}, loss_fn
+
+
+def cnn_setup():
+    model = make_model(GroupNormCNN)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g))
+
+    def loss_fn(model, mb):
+        x, y = mb
+        return ga.sample_mean(F.cross_entropy(model(x), y, reduction="none"))
+
+    return model, batch, loss_fn
+
+
+@pytest.mark.parametrize("setup", [lm_setup, cnn_setup], ids=["transformer", "cnn"])
+def test_activation_bytes_grow_linearly_with_micro_batch_size(setup):
+    model, batch, loss_fn = setup()
+    result = ga.plan(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        batch,
+        loss_fn,
+        effective_batch=64,
+        budget="8GiB",
+        probe_sizes=[1, 2, 4, 8, 16],
+    )
+    fit_probes = [p for p in result.probes if p.kind == "fit"]
+    sizes = np.array([p.micro_size for p in fit_probes], dtype=float)
+    acts = np.array([p.activation_bytes for p in fit_probes], dtype=float)
+    slope, intercept = np.polyfit(sizes, acts, 1)  # an independent least-squares line
+    errors = np.abs(intercept + slope * sizes - acts) / acts
+    print(f"activation bytes per sample {slope:.0f}; worst probe off the line {errors.max():.2%}")
+    assert slope > 0 and errors.max() <= 0.05
+
+
+def test_plan_keeps_the_effective_batch_exact_and_leaves_no_trace():
+    model, batch, loss_fn = lm_setup(dropout=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before_params, before_rng = params(model), torch.get_rng_state()
+    result = ga.plan(
+        model, optimizer, batch, loss_fn, effective_batch=250, budget="4GiB", world_size=2
+    )
+    assert sum(result.micro_sizes) == result.per_rank_batch == 125
+    assert result.micro_batches == len(result.micro_sizes)
+    assert result.micro_size >= result.last_micro_size >= 1
+    assert result.predicted_peak <= result.budget * (1 - result.margin)
+    assert all(torch.equal(p, before_params[n]) for n, p in model.named_parameters())
+    assert optimizer.state_dict()["state"] == {}
+    assert torch.equal(torch.get_rng_state(), before_rng)
+    assert all(p.grad is None for p in model.parameters())
+    assert not ga.memory.checkpointing_enabled(model)
+    text = result.summary() + result.table()
+    assert "effective batch 250" in text and "| verify |" in text
+
+
+def test_a_budget_too_small_is_refused_with_the_numbers():
+    model, batch, loss_fn = lm_setup()
+    with pytest.raises(
+        ValueError,
+        match=r"budget 1\.0 MiB is too small for TinyLM: one sample "
+        r"per micro-batch needs a predicted .* give at least",
+    ):
+        ga.plan(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            batch,
+            loss_fn,
+            effective_batch=32,
+            budget="1MiB",
+        )
+
+
+def test_every_bad_argument_is_reported_at_once():
+    model, batch, loss_fn = lm_setup()
+    with pytest.raises(ValueError) as err:
+        ga.plan(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            batch,
+            loss_fn,
+            effective_batch=0,
+            budget="2 gigs",
+            world_size=0,
+            margin=1.5,
+            checkpointing="maybe",
+        )
+    msg = str(err.value)
+    for part in (
+        "effective_batch must be an integer >= 1, got 0",
+        "cannot read '2 gigs'",
+        "world_size must be an integer >= 1, got 0",
+        "margin must be a fraction",
+        "checkpointing must be one of off, on, auto, got 'maybe'",
+    ):
+        assert part in msg
+    with pytest.raises(
+        ValueError,
+        match=r"effective_batch 10 does not divide over world_size "
+        r"4 ranks \(10 = 4 x 2 \+ 2\)",
+    ):
+        ga.plan(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            batch,
+            loss_fn,
+            effective_batch=10,
+            budget="1GiB",
+            world_size=4,
+        )
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("2GiB", 2 * 2**30),
+        ("1500MB", 1_500_000_000),
+        ("123456789", 123456789),
+        ("1.5GB", 1_500_000_000),
+        ("512 mib", 512 * 2**20),
+        ("64KiB", 65536),
+        (4096, 4096),
+    ],
+)
+def test_budgets_parse(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["2 gigs", "", "-5MB", "GiB", "1.5", "0", "1e9", "2GiBs"])
+def test_malformed_budgets_are_refused_with_the_accepted_forms(text):
+    with pytest.raises(
+        ValueError,
+        match=r"(cannot read .* as a memory size; give bytes "
+        r"\(2000000000\) or a number with a unit: B, KB, MB, GB, TB .* KiB, MiB, "
+        r"GiB, TiB)|(must be whole)|(must be positive)",
+    ):
+        parse_bytes(text)
+
+
+def test_checkpointing_gives_the_same_gradient_and_is_undone():
+    model, batch, loss_fn = lm_setup(dropout=0.2)
+    reference = make_model(lambda: TinyLM(d=32, layers=3, max_len=64, dropout=0.2))
+
+    def grads(m):
+        torch.manual_seed(7)  # the same dropout masks for both
+        m.zero_grad(set_to_none=True)
+        loss_sum, count = loss_fn(m, batch)
+        (loss_sum / count).backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    names = ga.enable_checkpointing(model)
+    assert names == ["blocks.0", "blocks.1", "blocks.2"]
+    assert list(model.state_dict()) == list(reference.state_dict())  # keys unchanged
+    assert max_rel_err(grads(model), grads(reference)) <= 1e-6
+    ga.disable_checkpointing(model)
+    assert not ga.memory.checkpointing_enabled(model)
+    with pytest.raises(ValueError, match="GroupNormCNN has no repeated blocks"):
+        ga.enable_checkpointing(make_model(GroupNormCNN))
+
+
+def test_checkpointing_cuts_saved_activations_and_auto_uses_it_only_when_needed():
+    # Many narrow blocks over long sequences: one sample's activations outweigh the
+    # parameters and any one block's backward, which checkpointing cannot remove.
+    model, batch, loss_fn = lm_setup(seq=256, layers=24, d=16)
+
+    def run(**kw):
+        # Live tensor bytes: deterministic, so a budget can sit between two needs exactly
+        # (resident memory at this scale moves with the process's history).
+        optimizer = torch.optim.AdamW(model.parameters())
+        return ga.plan(model, optimizer, batch, loss_fn, effective_batch=8, probe_sizes=[1, 2],
+                       meter="tensors", **kw)  # fmt: skip
+
+    plain = run(budget="8GiB")
+    ckpt = run(budget="8GiB", checkpointing="on")
+    assert not plain.checkpointing and ckpt.checkpointing
+    assert ckpt.activation_fit.slope < plain.activation_fit.slope / 2
+    # A budget in which one sample fits only with checkpointing:
+    need_plain, need_ckpt = plain.predict(1), ckpt.predict(1)
+    print(f"one sample needs {need_plain / 2**20:.2f} MiB, checkpointed {need_ckpt / 2**20:.2f}")
+    assert need_ckpt < 0.5 * need_plain
+    budget = int((need_plain + need_ckpt) / 2 / (1 - plain.margin))
+    tight = run(budget=budget, checkpointing="auto")
+    assert tight.checkpointing and tight.micro_size >= 1
+    with pytest.raises(ValueError, match="or allow checkpointing='auto'"):
+        run(budget=budget)
+    assert not run(budget="8GiB", checkpointing="auto").checkpointing
+    assert not ga.memory.checkpointing_enabled(model)
+
+
+def test_peak_does_not_grow_with_the_number_of_micro_batches():
+    """Live tensor bytes (the counterpart of CUDA's allocator peak) of windows of N
+    micro-batches of m samples: N = 1 is one plain m-sized step."""
+    recipe = get_recipe("gpt")
+    m = 24
+    batch = recipe.sample_batch(16 * m)
+    torch.manual_seed(0)
+    model = recipe.build_model()
+    acc = ga.Accumulator(model, torch.optim.AdamW(model.parameters()))
+    acc.step(ga.split(batch, m)[:1], recipe.loss_fn)  # optimizer state exists from here on
+    peaks = {}
+    for n in (1, 2, 8, 16):
+        with LiveTensorBytes() as live:
+            acc.step(ga.split(batch, m)[:n], recipe.loss_fn)
+        peaks[n] = live.peak
+    print({n: f"{p / 2**20:.1f} MiB" for n, p in peaks.items()})
+    assert peaks[8] <= 1.05 * peaks[1]
+    # Beyond the one held gradient nothing grows but each micro-batch's 8-byte count.
+    assert 0 <= peaks[16] - peaks[2] <= 16 * 8
+
+
+def test_the_planned_micro_batch_fits_its_budget_in_a_fresh_process(tmp_path):
+    budget = "220MB"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradaccum",
+            "plan",
+            "--effective-batch",
+            "256",
+            "--budget",
+            budget,
+            "--json",
+            "--plot",
+            str(tmp_path / "plan.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    planned = json.loads(proc.stdout)
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+    assert sum(planned["micro_sizes"]) == 256
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "memory_run.py"),
+            "--micro",
+            str(planned["micro_size"]),
+            "--effective",
+            "256",
+            "--windows",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    measured = json.loads(run.stdout)["peak"]
+    error = (planned["predicted_peak"] - measured) / measured
+    print(
+        f"micro {planned['micro_size']}: predicted {planned['predicted_peak'] / 1e6:.1f} MB, "
+        f"measured {measured / 1e6:.1f} MB ({error:+.1%}), budget {budget}"
+    )
+    assert measured <= parse_bytes(budget)
+    assert abs(error) <= 0.15
+
+
+def test_cli_plan_help_and_bad_budget():
+    out = subprocess.run(
+        [sys.executable, "-m", "gradaccum", "plan", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    ).stdout
+    for flag in (
+        "--effective-batch",
+        "--budget",
+        "--recipe",
+        "--json",
+        "--plot",
+        "--checkpointing",
+        "--margin",
+        "--world-size",
+    ):
+        assert flag in out
+    bad = subprocess.run(
+        [sys.executable, "-m", "gradaccum", "plan", "--budget", "lots"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert "cannot read 'lots' as a memory size" in bad.stderr
+    assert "Traceback" not in bad.stderr
