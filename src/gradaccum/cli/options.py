@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         if f.metadata.get("cli") is False:
             continue
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse %-formats help
         default = f.default if f.default is not dataclasses.MISSING else None
         tp = _base_type(hints[f.name])
         if tp is bool:
