@@ -10,7 +10,7 @@ from gradaccum import __version__
 
 
 def parser() -> argparse.ArgumentParser:
-    from gradaccum.cli import plan
+    from gradaccum.cli import plan, train
 
     root = argparse.ArgumentParser(
         prog="gradaccum",
@@ -19,6 +19,7 @@ def parser() -> argparse.ArgumentParser:
     )
     root.add_argument("--version", action="version", version=f"gradaccum {__version__}")
     sub = root.add_subparsers(title="commands", metavar="COMMAND")
+    train.add_parser(sub)
     plan.add_parser(sub)
     return root
 

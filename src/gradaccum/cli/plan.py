@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from gradaccum.cli import options
+from gradaccum.measure import fresh_process_verifier
 from gradaccum.memory import checkpointing_enabled
 from gradaccum.plan import CHECKPOINTING, Plan, plan
 from gradaccum.precision import PRECISIONS
@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         model, optimizer, recipe.sample_batch(8), recipe.loss_fn,
         effective_batch=cfg.effective_batch, budget=cfg.budget, world_size=cfg.world_size,
         margin=cfg.margin, checkpointing=cfg.checkpointing, precision=cfg.precision,
-        verify=fresh_process_verifier(cfg, model),
+        verify=fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed,
+                                      checkpointing_enabled(model)),
     )  # fmt: skip
     if cfg.plot:
         draw(result, cfg.plot)
@@ -94,28 +95,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def fresh_process_verifier(cfg: PlanConfig, model: torch.nn.Module):
-    """Measure a planned size where training will run: in a new process, from its first
-    step (python -m gradaccum.cli.measure)."""
-
-    def verify(micro: int, micro_batches: int) -> int:
-        cmd = [
-            sys.executable, "-m", "gradaccum.cli.measure", "--recipe", cfg.recipe,
-            "--micro", str(micro), "--micro-batches", str(micro_batches),
-            "--precision", cfg.precision, "--seed", str(cfg.seed),
-        ]  # fmt: skip
-        if checkpointing_enabled(model):
-            cmd.append("--checkpointing")
-        print(f"measuring micro-batch {micro} x {micro_batches} in a fresh process",
-              file=sys.stderr)  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"measuring micro-batch {micro} failed:\n{proc.stderr[-2000:]}")
-        return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak"])
-
-    return verify
-
-
 def draw(result: Plan, path: str) -> None:
     try:
         import matplotlib
@@ -123,9 +102,7 @@ def draw(result: Plan, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as err:
-        raise SystemExit(
-            f"--plot needs matplotlib: pip install 'gradaccum[plot]' ({err})"
-        ) from None
+        raise SystemExit(f"--plot needs matplotlib: pip install matplotlib ({err})") from None
     mib = 2**20
     top = max(result.micro_size, max(p.micro_size for p in result.probes))
     xs = list(range(1, top + 1))

@@ -1,20 +1,35 @@
 """Built-in models and data for the CLI and the examples; nothing is downloaded.
 
-A recipe names a model, its loss in the ``(loss_sum, count)`` form, and a sample batch at
-the largest shape the model will see (what the planner measures).
+A recipe names a model, its loss in the ``(loss_sum, count)`` form, a sample batch at the
+largest shape the model will see (what the planner measures), and its data: the samples of
+optimizer step ``k`` are a pure function of ``(seed, k)``, so the data position of a run is
+its step count and a resumed run reads exactly what an uninterrupted one would.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from gradaccum.loss import causal_lm_loss
+from gradaccum.batching import split
+from gradaccum.loss import causal_lm_loss, sample_mean
 
-__all__ = ["RECIPES", "Recipe", "get_recipe"]
+__all__ = ["RECIPES", "Recipe", "TaskData", "get_recipe", "hf_recipe"]
+
+
+class TaskData(Protocol):
+    def batch(self, step: int, size: int) -> Any:
+        """The samples of optimizer step ``step`` (0-based), ``size`` of them or, at the end
+        of an epoch, fewer: a ragged last window."""
+
+    def steps_per_epoch(self, size: int) -> int: ...
+
+    def evaluate(self, model: torch.nn.Module, micro_size: int) -> dict[str, float]:
+        """Held-out metrics; ``loss`` at least."""
 
 
 @dataclass(frozen=True)
@@ -24,18 +39,19 @@ class Recipe:
     build_model: Callable[[], torch.nn.Module]
     loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, Any]]
     sample_batch: Callable[[int], Any]  # n samples at their largest shape
+    make_data: Callable[[int], TaskData]  # seed -> data
+    signature: dict[str, Any]  # what a checkpoint must match
 
 
-def _gpt_config():
-    from gradaccum.recipes.gpt import GPTConfig
+# -- byte-level GPT on the standard library's source -------------------------------------------
 
-    return GPTConfig(max_len=128, d_model=128, n_heads=4, n_layers=4)
+_GPT = {"max_len": 128, "d_model": 128, "n_heads": 4, "n_layers": 4}
 
 
 def _gpt_model() -> torch.nn.Module:
-    from gradaccum.recipes.gpt import GPT
+    from gradaccum.recipes.gpt import GPT, GPTConfig
 
-    return GPT(_gpt_config())
+    return GPT(GPTConfig(**_GPT))
 
 
 def _gpt_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor]):
@@ -45,7 +61,183 @@ def _gpt_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor]):
 def _gpt_sample(n: int) -> dict[str, torch.Tensor]:
     from gradaccum.recipes.stdlib_text import corpus_bytes, full_length_batch
 
-    return full_length_batch(corpus_bytes(), n, _gpt_config().max_len, seed=0)
+    return full_length_batch(corpus_bytes(), n, _GPT["max_len"], seed=0)
+
+
+class TextData:
+    """Random full-length windows of a byte (or token) stream; the last 10% is held out."""
+
+    def __init__(self, ids: torch.Tensor, length: int, seed: int, logits: Callable | None = None,
+                 eval_sequences: int = 32) -> None:  # fmt: skip
+        cut = int(len(ids) * 0.9)
+        self.train, self.held_out = ids[:cut], ids[cut:]
+        self.length, self.seed = length, seed
+        self.logits = logits or (lambda model, x: model(x))
+        if len(self.held_out) < length * 2 or len(self.train) < length * 2:
+            raise ValueError(f"corpus of {len(ids)} tokens is too short for length {length}")
+        starts = torch.linspace(0, len(self.held_out) - length - 1, eval_sequences).long()
+        self.eval_ids = torch.stack([self.held_out[s : s + length] for s in starts.tolist()])
+
+    def batch(self, step: int, size: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self.train) - self.length, (size,), generator=gen)
+        ids = torch.stack([self.train[s : s + self.length] for s in starts.tolist()])
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    def steps_per_epoch(self, size: int) -> int:
+        return max(1, math.ceil(len(self.train) / (size * (self.length - 1))))
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, micro_size: int) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        total, count = 0.0, 0
+        for ids in split(self.eval_ids, micro_size):
+            loss_sum, n = causal_lm_loss(self.logits(model, ids), ids)
+            total += float(loss_sum)
+            count += int(n)
+        model.train(was_training)
+        return {"loss": total / count}
+
+
+def _gpt_data(seed: int) -> TextData:
+    from gradaccum.recipes.stdlib_text import corpus_bytes
+
+    ids = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
+    return TextData(ids, _GPT["max_len"], seed)
+
+
+# -- a GroupNorm CNN on scikit-learn's bundled digits -------------------------------------------
+
+
+class DigitsCNN(torch.nn.Module):
+    """8x8 digit images; GroupNorm, so the accumulated step equals the large batch's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1, stride=2), nn.GroupNorm(8, 64), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.ReLU(),
+        )  # fmt: skip
+        self.head = nn.Linear(64 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+def _digits_loss(model: torch.nn.Module, mb: tuple[torch.Tensor, torch.Tensor]):
+    x, y = mb
+    return sample_mean(torch.nn.functional.cross_entropy(model(x), y, reduction="none"))
+
+
+def _load_digits() -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as err:
+        raise ValueError(
+            "the digits recipe needs scikit-learn (its bundled digits are the data): "
+            "pip install 'gradaccum[digits]'"
+        ) from err
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return x, torch.tensor(digits.target, dtype=torch.long)
+
+
+class DigitsData:
+    """1797 images: a fixed 20% held out; each epoch a fresh permutation of the rest."""
+
+    def __init__(self, seed: int) -> None:
+        x, y = _load_digits()
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(1234))
+        cut = int(len(y) * 0.8)
+        self.x, self.y = x[order[:cut]], y[order[:cut]]
+        self.test_x, self.test_y = x[order[cut:]], y[order[cut:]]
+        self.seed = seed
+
+    def steps_per_epoch(self, size: int) -> int:
+        return math.ceil(len(self.y) / size)
+
+    def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        per_epoch = self.steps_per_epoch(size)
+        epoch, index = divmod(step, per_epoch)
+        perm = torch.randperm(len(self.y), generator=torch.Generator().manual_seed(
+            self.seed * 1_000_003 + epoch))  # fmt: skip
+        chosen = perm[index * size : (index + 1) * size]  # the epoch's last window is ragged
+        return self.x[chosen], self.y[chosen]
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, micro_size: int) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        total, correct = 0.0, 0
+        for x, y in split((self.test_x, self.test_y), micro_size):
+            logits = model(x)
+            total += float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(1) == y).sum())
+        model.train(was_training)
+        return {"loss": total / len(self.test_y), "accuracy": correct / len(self.test_y)}
+
+
+# -- any Hugging Face causal LM from a local directory or config file ---------------------------
+
+
+def hf_recipe(path: str) -> Recipe:
+    """A ``transformers`` causal LM from a local directory (weights, or a config.json only:
+    random init) or a config JSON file; never the hub. Data: the stdlib corpus, tokenized
+    with the directory's tokenizer when it has one, else bytes modulo the vocabulary."""
+    from pathlib import Path
+
+    try:
+        import transformers
+    except ImportError as err:
+        raise ValueError("--hf-model needs transformers: pip install 'gradaccum[hf]'") from err
+    source = Path(path)
+    if not source.exists():
+        raise ValueError(f"--hf-model {path}: no such file or directory")
+    config_file = source / "config.json" if source.is_dir() else source
+    config = transformers.AutoConfig.from_pretrained(str(config_file), local_files_only=True)
+    has_weights = source.is_dir() and any(
+        (source / n).exists() for n in ("model.safetensors", "pytorch_model.bin")
+    )
+    length = min(128, getattr(config, "n_positions", None) or
+                 getattr(config, "max_position_embeddings", 128))  # fmt: skip
+
+    def build() -> torch.nn.Module:
+        auto = transformers.AutoModelForCausalLM
+        if has_weights:
+            return auto.from_pretrained(str(source), local_files_only=True)
+        return auto.from_config(config)
+
+    def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids).logits
+
+    def loss_fn(model: torch.nn.Module, mb: dict[str, torch.Tensor]):
+        return causal_lm_loss(logits(model, mb["input_ids"]), mb["labels"])
+
+    def tokens() -> torch.Tensor:
+        from gradaccum.recipes.stdlib_text import corpus_bytes
+
+        text = corpus_bytes(400_000)
+        if source.is_dir() and (source / "tokenizer.json").exists():
+            tok = transformers.AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+            return torch.tensor(tok(text.decode("utf-8", "replace"))["input_ids"])
+        return torch.frombuffer(bytearray(text), dtype=torch.uint8).long() % config.vocab_size
+
+    def sample(n: int) -> dict[str, torch.Tensor]:
+        ids = tokens()[: n * length].reshape(n, length)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    return Recipe(
+        name="hf",
+        summary=f"{config.model_type} from {path} ({'weights' if has_weights else 'random init'})",
+        build_model=build,
+        loss_fn=loss_fn,
+        sample_batch=sample,
+        make_data=lambda seed: TextData(tokens(), length, seed, logits=logits),
+        signature={"recipe": "hf", "model_type": config.model_type},
+    )
 
 
 RECIPES: dict[str, Recipe] = {
@@ -55,6 +247,17 @@ RECIPES: dict[str, Recipe] = {
         build_model=_gpt_model,
         loss_fn=_gpt_loss,
         sample_batch=_gpt_sample,
+        make_data=_gpt_data,
+        signature={"recipe": "gpt", **_GPT},
+    ),
+    "digits": Recipe(
+        name="digits",
+        summary="GroupNorm CNN on scikit-learn's bundled 8x8 digits",
+        build_model=DigitsCNN,
+        loss_fn=_digits_loss,
+        sample_batch=lambda n: (torch.zeros(n, 1, 8, 8), torch.zeros(n, dtype=torch.long)),
+        make_data=DigitsData,
+        signature={"recipe": "digits"},
     ),
 }
 

@@ -1,9 +1,9 @@
 """A fresh process that trains a recipe's windows and reports the memory they took.
 
-`gradaccum plan` runs this to measure its planned micro-batch as training will see it: in
-a new process, from the first step. It is a module, not a listed command:
+`gradaccum plan` and `gradaccum train` run this to measure a planned micro-batch as
+training will see it: in a new process, from the first step. A module, not a command:
 
-    python -m gradaccum.cli.measure --recipe gpt --micro 20 --micro-batches 8
+    python -m gradaccum.measure --recipe gpt --micro 20 --micro-batches 8
 
 Prints one JSON line: {"peak": bytes}. On CPU: parameters and buffers (counted tensor by
 tensor) plus how far the resident set's high-water mark rose above the baseline taken once
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 
 import torch
@@ -51,8 +52,31 @@ def measure(recipe_name: str, micro: int, micro_batches: int, windows: int, prec
     return resident + meter.peak()
 
 
+def fresh_process_verifier(recipe: str, precision: str = "fp32", seed: int = 0,
+                           checkpointing: bool = False):  # fmt: skip
+    """A ``verify`` for ``plan()``: measure a planned size where training will run, in a new
+    process from its first step."""
+
+    def verify(micro: int, micro_batches: int) -> int:
+        cmd = [
+            sys.executable, "-m", "gradaccum.measure", "--recipe", recipe,
+            "--micro", str(micro), "--micro-batches", str(micro_batches),
+            "--precision", precision, "--seed", str(seed),
+        ]  # fmt: skip
+        if checkpointing:
+            cmd.append("--checkpointing")
+        print(f"measuring micro-batch {micro} x {micro_batches} in a fresh process",
+              file=sys.stderr)  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"measuring micro-batch {micro} failed:\n{proc.stderr[-2000:]}")
+        return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak"])
+
+    return verify
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gradaccum.cli.measure")
+    ap = argparse.ArgumentParser(prog="python -m gradaccum.measure")
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--micro", type=int, required=True)
     ap.add_argument("--micro-batches", type=int, required=True)

@@ -1,0 +1,492 @@
+"""The main job: train a recipe with an exact large batch, plan its memory, keep a run folder.
+
+``TrainConfig`` is the one source of defaults, help text and validation for
+``gradaccum train`` (its fields' ``help`` are the CLI's --help). ``train(cfg)`` plans the
+micro-batch, trains window by window through the Accumulator, and writes to ``cfg.out``:
+
+    config.json      the resolved configuration
+    plan.json        the plan (or the micro-batch given)
+    metrics.jsonl    one line per optimizer step
+    checkpoint.pt    at window boundaries every checkpoint_every steps, on SIGINT/SIGTERM
+                     and at the end (torch.load(..., weights_only=True))
+    summary.json     the final numbers; loss.png and memory.png
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradaccum.batching import split
+from gradaccum.engine import Accumulator
+from gradaccum.measure import fresh_process_verifier
+from gradaccum.memory import MemoryMeter, format_bytes, parse_bytes, tensor_bytes
+from gradaccum.plan import plan
+from gradaccum.precision import PRECISIONS
+from gradaccum.recipes import RECIPES, Recipe, get_recipe, hf_recipe
+
+__all__ = ["Interrupted", "TrainConfig", "train"]
+
+CHECKPOINT = "checkpoint.pt"
+CHECKPOINT_FORMAT = "gradaccum.run/1"
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    recipe: str = field(
+        default="gpt",
+        metadata={
+            "help": "built-in model and data: gpt (byte-level GPT on the Python stdlib's source) "
+            "or digits (GroupNorm CNN on scikit-learn's digits)",
+            "choices": sorted(RECIPES),
+        },
+    )
+    hf_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "a Hugging Face causal LM from a local directory or config JSON (no hub); "
+            "replaces --recipe",
+            "metavar": "PATH",
+        },
+    )
+    effective_batch: int = field(
+        default=64,
+        metadata={"help": "samples per optimizer step (sequences for the LMs, images for digits)"},
+    )
+    micro_batch: int | None = field(
+        default=None,
+        metadata={"help": "samples per micro-batch; planned from --budget when not given"},
+    )
+    budget: str = field(
+        default="512MB",
+        metadata={"help": "memory budget for planning the micro-batch: bytes or 2GiB, 1500MB, ..."},
+    )
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW)"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
+    warmup_steps: int = field(
+        default=10, metadata={"help": "linear warm-up steps, then cosine decay to 10% of --lr"}
+    )
+    steps: int | None = field(default=150, metadata={"help": "optimizer steps to train"})
+    epochs: float | None = field(
+        default=None, metadata={"help": "train this many passes over the data instead of --steps"}
+    )
+    precision: str = field(
+        default="fp32",
+        metadata={
+            "help": "fp32, bf16 (autocast) or fp16 (autocast + GradScaler)",
+            "choices": list(PRECISIONS),
+        },
+    )
+    max_grad_norm: float | None = field(
+        default=1.0,
+        metadata={"help": "clip the window's gradient to this global norm (0 turns clipping off)"},
+    )
+    seed: int = field(default=0, metadata={"help": "seed for initialization and data order"})
+    eval_every: int = field(default=50, metadata={"help": "held-out evaluation every N steps"})
+    checkpoint_every: int = field(default=50, metadata={"help": "checkpoint every N steps"})
+    out: str | None = field(
+        default=None, metadata={"help": "run folder (default: runs/RECIPE-TIME)", "metavar": "DIR"}
+    )
+    resume: str | None = field(
+        default=None,
+        metadata={
+            "help": "continue the run in this folder exactly where its checkpoint stopped; flags "
+            "given with it override its saved config (e.g. a larger --steps)",
+            "metavar": "DIR",
+        },
+    )
+    config: str | None = field(
+        default=None,
+        metadata={
+            "help": "read options from a TOML or YAML file; flags override it",
+            "metavar": "FILE",
+        },
+    )
+
+    def problems(self) -> list[str]:
+        """Every problem with this configuration, so a user fixes them in one pass."""
+        out: list[str] = []
+
+        def positive_int(name: str, optional: bool = False, minimum: int = 1) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                out.append(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+        positive_int("effective_batch")
+        positive_int("micro_batch", optional=True)
+        positive_int("steps", optional=True)
+        positive_int("eval_every")
+        positive_int("checkpoint_every")
+        positive_int("warmup_steps", minimum=0)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            out.append(f"seed must be an integer, got {self.seed!r}")
+        if (
+            isinstance(self.micro_batch, int)
+            and isinstance(self.effective_batch, int)
+            and self.micro_batch > self.effective_batch
+        ):
+            out.append(f"micro_batch {self.micro_batch} is larger than effective_batch "
+                       f"{self.effective_batch}")  # fmt: skip
+        if self.micro_batch is None:
+            try:
+                parse_bytes(self.budget)
+            except (ValueError, TypeError) as err:
+                out.append(f"budget: {err}")
+        for name in ("lr", "weight_decay"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and (value > 0 if name == "lr" else value >= 0))
+            ):
+                out.append(f"{name} must be a {'positive' if name == 'lr' else 'non-negative'} "
+                           f"number, got {value!r}")  # fmt: skip
+        if self.max_grad_norm is not None and (
+            isinstance(self.max_grad_norm, bool)
+            or not isinstance(self.max_grad_norm, (int, float))
+            or self.max_grad_norm < 0
+        ):
+            out.append(f"max_grad_norm must be a number >= 0, got {self.max_grad_norm!r}")
+        if self.epochs is not None:
+            if (
+                isinstance(self.epochs, bool)
+                or not isinstance(self.epochs, (int, float))
+                or (self.epochs <= 0)
+            ):
+                out.append(f"epochs must be a positive number, got {self.epochs!r}")
+        if self.precision not in PRECISIONS:
+            out.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.hf_model is None and self.recipe not in RECIPES:
+            out.append(f"recipe must be one of {', '.join(sorted(RECIPES))}, got {self.recipe!r}")
+        return out
+
+
+class Interrupted(Exception):  # noqa: N818 - it is a stop, not an error
+    """Training stopped on SIGINT/SIGTERM after checkpointing at a window boundary."""
+
+    def __init__(self, step: int, out: Path, signum: int) -> None:
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} at step {step}; checkpoint saved; "
+            f"continue with: gradaccum train --resume {out}"
+        )
+        self.step, self.out, self.signum = step, out, signum
+
+
+def _schedule(total: int, warmup: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+class _TrainingMemory:
+    """Peak memory of training, in the plan's terms: CUDA's allocator peak on a GPU; on CPU
+    the parameters' and buffers' bytes plus how far the resident set rose above the
+    baseline taken just before the first step (the interpreter and torch are not training)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        try:
+            self.meter: MemoryMeter | None = MemoryMeter(device)
+        except RuntimeError:  # no /proc: report nothing rather than something wrong
+            self.meter = None
+        self.resident = (
+            0
+            if device.type == "cuda"
+            else tensor_bytes(list(model.parameters()) + list(model.buffers()))
+        )
+        if self.meter is not None:
+            self.meter.start()
+            if device.type == "cuda":
+                self.resident = self.meter.baseline
+
+    def peak(self) -> int:
+        return 0 if self.meter is None else self.resident + self.meter.peak()
+
+
+def _signature(recipe: Recipe, model: torch.nn.Module) -> dict[str, Any]:
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    return {**recipe.signature, "parameters": sum(p.numel() for p in model.parameters()),
+            "shapes": shapes}  # fmt: skip
+
+
+def _check_signature(saved: dict[str, Any], mine: dict[str, Any], path: Path) -> None:
+    def describe(sig: dict[str, Any]) -> str:
+        head = ", ".join(f"{k} {v}" for k, v in sig.items() if k not in ("shapes", "parameters"))
+        return f"{head} ({sig.get('parameters', '?'):,} parameters)"
+
+    if {k: v for k, v in saved.items() if k != "shapes"} != {
+        k: v for k, v in mine.items() if k != "shapes"
+    } or saved.get("shapes") != mine.get("shapes"):
+        diff = [
+            k for k in saved.get("shapes", {}) if saved["shapes"].get(k) != mine["shapes"].get(k)
+        ]
+        raise ValueError(
+            f"{path} was written for another model: {describe(saved)}; this run builds "
+            f"{describe(mine)}"
+            + (f"; first differing tensors: {', '.join(diff[:3])}" if diff else "")
+        )
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)  # a crash mid-write never leaves a half checkpoint
+
+
+def _progress(total: int, initial: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    if not sys.stderr.isatty():
+        return None
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+
+def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
+    """Run (or resume) a training run; returns the summary. Raises ``Interrupted`` after
+    checkpointing when SIGINT/SIGTERM arrives, ValueError on bad configuration."""
+    problems = cfg.problems()
+    if problems:
+        raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    recipe = hf_recipe(cfg.hf_model) if cfg.hf_model else get_recipe(cfg.recipe)
+    name = "hf" if cfg.hf_model else cfg.recipe
+    out = Path(cfg.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    checkpoint_path = out / CHECKPOINT
+    resuming = checkpoint_path.exists() and cfg.resume is not None
+    if not resuming and out.exists() and any(out.iterdir()):
+        raise ValueError(f"run folder {out} already holds a run; continue it with --resume "
+                         f"{out} or choose another --out")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+
+    torch.manual_seed(cfg.seed)
+    model = recipe.build_model()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    data = recipe.make_data(cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    per_epoch = data.steps_per_epoch(cfg.effective_batch)
+    total = cfg.steps if cfg.epochs is None else math.ceil(cfg.epochs * per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(total, cfg.warmup_steps))
+    signature = _signature(recipe, model)
+
+    saved = None
+    if resuming:
+        saved = torch.load(checkpoint_path, weights_only=True, map_location=device)
+        if saved.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{checkpoint_path} is not a gradaccum run checkpoint")
+        _check_signature(saved["signature"], signature, checkpoint_path)
+        micro, plan_info = saved["micro_batch"], {"micro_size": saved["micro_batch"],
+                                                  "source": "resumed"}  # fmt: skip
+        log(f"resuming {out} at step {saved['step']} of {total} (micro-batch {micro})")
+    elif cfg.micro_batch is not None:
+        micro, plan_info = cfg.micro_batch, {"micro_size": cfg.micro_batch, "source": "given"}
+    else:
+        log(f"planning the micro-batch for an effective batch of {cfg.effective_batch} in "
+            f"{cfg.budget} ({recipe.summary})")  # fmt: skip
+        verify = None
+        if not cfg.hf_model and device.type == "cpu":
+            verify = fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed)
+        planned = plan(model, optimizer, recipe.sample_batch(8), recipe.loss_fn,
+                       effective_batch=cfg.effective_batch, budget=cfg.budget,
+                       precision=cfg.precision, verify=verify)  # fmt: skip
+        planned.apply(model)
+        log(planned.summary())
+        micro, plan_info = planned.micro_size, {**planned.to_dict(), "source": "planned"}
+    (out / "plan.json").write_text(json.dumps(plan_info, indent=2, default=str))
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+
+    acc = Accumulator(
+        model,
+        optimizer,
+        scheduler=scheduler,
+        max_grad_norm=cfg.max_grad_norm or None,
+        precision=cfg.precision,
+    )
+    start = 0
+    if saved is not None:
+        acc.load_state_dict(saved["accumulator"])
+        start = saved["step"]
+    windows = math.ceil(cfg.effective_batch / micro)
+    log(
+        f"training {total} steps: effective batch {cfg.effective_batch} = {windows} "
+        f"micro-batches of up to {micro}, {per_epoch} steps per epoch, run folder {out}"
+    )
+
+    def checkpoint(step: int) -> None:
+        _atomic_save({"format": CHECKPOINT_FORMAT, "step": step, "micro_batch": micro,
+                      "signature": signature, "accumulator": acc.state_dict()},
+                     checkpoint_path)  # fmt: skip
+
+    stop: list[int] = []
+    previous = {}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.append(signum)  # finish the window; the checkpoint falls on its boundary
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, on_signal)
+    memory = _TrainingMemory(model, device)
+    bar = _progress(total, start)
+    metrics_file = (out / "metrics.jsonl").open("a")
+    began = time.perf_counter()
+    items = 0
+    last_eval: dict[str, float] = {}
+    try:
+        for step in range(start, total):
+            t0 = time.perf_counter()
+            batch = data.batch(step, cfg.effective_batch)
+            if device.type == "cuda":
+                batch = _to(batch, device)
+            result = acc.step(split(batch, micro), recipe.loss_fn)
+            seconds = time.perf_counter() - t0
+            items += result.count
+            line = {
+                "step": step + 1, "loss": result.loss, "lr": optimizer.param_groups[0]["lr"],
+                "grad_norm": result.grad_norm, "count": result.count, "seconds": seconds,
+                "peak_memory": memory.peak(), "skipped": result.skipped,
+                "oom_replays": result.oom_replays,
+            }  # fmt: skip
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == total:
+                last_eval = data.evaluate(model, micro)
+                line.update({f"eval_{k}": v for k, v in last_eval.items()})
+            metrics_file.write(json.dumps(line) + "\n")
+            metrics_file.flush()
+            rate = items / max(time.perf_counter() - began, 1e-9)
+            _report(bar, log, line, rate, total)
+            if stop:
+                checkpoint(step + 1)
+                raise Interrupted(step + 1, out, stop[0])
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == total:
+                checkpoint(step + 1)
+    finally:
+        metrics_file.close()
+        if bar is not None:
+            bar.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    if start >= total:
+        log(f"{out} already trained {start} steps of {total}; nothing to do")
+        if not last_eval:
+            last_eval = data.evaluate(model, micro)
+    summary = _summarize(out, acc, last_eval, time.perf_counter() - began, device)
+    _plots(out)
+    log(_summary_table(summary))
+    return summary
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
+
+
+def _report(bar, log, line: dict[str, Any], rate: float, total: int) -> None:
+    loss = "skipped" if line["loss"] is None else f"{line['loss']:.3f}"
+    text = f"loss {loss}  {rate:,.0f} items/s  mem {format_bytes(line['peak_memory'])}" + (
+        f"  held-out {line['eval_loss']:.3f}" if "eval_loss" in line else ""
+    )
+    if bar is not None:
+        bar.set_postfix_str(text)
+        bar.update(1)
+    elif line["step"] % max(1, total // 10) == 0 or line["step"] == total or "eval_loss" in line:
+        log(f"step {line['step']:>5}/{total}  {text}")
+
+
+def _summarize(out: Path, acc: Accumulator, last_eval: dict[str, float], seconds: float,
+               device: torch.device) -> dict[str, Any]:  # fmt: skip
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    losses = [x["loss"] for x in lines if x["loss"] is not None]
+    tail = losses[-10:]
+    summary = {
+        "steps": acc.state.optimizer_steps,
+        "windows": acc.state.windows,
+        "skipped_windows": acc.state.skipped_windows,
+        "oom_replays": acc.state.oom_replays,
+        "items": acc.state.items,
+        "seconds_this_session": seconds,
+        "first_loss": losses[0] if losses else None,
+        "final_train_loss": sum(tail) / len(tail) if tail else None,
+        **{f"held_out_{k}": v for k, v in last_eval.items()},
+        "peak_memory": max((x["peak_memory"] for x in lines), default=0),
+        "device": str(device),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _summary_table(s: dict[str, Any]) -> str:
+    def fmt(v: Any) -> str:
+        return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+    rows = [
+        ("optimizer steps", s["steps"]),
+        ("items seen", s["items"]),
+        ("time (this session)", f"{s['seconds_this_session']:.1f} s"),
+        ("train loss (first -> last 10 steps)",
+         f"{fmt(s['first_loss'])} -> {fmt(s['final_train_loss'])}"),
+        *[(k.replace("_", " "), fmt(v)) for k, v in s.items() if k.startswith("held_out")],
+        ("peak training memory", format_bytes(s["peak_memory"])),
+        ("skipped windows", s["skipped_windows"]),
+        ("out-of-memory replays", s["oom_replays"]),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(["", "summary", "-" * (width + 24)]
+                     + [f"{k:<{width}}  {v}" for k, v in rows])  # fmt: skip
+
+
+def _plots(out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)",
+              file=sys.stderr)  # fmt: skip
+        return
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    steps = [x["step"] for x in lines if x["loss"] is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(steps, [x["loss"] for x in lines if x["loss"] is not None], label="train (window)")
+    evals = [x for x in lines if "eval_loss" in x]
+    if evals:
+        ax.plot([x["step"] for x in evals], [x["eval_loss"] for x in evals], marker="o",
+                label="held-out")  # fmt: skip
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss per item")
+    ax.set_title(f"{out.name}: loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot([x["step"] for x in lines], [x["peak_memory"] / 2**20 for x in lines])
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("peak training memory so far (MiB)")
+    ax.set_title(f"{out.name}: memory")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,280 @@
+"""`gradaccum train` end to end: real subprocesses, real run folders, real signals."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradaccum.trainer import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "2"}
+
+
+def cli(*args, check=True, timeout=300):
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradaccum", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+        timeout=timeout,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_run_folder(run: Path, steps: int) -> list[dict]:
+    for name in (
+        "config.json",
+        "plan.json",
+        "metrics.jsonl",
+        "checkpoint.pt",
+        "summary.json",
+        "loss.png",
+        "memory.png",
+    ):
+        assert (run / name).is_file(), f"{name} missing from {run}"
+    lines = metrics(run)
+    assert [x["step"] for x in lines] == list(range(1, steps + 1))
+    for key in ("loss", "lr", "grad_norm", "count", "seconds", "peak_memory", "skipped"):
+        assert key in lines[0]
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert ckpt["step"] == steps and ckpt["accumulator"]["accumulator"]["optimizer_steps"] == steps
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["held_out_loss"] > 0
+    return lines
+
+
+def falls(lines: list[dict], by: float) -> bool:
+    first = sum(x["loss"] for x in lines[:3]) / 3
+    last = sum(x["loss"] for x in lines[-3:]) / 3
+    return last < first - by
+
+
+def test_gpt_recipe_trains_and_fills_its_run_folder(tmp_path):
+    run = tmp_path / "gpt"
+    out = cli(
+        "train",
+        "--steps",
+        16,
+        "--effective-batch",
+        8,
+        "--micro-batch",
+        4,
+        "--eval-every",
+        8,
+        "--out",
+        run,
+    ).stdout
+    lines = check_run_folder(run, 16)
+    assert falls(lines, by=0.8), [x["loss"] for x in lines]
+    assert all(x["count"] == 8 * 127 for x in lines)  # 8 sequences, 127 shifted labels each
+    assert "eval_loss" in lines[7] and "eval_loss" in lines[15]
+    assert "summary" in out and "held out loss" in out
+
+
+def test_digits_recipe_reports_held_out_accuracy(tmp_path):
+    run = tmp_path / "digits"
+    cli(
+        "train",
+        "--recipe",
+        "digits",
+        "--steps",
+        40,
+        "--effective-batch",
+        64,
+        "--micro-batch",
+        16,
+        "--eval-every",
+        20,
+        "--out",
+        run,
+    )
+    lines = check_run_folder(run, 40)
+    assert falls(lines, by=0.5), [x["loss"] for x in lines]
+    summary = json.loads((run / "summary.json").read_text())
+    print(f"digits: held-out accuracy {summary['held_out_accuracy']:.3f}")
+    assert summary["held_out_accuracy"] > 0.8
+    # 1437 training images in windows of 64: every 23rd window is the ragged 29-image tail
+    assert lines[22]["count"] == 1437 - 22 * 64
+
+
+def tiny_hf_model(path: Path) -> Path:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=256, n_positions=64)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+def test_local_hugging_face_model_trains(tmp_path):
+    model_dir = tiny_hf_model(tmp_path / "tiny-gpt2")
+    run = tmp_path / "hf"
+    cli(
+        "train",
+        "--hf-model",
+        model_dir,
+        "--steps",
+        20,
+        "--effective-batch",
+        8,
+        "--micro-batch",
+        4,
+        "--lr",
+        1e-2,
+        "--eval-every",
+        10,
+        "--out",
+        run,
+    )
+    lines = check_run_folder(run, 20)
+    assert all(x["count"] == 8 * 63 for x in lines)  # tokens counted on shifted labels
+    assert falls(lines, by=0.5), [x["loss"] for x in lines]
+    # a config file alone builds the same architecture, randomly initialized
+    run2 = tmp_path / "hf-config"
+    cli(
+        "train",
+        "--hf-model",
+        model_dir / "config.json",
+        "--steps",
+        2,
+        "--effective-batch",
+        4,
+        "--micro-batch",
+        2,
+        "--out",
+        run2,
+    )
+    check_run_folder(run2, 2)
+
+
+def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path):
+    args = [
+        "--steps",
+        24,
+        "--effective-batch",
+        8,
+        "--micro-batch",
+        3,
+        "--checkpoint-every",
+        100,
+        "--eval-every",
+        100,
+    ]
+    straight = tmp_path / "straight"
+    cli("train", *args, "--out", straight)
+
+    stopped = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradaccum", "train", *map(str, args), "--out", str(stopped)],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (stopped / "metrics.jsonl").exists() and len(metrics(stopped)) >= 6:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped by SIGTERM at step" in err and "--resume" in err
+    at = torch.load(stopped / "checkpoint.pt", weights_only=True)["step"]
+    assert 6 <= at < 24, at
+
+    cli("train", "--resume", stopped)
+    a = torch.load(straight / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
+    b = torch.load(stopped / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the straight one"
+    assert [x["step"] for x in metrics(stopped)] == list(range(1, 25))
+    assert [x["loss"] for x in metrics(stopped)] == [x["loss"] for x in metrics(straight)]
+
+
+@pytest.mark.parametrize(
+    "suffix, text",
+    [
+        (".toml", 'effective_batch = 0\nlr = -1.0\nprecision = "fp8"\n'),
+        (".yaml", "effective-batch: 0\nlr: -1.0\nprecision: fp8\n"),
+    ],
+)
+def test_three_config_mistakes_are_reported_together(tmp_path, suffix, text):
+    config = tmp_path / f"bad{suffix}"
+    config.write_text(text)
+    proc = cli("train", "--config", config, "--out", tmp_path / "run", check=False)
+    assert proc.returncode == 2
+    for part in (
+        "effective_batch must be an integer >= 1, got 0",
+        "lr must be a positive number, got -1.0",
+        "precision must be one of fp32, bf16, fp16, got 'fp8'",
+    ):
+        assert part in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_unknown_config_keys_and_wrong_types_are_refused(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("learning_rate = 0.1\nsteps = 5\n")
+    proc = cli("train", "--config", config, check=False)
+    assert proc.returncode == 2 and "unknown option learning_rate; known options:" in proc.stderr
+    config.write_text('steps = "five"\n')
+    proc = cli("train", "--config", config, check=False)
+    assert proc.returncode == 2 and "steps must be int, got 'five'" in proc.stderr
+
+
+def test_flags_override_the_config_file(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: digits\nsteps: 50\neffective_batch: 16\nmicro_batch: 8\n")
+    run = tmp_path / "run"
+    cli("train", "--config", config, "--steps", 2, "--out", run)
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["steps"] == 2 and saved["recipe"] == "digits" and saved["effective_batch"] == 16
+
+
+def test_a_checkpoint_from_another_model_is_refused(tmp_path):
+    run = tmp_path / "digits"
+    cli(
+        "train",
+        "--recipe",
+        "digits",
+        "--steps",
+        2,
+        "--effective-batch",
+        8,
+        "--micro-batch",
+        4,
+        "--out",
+        run,
+    )
+    proc = cli("train", "--resume", run, "--recipe", "gpt", check=False)
+    assert proc.returncode == 2
+    assert "was written for another model: recipe digits" in proc.stderr
+    assert "this run builds recipe gpt" in proc.stderr
+
+
+def test_help_lists_every_command_and_option():
+    top = cli("--help").stdout
+    assert "train" in top and "plan" in top
+    text = " ".join(cli("train", "--help").stdout.split())
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in text, flag
+        first_words = " ".join(f.metadata["help"].split()[:4])
+        assert first_words in text, (flag, first_words)
