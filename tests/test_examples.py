@@ -20,8 +20,8 @@ def run(script: str) -> str:
     return proc.stdout
 
 
-def test_demo_shows_exact_accumulation_and_the_naive_error():
-    out = run("demo.py")
+def test_equivalence_example_shows_exact_accumulation_and_the_naive_error():
+    out = run("equivalence.py")
     naive = float(re.search(r"naive: mean per micro-batch / N \|\s+(\S+)", out).group(1))
     ours = float(re.search(r"gradaccum: \(sum, count\)\s+\|\s+(\S+)", out).group(1))
     assert ours <= 1e-6 and naive > 0.1, out

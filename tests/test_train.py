@@ -269,12 +269,14 @@ def test_a_checkpoint_from_another_model_is_refused(tmp_path):
     assert "this run builds recipe gpt" in proc.stderr
 
 
-def test_help_lists_every_command_and_option():
+def test_help_and_readme_list_every_command_and_option():
+    readme = (ROOT / "README.md").read_text()
     top = cli("--help").stdout
     assert "train" in top and "plan" in top
     text = " ".join(cli("train", "--help").stdout.split())
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         assert flag in text, flag
+        assert f"`{flag}`" in readme, f"README does not document {flag}"
         first_words = " ".join(f.metadata["help"].split()[:4])
         assert first_words in text, (flag, first_words)

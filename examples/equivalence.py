@@ -1,4 +1,6 @@
-"""`make demo`: is the accumulated gradient the large batch's gradient? Measure it.
+"""Is the accumulated gradient the large batch's gradient? Measure it.
+
+    python examples/equivalence.py
 
 A byte-level GPT reads variable-length lines of the Python standard library's source,
 padded in a batch of 32. The same batch is run three ways and their gradients compared:
