@@ -280,3 +280,28 @@ def test_help_and_readme_list_every_command_and_option():
         assert f"`{flag}`" in readme, f"README does not document {flag}"
         first_words = " ".join(f.metadata["help"].split()[:4])
         assert first_words in text, (flag, first_words)
+
+
+def test_epochs_precision_and_a_planned_micro_batch(tmp_path):
+    run = tmp_path / "digits"
+    out = cli(
+        "train",
+        "--recipe",
+        "digits",
+        "--epochs",
+        1,
+        "--effective-batch",
+        256,
+        "--budget",
+        "300MB",
+        "--precision",
+        "bf16",
+        "--out",
+        run,
+    ).stdout
+    lines = check_run_folder(run, 6)  # 1437 training images in windows of 256: 6 steps
+    assert [x["count"] for x in lines] == [256] * 5 + [1437 - 5 * 256]
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["source"] == "planned" and sum(plan["micro_sizes"]) == 256
+    assert "predicted peak" in out
+    assert json.loads((run / "config.json").read_text())["precision"] == "bf16"
