@@ -84,6 +84,9 @@ def test_gpt_recipe_trains_and_fills_its_run_folder(tmp_path):
     assert all(x["count"] == 8 * 127 for x in lines)  # 8 sequences, 127 shifted labels each
     assert "eval_loss" in lines[7] and "eval_loss" in lines[15]
     assert "summary" in out and "held out loss" in out
+    assert lines[-1]["noise_scale"] > 0  # B_simple, in tokens
+    assert "gradient noise scale B_simple ~" in out
+    assert json.loads((run / "summary.json").read_text())["noise_scale"] > 0
 
 
 def test_digits_recipe_reports_held_out_accuracy(tmp_path):

@@ -5,6 +5,7 @@ gradient that the large batch would have given. See README.md for the tour.
 """
 
 from gradaccum.batching import batch_size, split, windows
+from gradaccum.diagnose import batchnorm_momentum, check, convert_batchnorm
 from gradaccum.engine import Accumulator, AccumulatorState, StepResult
 from gradaccum.loss import causal_lm_loss, sample_mean, token_cross_entropy
 from gradaccum.memory import (
@@ -22,6 +23,9 @@ __all__ = [
     "StepResult",
     "batch_size",
     "Plan",
+    "batchnorm_momentum",
+    "check",
+    "convert_batchnorm",
     "causal_lm_loss",
     "disable_checkpointing",
     "enable_checkpointing",

@@ -26,6 +26,7 @@ import torch
 
 from gradaccum.batching import batch_size
 from gradaccum.memory import OOMPolicy
+from gradaccum.noise import NoiseScale
 from gradaccum.precision import Precision
 
 __all__ = ["Accumulator", "AccumulatorState", "StepResult"]
@@ -66,6 +67,7 @@ class StepResult:
     micro_batches: int
     step: int  # optimizer steps taken so far, this window included
     oom_replays: int = 0  # times this window was replayed at a smaller micro-batch size
+    noise_scale: float | None = None  # B_simple so far (``noise_scale=True``), else None
 
 
 @dataclass
@@ -141,6 +143,9 @@ def _unpack(result: Any, index: int) -> tuple[Any, Any]:
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     if not grads:
         return torch.zeros(())
+    fused = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6: one foreach pass
+    if fused is not None and all(g.dtype in (torch.float32, torch.float64) for g in grads):
+        return fused(grads)
     device = grads[0].device
     # At least fp32 for the sum of squares; fp64 buffers keep their own precision.
     dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
@@ -211,6 +216,9 @@ class Accumulator:
             up to the size of the micro-batches given (never above).
         fault_hook: called with each micro-batch's size before its forward in ``step()``;
             for tests, e.g. ``ga.memory.inject_oom(16)`` raises OutOfMemoryError above 16.
+        noise_scale: estimate the gradient noise scale B_simple from each window's
+            micro-batch and window gradients (``gradaccum.noise``); off adds nothing.
+        noise_ema: smoothing of the noise-scale estimates (per window).
     """
 
     def __init__(
@@ -226,6 +234,8 @@ class Accumulator:
         oom_replay: bool = True,
         grow_after: int = 50,
         fault_hook: Callable[[int], None] | None = None,
+        noise_scale: bool = False,
+        noise_ema: float = 0.95,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -278,8 +288,12 @@ class Accumulator:
         self.oom_replay = bool(oom_replay)
         self.oom = OOMPolicy(grow_after=grow_after)
         self._fault_hook = fault_hook
+        self.noise: NoiseScale | None = None
+        if noise_scale:
+            self.noise = NoiseScale(ema=float(noise_ema))
         self.state = AccumulatorState()
         self._window: _Window | None = None
+        self._warned_batchnorm = False
 
     def __repr__(self) -> str:
         return (
@@ -403,6 +417,14 @@ class Accumulator:
             window.tensor_counts.append((index, checked))
         else:
             window.int_count += checked
+        if self.noise is not None:
+            sums = [
+                g for g in (self._mp.accumulated(p) for p in self._step_params) if g is not None
+            ]
+            so_far: Any = window.int_count
+            if window.tensor_counts:
+                so_far = so_far + torch.stack([c.double() for _, c in window.tensor_counts]).sum()
+            self.noise.record(_total_norm(sums).square() / self._mp.loss_multiplier() ** 2, so_far)
         detached = loss_sum.detach().to(torch.float64)
         window.loss_sum = detached if window.loss_sum is None else window.loss_sum + detached
         window.backward_done = True
@@ -442,6 +464,12 @@ class Accumulator:
                     if coef < 1.0:
                         for g in grads:
                             g.mul_(coef)
+            b_simple = None
+            if self.noise is not None:
+                if skipped is None:
+                    b_simple = self.noise.end_window(grad_norm**2, total)
+                else:
+                    self.noise.drop_window()
             scale = self._mp.scale()
             self._mp.apply(self.optimizer, self._step_params, step=skipped is None)
             if skipped is None and self.scheduler is not None:
@@ -477,11 +505,14 @@ class Accumulator:
             skipped=skipped,
             micro_batches=window.micro_batches,
             step=state.optimizer_steps,
+            noise_scale=b_simple,
         )
 
     def abort_window(self) -> None:
         """Drop the window in progress: clear its gradients; parameters stay as they were."""
         self._mp.abort()
+        if self.noise is not None:
+            self.noise.drop_window()
         self._clear_grads()
         self._window = None
 
@@ -503,6 +534,21 @@ class Accumulator:
         return self._window is not None
 
     def _open_window(self) -> None:
+        if not self._warned_batchnorm:
+            self._warned_batchnorm = True
+            batchnorm = [
+                n
+                for n, m in self.model.named_modules()
+                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+            ]
+            if batchnorm:
+                log.warning(
+                    "%s in train mode: each micro-batch is normalized with its own statistics, "
+                    "so accumulation changes the model (not just its batch size). "
+                    "gradaccum.diagnose.convert_batchnorm(model) restores exactness; "
+                    "gradaccum.check() measures the difference",
+                    ", ".join(batchnorm[:3]) + (" ..." if len(batchnorm) > 3 else ""),
+                )  # fmt: skip
         for p in self._params:
             if p.grad is not None:
                 name = self._names.get(id(p), "an optimizer parameter")
@@ -550,6 +596,7 @@ class Accumulator:
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "scaler": None if self._mp.scaler is None else self._mp.scaler.state_dict(),
             "oom": self.oom.state_dict(),
+            "noise": None if self.noise is None else self.noise.state_dict(),
             "rng": _rng_state(),
         }
 
@@ -592,4 +639,6 @@ class Accumulator:
             self._mp.scaler.load_state_dict(state_dict["scaler"])
         self.state = AccumulatorState(**counters)
         self.oom.load_state_dict(state_dict["oom"])
+        if self.noise is not None and state_dict.get("noise") is not None:
+            self.noise.load_state_dict(state_dict["noise"])
         _set_rng_state(state_dict["rng"])

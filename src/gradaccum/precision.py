@@ -168,6 +168,12 @@ class Precision:
         grads = [g for g in (self.accumulated(p) for p in params) if g is not None]
         return grads, self._prescale
 
+    def loss_multiplier(self) -> float:
+        """What the window's losses are multiplied by before backward (fp16 scaling)."""
+        if self.scaler is None:
+            return 1.0
+        return self._prescale * float(self.scaler.get_scale())
+
     def scale(self) -> float | None:
         """The loss scale in use (fp16), or None."""
         return None if self.scaler is None else float(self.scaler.get_scale())

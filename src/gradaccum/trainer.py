@@ -31,6 +31,7 @@ from gradaccum.batching import split
 from gradaccum.engine import Accumulator
 from gradaccum.measure import fresh_process_verifier
 from gradaccum.memory import MemoryMeter, format_bytes, parse_bytes, tensor_bytes
+from gradaccum.noise import advice
 from gradaccum.plan import plan
 from gradaccum.precision import PRECISIONS
 from gradaccum.recipes import RECIPES, Recipe, get_recipe, hf_recipe
@@ -92,6 +93,13 @@ class TrainConfig:
         metadata={"help": "clip the window's gradient to this global norm (0 turns clipping off)"},
     )
     seed: int = field(default=0, metadata={"help": "seed for initialization and data order"})
+    noise_scale: bool = field(
+        default=True,
+        metadata={
+            "help": "estimate the gradient noise scale (the critical batch) from each window; "
+            "--no-noise-scale turns it off"
+        },
+    )
     eval_every: int = field(default=50, metadata={"help": "held-out evaluation every N steps"})
     checkpoint_every: int = field(default=50, metadata={"help": "checkpoint every N steps"})
     out: str | None = field(
@@ -317,6 +325,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         scheduler=scheduler,
         max_grad_norm=cfg.max_grad_norm or None,
         precision=cfg.precision,
+        noise_scale=cfg.noise_scale,
     )
     start = 0
     if saved is not None:
@@ -360,7 +369,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
                 "step": step + 1, "loss": result.loss, "lr": optimizer.param_groups[0]["lr"],
                 "grad_norm": result.grad_norm, "count": result.count, "seconds": seconds,
                 "peak_memory": memory.peak(), "skipped": result.skipped,
-                "oom_replays": result.oom_replays,
+                "oom_replays": result.oom_replays, "noise_scale": result.noise_scale,
             }  # fmt: skip
             if (step + 1) % cfg.eval_every == 0 or step + 1 == total:
                 last_eval = data.evaluate(model, micro)
@@ -386,8 +395,15 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         if not last_eval:
             last_eval = data.evaluate(model, micro)
     summary = _summarize(out, acc, last_eval, time.perf_counter() - began, device)
+    b_simple = None if acc.noise is None else acc.noise.value()
+    items_per_sample = acc.state.items / max(acc.state.windows, 1) / cfg.effective_batch
+    summary["noise_scale"] = b_simple
+    summary["noise_advice"] = advice(round(cfg.effective_batch * items_per_sample), b_simple)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _plots(out)
     log(_summary_table(summary))
+    if cfg.noise_scale:
+        log(summary["noise_advice"])
     return summary
 
 

@@ -10,7 +10,7 @@ from gradaccum import __version__
 
 
 def parser() -> argparse.ArgumentParser:
-    from gradaccum.cli import plan, train
+    from gradaccum.cli import check, plan, train
 
     root = argparse.ArgumentParser(
         prog="gradaccum",
@@ -21,6 +21,7 @@ def parser() -> argparse.ArgumentParser:
     sub = root.add_subparsers(title="commands", metavar="COMMAND")
     train.add_parser(sub)
     plan.add_parser(sub)
+    check.add_parser(sub)
     return root
 
 

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         default = f.default if f.default is not dataclasses.MISSING else None
         tp = _base_type(hints[f.name])
         if tp is bool:
-            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+            action = argparse.BooleanOptionalAction if default else "store_true"
+            parser.add_argument(flag, action=action, default=None, help=help_text)
             continue
         shown = "" if default is None else f" (default: {default})"
         parser.add_argument(

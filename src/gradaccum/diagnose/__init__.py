@@ -1,0 +1,19 @@
+"""Know your large batch: the equivalence audit and BatchNorm handling."""
+
+from gradaccum.diagnose.batchnorm import (
+    FrozenBatchNorm,
+    batchnorm_modules,
+    batchnorm_momentum,
+    convert_batchnorm,
+)
+from gradaccum.diagnose.check import TOLERANCES, CheckResult, check
+
+__all__ = [
+    "TOLERANCES",
+    "CheckResult",
+    "FrozenBatchNorm",
+    "batchnorm_modules",
+    "batchnorm_momentum",
+    "check",
+    "convert_batchnorm",
+]

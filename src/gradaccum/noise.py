@@ -1,0 +1,118 @@
+"""The gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch
+Training", appendix A), read off the window for free.
+
+Each micro-batch's gradient and the window's gradient are the mean gradient at two batch
+sizes, B_small (the micro-batch's count) and B_big (the window's count). With G the true
+gradient and Sigma the per-item gradient covariance,
+
+    E|G_B|^2 = |G|^2 + tr(Sigma) / B,
+
+so two sizes give unbiased estimates of both:
+
+    |G|^2     ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+    tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
+
+The small batches are the window's prefixes: after micro-batch i, the gradient summed so
+far is the sum over the first B_i items, a mean gradient at batch size B_i. Its squared
+norm is one fused reduction over ``.grad`` (or the fp32 buffers): no extra backward, no
+copy, no hook. A least-squares line through (1/B_i, |G_{B_i}|^2) over the window's prefixes
+gives both estimates (intercept |G|^2, slope tr(Sigma)); they are smoothed separately with a
+bias-corrected EMA, and B_simple = tr(Sigma) / |G|^2 is the batch size above which larger
+batches give diminishing returns.
+
+(Per-parameter gradient hooks can read each micro-batch's own gradient as it arrives; we
+measured them at 1-3% of a step on a small GPT, a Python call per parameter per
+micro-batch. Prefix sums give the same unbiased estimates at a fraction of the cost.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["NoiseScale", "advice"]
+
+
+@dataclass
+class NoiseScale:
+    ema: float = 0.95
+    g2: float = 0.0  # EMA of |G|^2 (uncorrected)
+    trace: float = 0.0  # EMA of tr(Sigma) (uncorrected)
+    updates: int = 0
+    _prefixes: list[tuple[torch.Tensor, Any]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ema, bool) or not isinstance(self.ema, float) or not 0 <= self.ema < 1:
+            raise ValueError(f"noise_ema must be a number in [0, 1), got {self.ema!r}")
+
+    def record(self, sq_norm: torch.Tensor, count_so_far: Any) -> None:
+        """After a micro-batch: the squared norm of the window's gradient sum so far (loss
+        scaling divided out) and the items it covers."""
+        self._prefixes.append((sq_norm, count_so_far))
+
+    def end_window(self, window_sq_norm: float | None, total: int) -> float | None:
+        """Fold one window into the estimates; returns B_simple or None while undefined."""
+        prefixes, self._prefixes = self._prefixes, []
+        if window_sq_norm is None or total <= 0 or len(prefixes) < 2:
+            return self.value()
+        device = prefixes[0][0].device
+        sq = torch.stack([s.to(device) for s, _ in prefixes]).double().cpu().tolist()
+        counts = [float(c) for c in torch.tensor([float(c) for _, c in prefixes]).tolist()]
+        # E|G_B|^2 = |G|^2 + tr(Sigma) / B is a line in 1/B: fit it by least squares through
+        # every prefix (the whole window included). Each prefix alone gives an unbiased pair
+        # too, but the long prefixes sit close to the window and their differences are noise.
+        points = [(1 / c, s / (c * c)) for s, c in zip(sq, counts, strict=True) if c > 0]
+        if len({x for x, _ in points}) < 2:
+            return self.value()
+        n = len(points)
+        mx = sum(x for x, _ in points) / n
+        my = sum(y for _, y in points) / n
+        var = sum((x - mx) ** 2 for x, _ in points)
+        trace = sum((x - mx) * (y - my) for x, y in points) / var
+        g2 = my - trace * mx
+        self.updates += 1
+        self.g2 = self.ema * self.g2 + (1 - self.ema) * g2
+        self.trace = self.ema * self.trace + (1 - self.ema) * trace
+        return self.value()
+
+    def drop_window(self) -> None:
+        self._prefixes = []
+
+    def estimates(self) -> tuple[float, float] | None:
+        """Bias-corrected (|G|^2, tr(Sigma)), or None before the first update."""
+        if self.updates == 0:
+            return None
+        correction = 1 - self.ema**self.updates
+        return self.g2 / correction, self.trace / correction
+
+    def value(self) -> float | None:
+        est = self.estimates()
+        if est is None or est[0] <= 0:
+            return None
+        return est[1] / est[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ema": self.ema, "g2": self.g2, "trace": self.trace, "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ema, self.g2 = float(state["ema"]), float(state["g2"])
+        self.trace, self.updates = float(state["trace"]), int(state["updates"])
+
+
+def advice(effective_batch: int, b_simple: float | None) -> str:
+    """Plain words on the effective batch against the estimated critical batch."""
+    if b_simple is None:
+        return "gradient noise scale: not estimated yet (needs windows of 2+ micro-batches)"
+    ratio = effective_batch / b_simple
+    head = f"gradient noise scale B_simple ~ {b_simple:,.0f} items per step"
+    if ratio > 2:
+        return (f"{head}; your effective batch ({effective_batch:,}) is {ratio:.0f}x the "
+                "estimated critical batch: smaller batches would need fewer samples per unit "
+                "of progress")  # fmt: skip
+    if ratio < 0.5:
+        return (f"{head}; your effective batch ({effective_batch:,}) is {1 / ratio:.0f}x below "
+                "it: larger batches would make nearly linear progress per step (fewer, "
+                "better-parallelized steps)")  # fmt: skip
+    return f"{head}; your effective batch ({effective_batch:,}) is near it: a good trade"
