@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -263,7 +264,9 @@ def _progress(total: int, initial: int):
         return None
     if not sys.stderr.isatty():
         return None
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+    # A terminal that reports no size (some ptys) would get an empty bar: fall back to 100.
+    columns = shutil.get_terminal_size((100, 20)).columns or 100
+    return tqdm(total=total, initial=initial, unit="step", ncols=columns)
 
 
 def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
