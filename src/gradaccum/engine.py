@@ -140,6 +140,21 @@ def _unpack(result: Any, index: int) -> tuple[Any, Any]:
     return result[0], result[1]
 
 
+def _scale_(grads: list[torch.Tensor], factor: float, divide_by: float | None = None) -> None:
+    """Multiply (or divide) every gradient in place: one fused foreach kernel where torch
+    has it (what its optimizers and clip_grad_norm_ use), else a loop."""
+    foreach = getattr(torch, "_foreach_div_" if divide_by is not None else "_foreach_mul_", None)
+    same_device = len({(g.device, g.dtype) for g in grads}) == 1
+    if foreach is not None and grads and same_device:
+        foreach(grads, divide_by if divide_by is not None else factor)
+        return
+    for g in grads:
+        if divide_by is not None:
+            g.div_(divide_by)
+        else:
+            g.mul_(factor)
+
+
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     if not grads:
         return torch.zeros(())
@@ -453,8 +468,7 @@ class Accumulator:
                 assert window.loss_sum is not None
                 loss = window.loss_sum.item() / total
                 grads, carried = self._mp.gather(self.optimizer, self._step_params)
-                for g in grads:
-                    g.div_(total * carried)
+                _scale_(grads, 1.0 / (total * carried), divide_by=total * carried)
                 grad_norm = _total_norm(grads).item()
                 if not math.isfinite(grad_norm):
                     skipped = "fp16 overflow" if self._mp.scaler else "non-finite gradient"
@@ -462,8 +476,7 @@ class Accumulator:
                     # Same rule as torch.nn.utils.clip_grad_norm_, on the normalized gradient.
                     coef = self.max_grad_norm / (grad_norm + 1e-6)
                     if coef < 1.0:
-                        for g in grads:
-                            g.mul_(coef)
+                        _scale_(grads, coef)
             b_simple = None
             if self.noise is not None:
                 if skipped is None:
