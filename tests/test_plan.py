@@ -263,31 +263,24 @@ def test_the_planned_micro_batch_fits_its_budget_in_a_fresh_process(tmp_path):
     planned = json.loads(proc.stdout)
     assert (tmp_path / "plan.png").stat().st_size > 10_000
     assert sum(planned["micro_sizes"]) == 256
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tests" / "memory_run.py"),
-            "--micro",
-            str(planned["micro_size"]),
-            "--effective",
-            "256",
-            "--windows",
-            "3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr
-    measured = json.loads(run.stdout)["peak"]
+    # Resident memory of the same training varies by several percent from one process to
+    # the next (glibc's heap layout), so the training is measured twice and both must fit.
+    peaks = []
+    for _ in range(2):
+        run = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "memory_run.py"), "--micro",
+             str(planned["micro_size"]), "--effective", "256", "--windows", "3"],
+            capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        peaks.append(json.loads(run.stdout)["peak"])
+    measured = sum(peaks) / len(peaks)
     error = (planned["predicted_peak"] - measured) / measured
     print(
         f"micro {planned['micro_size']}: predicted {planned['predicted_peak'] / 1e6:.1f} MB, "
-        f"measured {measured / 1e6:.1f} MB ({error:+.1%}), budget {budget}"
+        f"measured {[round(p / 1e6, 1) for p in peaks]} MB ({error:+.1%}), budget {budget}"
     )
-    assert measured <= parse_bytes(budget)
+    assert max(peaks) <= parse_bytes(budget)
     assert abs(error) <= 0.15
 
 
