@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["split", "windows", "batch_size", "take"]
+__all__ = ["split", "windows", "batch_size", "take", "to_device"]
 
 
 def _check_positive_int(value: Any, name: str) -> int:
@@ -133,3 +133,20 @@ def take(batch: Any, n: int) -> Any:
     if n > total:
         batch = _repeat(batch, -(-n // total))
     return _rebuild(batch, 0, n)
+
+
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    """``batch`` with every tensor moved to ``device``, containers kept."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        items = {k: to_device(v, device) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch

@@ -436,10 +436,8 @@ class Accumulator:
             sums = [
                 g for g in (self._mp.accumulated(p) for p in self._step_params) if g is not None
             ]
-            so_far: Any = window.int_count
-            if window.tensor_counts:
-                so_far = so_far + torch.stack([c.double() for _, c in window.tensor_counts]).sum()
-            self.noise.record(_total_norm(sums).square() / self._mp.loss_multiplier() ** 2, so_far)
+            multiplier = self._mp.loss_multiplier()
+            self.noise.record(_total_norm(sums).square() / multiplier**2, checked)
         detached = loss_sum.detach().to(torch.float64)
         window.loss_sum = detached if window.loss_sum is None else window.loss_sum + detached
         window.backward_done = True

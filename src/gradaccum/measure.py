@@ -19,9 +19,9 @@ import sys
 
 import torch
 
-from gradaccum.batching import split
+from gradaccum.batching import split, to_device
 from gradaccum.engine import Accumulator
-from gradaccum.memory import MemoryMeter, enable_checkpointing, tensor_bytes
+from gradaccum.memory import TrainingMemory, enable_checkpointing
 from gradaccum.recipes import get_recipe
 
 
@@ -33,23 +33,14 @@ def measure(recipe_name: str, micro: int, micro_batches: int, windows: int, prec
     model = recipe.build_model()
     if torch.cuda.is_available():
         model = model.cuda()
-        batch = {k: v.cuda() for k, v in batch.items()} if isinstance(batch, dict) else batch
+        batch = to_device(batch, torch.device("cuda"))
     if checkpointing:
         enable_checkpointing(model)
     acc = Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-3), precision=precision)
-    device = next(model.parameters()).device
-    meter = MemoryMeter(device)
-    meter.start()
-    resident = (
-        0
-        if device.type == "cuda"
-        else tensor_bytes(list(model.parameters()) + list(model.buffers()))
-    )
-    if device.type == "cuda":
-        resident = meter.baseline  # the allocator's count already holds the parameters
+    memory = TrainingMemory(model, next(model.parameters()).device)
     for _ in range(windows):
         acc.step(split(batch, micro), recipe.loss_fn)
-    return resident + meter.peak()
+    return memory.peak()
 
 
 def fresh_process_verifier(recipe: str, precision: str = "fp32", seed: int = 0,

@@ -40,6 +40,7 @@ __all__ = [
     "LiveTensorBytes",
     "MemoryMeter",
     "OOMPolicy",
+    "TrainingMemory",
     "format_bytes",
     "inject_oom",
     "parse_bytes",
@@ -286,6 +287,33 @@ class MemoryMeter:
             self.stop()
             return 0 if self._live is None else self._live.peak
         return max(0, top - self.baseline)
+
+
+class TrainingMemory:
+    """Peak memory of a training run in the plan's terms, from the moment it is made: CUDA's
+    allocator peak on a GPU; on CPU the parameters' and buffers' bytes plus how far the
+    resident set rose above this moment (the interpreter and torch are not training).
+    Make it once the model and optimizer exist, just before the first step."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | str) -> None:
+        device = torch.device(device)
+        try:
+            self.meter: MemoryMeter | None = MemoryMeter(device)
+        except RuntimeError:  # no /proc: report nothing rather than something wrong
+            self.meter = None
+        self.resident = 0
+        if self.meter is not None:
+            self.meter.start()
+            # CUDA's allocator already counts the parameters in its baseline; RSS does too,
+            # but so does everything else, so on CPU they are counted tensor by tensor.
+            self.resident = (
+                self.meter.baseline
+                if device.type == "cuda"
+                else tensor_bytes(list(model.parameters()) + list(model.buffers()))
+            )
+
+    def peak(self) -> int:
+        return 0 if self.meter is None else self.resident + self.meter.peak()
 
 
 def inject_oom(max_fitting_size: int) -> Callable[[int], None]:

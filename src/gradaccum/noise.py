@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from gradaccum.stats import fit_line
+
 __all__ = ["NoiseScale", "advice"]
 
 
@@ -47,10 +49,11 @@ class NoiseScale:
         if isinstance(self.ema, bool) or not isinstance(self.ema, float) or not 0 <= self.ema < 1:
             raise ValueError(f"noise_ema must be a number in [0, 1), got {self.ema!r}")
 
-    def record(self, sq_norm: torch.Tensor, count_so_far: Any) -> None:
+    def record(self, sq_norm: torch.Tensor, count: Any) -> None:
         """After a micro-batch: the squared norm of the window's gradient sum so far (loss
-        scaling divided out) and the items it covers."""
-        self._prefixes.append((sq_norm, count_so_far))
+        scaling divided out) and that micro-batch's own item count (int or 0-dim tensor;
+        the prefix counts are summed at the window's end, with one host sync)."""
+        self._prefixes.append((sq_norm, count))
 
     def end_window(self, window_sq_norm: float | None, total: int) -> float | None:
         """Fold one window into the estimates; returns B_simple or None while undefined."""
@@ -58,20 +61,19 @@ class NoiseScale:
         if window_sq_norm is None or total <= 0 or len(prefixes) < 2:
             return self.value()
         device = prefixes[0][0].device
-        sq = torch.stack([s.to(device) for s, _ in prefixes]).double().cpu().tolist()
-        counts = [float(c) for c in torch.tensor([float(c) for _, c in prefixes]).tolist()]
+        stacked = torch.stack(
+            [torch.stack([s.to(device).double(), torch.as_tensor(c, device=device).double()])
+             for s, c in prefixes]
+        ).cpu()  # fmt: skip
+        sq = stacked[:, 0].tolist()
+        counts = stacked[:, 1].cumsum(0).tolist()  # items in each prefix
         # E|G_B|^2 = |G|^2 + tr(Sigma) / B is a line in 1/B: fit it by least squares through
         # every prefix (the whole window included). Each prefix alone gives an unbiased pair
         # too, but the long prefixes sit close to the window and their differences are noise.
         points = [(1 / c, s / (c * c)) for s, c in zip(sq, counts, strict=True) if c > 0]
         if len({x for x, _ in points}) < 2:
             return self.value()
-        n = len(points)
-        mx = sum(x for x, _ in points) / n
-        my = sum(y for _, y in points) / n
-        var = sum((x - mx) ** 2 for x, _ in points)
-        trace = sum((x - mx) * (y - my) for x, y in points) / var
-        g2 = my - trace * mx
+        g2, trace = fit_line([x for x, _ in points], [y for _, y in points])
         self.updates += 1
         self.g2 = self.ema * self.g2 + (1 - self.ema) * g2
         self.trace = self.ema * self.trace + (1 - self.ema) * trace

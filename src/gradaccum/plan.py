@@ -36,6 +36,7 @@ from gradaccum.memory import (
     saved_activation_bytes,
     tensor_bytes,
 )
+from gradaccum.stats import fit_line
 
 __all__ = ["Fit", "Plan", "Probe", "plan"]
 
@@ -156,11 +157,7 @@ class Plan:
 
 
 def _fit(xs: Sequence[float], ys: Sequence[float]) -> Fit:
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-    intercept = my - slope * mx
+    intercept, slope = fit_line(xs, ys)
     errors = [abs(intercept + slope * x - y) / y for x, y in zip(xs, ys, strict=True) if y > 0]
     return Fit(intercept=intercept, slope=slope, max_error=max(errors, default=0.0))
 

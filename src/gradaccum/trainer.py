@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from gradaccum.batching import split
+from gradaccum.batching import split, to_device
 from gradaccum.engine import Accumulator
 from gradaccum.measure import fresh_process_verifier
-from gradaccum.memory import MemoryMeter, format_bytes, parse_bytes, tensor_bytes
+from gradaccum.memory import TrainingMemory, format_bytes, parse_bytes
 from gradaccum.noise import advice
 from gradaccum.plan import plan
 from gradaccum.precision import PRECISIONS
@@ -203,30 +203,6 @@ def _schedule(total: int, warmup: int):
     return factor
 
 
-class _TrainingMemory:
-    """Peak memory of training, in the plan's terms: CUDA's allocator peak on a GPU; on CPU
-    the parameters' and buffers' bytes plus how far the resident set rose above the
-    baseline taken just before the first step (the interpreter and torch are not training)."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
-        try:
-            self.meter: MemoryMeter | None = MemoryMeter(device)
-        except RuntimeError:  # no /proc: report nothing rather than something wrong
-            self.meter = None
-        self.resident = (
-            0
-            if device.type == "cuda"
-            else tensor_bytes(list(model.parameters()) + list(model.buffers()))
-        )
-        if self.meter is not None:
-            self.meter.start()
-            if device.type == "cuda":
-                self.resident = self.meter.baseline
-
-    def peak(self) -> int:
-        return 0 if self.meter is None else self.resident + self.meter.peak()
-
-
 def _signature(recipe: Recipe, model: torch.nn.Module) -> dict[str, Any]:
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
     return {**recipe.signature, "parameters": sum(p.numel() for p in model.parameters()),
@@ -353,7 +329,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, on_signal)
-    memory = _TrainingMemory(model, device)
+    memory = TrainingMemory(model, device)
     bar = _progress(total, start)
     metrics_file = (out / "metrics.jsonl").open("a")
     began = time.perf_counter()
@@ -364,7 +340,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
             t0 = time.perf_counter()
             batch = data.batch(step, cfg.effective_batch)
             if device.type == "cuda":
-                batch = _to(batch, device)
+                batch = to_device(batch, device)
             result = acc.step(split(batch, micro), recipe.loss_fn)
             seconds = time.perf_counter() - t0
             items += result.count
@@ -397,27 +373,18 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         log(f"{out} already trained {start} steps of {total}; nothing to do")
         if not last_eval:
             last_eval = data.evaluate(model, micro)
-    summary = _summarize(out, acc, last_eval, time.perf_counter() - began, device)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    summary = _summarize(lines, acc, last_eval, time.perf_counter() - began, device)
     b_simple = None if acc.noise is None else acc.noise.value()
     items_per_sample = acc.state.items / max(acc.state.windows, 1) / cfg.effective_batch
     summary["noise_scale"] = b_simple
     summary["noise_advice"] = advice(round(cfg.effective_batch * items_per_sample), b_simple)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    _plots(out)
+    _plots(out, lines)
     log(_summary_table(summary))
     if cfg.noise_scale:
         log(summary["noise_advice"])
     return summary
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_to(v, device) for v in batch)
-    return batch
 
 
 def _report(bar, log, line: dict[str, Any], rate: float, total: int) -> None:
@@ -432,9 +399,8 @@ def _report(bar, log, line: dict[str, Any], rate: float, total: int) -> None:
         log(f"step {line['step']:>5}/{total}  {text}")
 
 
-def _summarize(out: Path, acc: Accumulator, last_eval: dict[str, float], seconds: float,
-               device: torch.device) -> dict[str, Any]:  # fmt: skip
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+def _summarize(lines: list[dict[str, Any]], acc: Accumulator, last_eval: dict[str, float],
+               seconds: float, device: torch.device) -> dict[str, Any]:  # fmt: skip
     losses = [x["loss"] for x in lines if x["loss"] is not None]
     tail = losses[-10:]
     summary = {
@@ -450,7 +416,6 @@ def _summarize(out: Path, acc: Accumulator, last_eval: dict[str, float], seconds
         "peak_memory": max((x["peak_memory"] for x in lines), default=0),
         "device": str(device),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -474,7 +439,7 @@ def _summary_table(s: dict[str, Any]) -> str:
                      + [f"{k:<{width}}  {v}" for k, v in rows])  # fmt: skip
 
 
-def _plots(out: Path) -> None:
+def _plots(out: Path, lines: list[dict[str, Any]]) -> None:
     try:
         import matplotlib
 
@@ -484,7 +449,6 @@ def _plots(out: Path) -> None:
         print("matplotlib is not installed: no plots (pip install matplotlib)",
               file=sys.stderr)  # fmt: skip
         return
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     steps = [x["step"] for x in lines if x["loss"] is not None]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(steps, [x["loss"] for x in lines if x["loss"] is not None], label="train (window)")

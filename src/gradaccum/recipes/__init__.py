@@ -8,6 +8,7 @@ its step count and a resumed run reads exactly what an uninterrupted one would.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -216,6 +217,7 @@ def hf_recipe(path: str) -> Recipe:
     def loss_fn(model: torch.nn.Module, mb: dict[str, torch.Tensor]):
         return causal_lm_loss(logits(model, mb["input_ids"]), mb["labels"])
 
+    @functools.cache  # the sample batch and the data both read it: tokenize once
     def tokens() -> torch.Tensor:
         from gradaccum.recipes.stdlib_text import corpus_bytes
 

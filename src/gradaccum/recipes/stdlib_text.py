@@ -6,6 +6,7 @@ read in sorted order, so the corpus is the same on every run of one Python versi
 
 from __future__ import annotations
 
+import functools
 import sysconfig
 from pathlib import Path
 
@@ -22,6 +23,7 @@ def stdlib_dir() -> Path:
     return path
 
 
+@functools.cache  # planning, data and evaluation all read it; bytes are immutable
 def corpus_bytes(max_bytes: int = 2_000_000) -> bytes:
     """Up to ``max_bytes`` of standard-library source, files in sorted order (tests skipped)."""
     chunks, total = [], 0
