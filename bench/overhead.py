@@ -1,32 +1,49 @@
 """Seconds per optimizer step: a hand-written loop, gradaccum, Accelerate, Lightning Fabric.
 
 A small byte-level transformer LM (the `gpt` recipe's GPT with 2 layers, d_model 128,
-128-byte sequences), the same micro-batches for all four, AdamW, 2 threads pinned. Each
-window is N micro-batches of 8 sequences. The four take turns window by window (rotating
-who goes first) after 3 warm-up windows each; medians of 41 windows each; ratios to the hand
-loop, the lower bound (no validation, no normalization by count, no norm, no guard),
-as a ratio of medians and as the median of per-window paired ratios.
+128-byte sequences), the same micro-batches for all, AdamW, 2 threads pinned. Each window is
+N micro-batches of 8 sequences. The implementations take turns window by window (rotating
+who goes first) after 3 warm-up windows each; ratios are to the hand loop, the lower bound
+(no validation, no normalization by count, no norm, no guard).
+
+Why several processes: where a model's tensors land in memory changes its step time by about
+2% for the life of a process (two identical hand loops in one process differ by that much,
+consistently). So each of PROCESSES fresh processes builds the models in a different order,
+measures every window's time over the hand loop's in the same round (the paired ratio;
+machine drift cancels), and the table reports the median over processes with their range.
+A second, identical hand loop is measured as a control: its ratio is the noise floor.
 
 Writes bench/results/overhead.md and bench/results/overhead.png.
 """
 
 from __future__ import annotations
 
+import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-from peers import IMPLEMENTATIONS
+from peers import IMPLEMENTATIONS, HandLoop
 
 import gradaccum as ga
 from gradaccum.recipes.gpt import GPT, GPTConfig
 from gradaccum.recipes.stdlib_text import corpus_bytes, full_length_batch
 
 OUT = Path(__file__).parent / "results"
-MICRO, NS, WARMUP, REPEATS = 8, [1, 4, 8], 3, 41
+MICRO, NS, WARMUP, REPEATS, PROCESSES = 8, [1, 4, 8], 3, 21, 5
+
+
+class HandLoopControl(HandLoop):
+    """The same hand loop again: how far apart two identical loops measure."""
+
+    name = "hand loop (control)"
+
+
+RUNNERS = [*IMPLEMENTATIONS, HandLoopControl]
 
 
 def model() -> GPT:
@@ -44,11 +61,15 @@ def sum_loss(m, mb):
     return ga.causal_lm_loss(m(mb["input_ids"]), mb["labels"])
 
 
-def measure(n: int, data: bytes) -> tuple[dict[str, float], dict[str, float]]:
-    runners = []
-    for impl in IMPLEMENTATIONS:
+def measure(n: int, data: bytes, process: int) -> dict[str, list[float]]:
+    """Seconds of every measured window, by implementation, in one process."""
+    # Build order differs per process, so memory placement does too.
+    k = process % len(RUNNERS)
+    built = {}
+    for impl in RUNNERS[k:] + RUNNERS[:k]:
         net = model()
-        runners.append(impl(net, torch.optim.AdamW(net.parameters(), lr=1e-3), n))
+        built[impl.name] = impl(net, torch.optim.AdamW(net.parameters(), lr=1e-3), n)
+    runners = [built[impl.name] for impl in RUNNERS]
     times: dict[str, list[float]] = {r.name: [] for r in runners}
     for w in range(WARMUP + REPEATS):
         micro = ga.split(full_length_batch(data, MICRO * n, 128, seed=w), MICRO)
@@ -58,23 +79,44 @@ def measure(n: int, data: bytes) -> tuple[dict[str, float], dict[str, float]]:
             r.window(micro, mean_loss, sum_loss)
             if w >= WARMUP:
                 times[r.name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    # Each window's time over the hand loop's in the same round: drift cancels.
+    return times
+
+
+def worker(process: int) -> None:
+    torch.set_num_threads(2)
+    data = corpus_bytes()
+    print(json.dumps({n: measure(n, data, process) for n in NS}))
+
+
+def paired(times: dict[str, list[float]]) -> dict[str, float]:
     hand = times["hand loop"]
-    paired = {
+    return {
         name: statistics.median(a / b for a, b in zip(t, hand, strict=True))
         for name, t in times.items()
     }
-    return medians, paired
 
 
 def main() -> None:
-    torch.set_num_threads(2)
-    data = corpus_bytes()
-    measured = {n: measure(n, data) for n in NS}
-    results = {n: m for n, (m, _) in measured.items()}
-    paired = {n: p for n, (_, p) in measured.items()}
-    names = [impl.name for impl in IMPLEMENTATIONS]
+    runs = []
+    for p in range(PROCESSES):
+        start = time.perf_counter()
+        out = subprocess.run(
+            [sys.executable, __file__, "--worker", str(p)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        runs.append({int(n): t for n, t in json.loads(out.strip().splitlines()[-1]).items()})
+        print(
+            f"process {p + 1}/{PROCESSES} done in {time.perf_counter() - start:.0f} s",
+            file=sys.stderr,
+        )
+    names = [impl.name for impl in RUNNERS]
+    ratios = {n: [paired(run[n]) for run in runs] for n in NS}  # per process
+    median_ratio = {n: {k: statistics.median(r[k] for r in ratios[n]) for k in names} for n in NS}
+    seconds = {
+        n: {k: statistics.median(t for run in runs for t in run[n][k]) for k in names} for n in NS
+    }
     import accelerate
     import lightning
 
@@ -84,30 +126,32 @@ def main() -> None:
         f"GPT 2 layers, d_model 128, micro-batches of {MICRO} x 128 bytes, AdamW. Machine: "
         f"{platform.machine()}, 2 threads, torch {torch.__version__}, accelerate "
         f"{accelerate.__version__}, lightning {lightning.__version__}, Python "
-        f"{sys.version.split()[0]}. Median of {REPEATS} windows after {WARMUP} warm-up, the "
-        "four taking turns.",
+        f"{sys.version.split()[0]}. {PROCESSES} fresh processes x {REPEATS} windows after "
+        f"{WARMUP} warm-up, the implementations taking turns.",
+        "",
+        "Ratio to the hand loop: median over processes of each process's median paired ratio "
+        "(each window's time over the hand loop's in the same round), with the range over "
+        "processes. The control is a second, identical hand loop: its distance from 1.000 is "
+        "the noise floor.",
         "",
         "| N | " + " | ".join(names) + " |",
         "|---:|" + "---:|" * len(names),
     ]
     for n in NS:
-        base = results[n]["hand loop"]
-        lines.append(
-            f"| {n} | "
-            + " | ".join(f"{results[n][k]:.4f} s ({results[n][k] / base:.3f}x)" for k in names)
-            + " |"
-        )
+        cells = []
+        for k in names:
+            per = [r[k] for r in ratios[n]]
+            cells.append(f"{median_ratio[n][k]:.3f}x ({min(per):.3f}-{max(per):.3f})")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Ratios are to the hand loop in the same run: ratio of medians above; below, the "
-        "median over windows of each window's time over the hand loop's in the same round "
-        "(drift of the shared machine cancels).",
+        "Median seconds per optimizer step over all measured windows:",
         "",
         "| N | " + " | ".join(names) + " |",
         "|---:|" + "---:|" * len(names),
     ]
     for n in NS:
-        lines.append(f"| {n} | " + " | ".join(f"{paired[n][k]:.3f}x" for k in names) + " |")
+        lines.append(f"| {n} | " + " | ".join(f"{seconds[n][k]:.4f} s" for k in names) + " |")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -117,24 +161,27 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    width = 0.2
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    width = 0.16
     for i, name in enumerate(names):
-        ax.bar(
-            [j + i * width for j in range(len(NS))],
-            [paired[n][name] for n in NS],
-            width,
-            label=name,
-        )
+        xs = [j + i * width for j in range(len(NS))]
+        ax.bar(xs, [median_ratio[n][name] for n in NS], width, label=name)
+        for x, n in zip(xs, NS, strict=True):
+            per = [r[name] for r in ratios[n]]
+            ax.plot([x, x], [min(per), max(per)], color="black", linewidth=1)
     ax.axhline(1.0, color="gray", linestyle="--")
-    ax.set_xticks([j + 1.5 * width for j in range(len(NS))], [f"N={n}" for n in NS])
-    ax.set_ylabel("seconds per step / hand loop (median paired)")
-    ax.set_title("accumulation overhead (lower is better)")
-    ax.legend(fontsize=8)
+    ax.set_ylim(0.9, 1.1)
+    ax.set_xticks([j + 2 * width for j in range(len(NS))], [f"N={n}" for n in NS])
+    ax.set_ylabel("seconds per step / hand loop")
+    ax.set_title("accumulation overhead (median over processes, range as bars)")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(OUT / "overhead.png", dpi=110)
     print(f"wrote {OUT / 'overhead.md'} and {OUT / 'overhead.png'}")
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker(int(sys.argv[2]))
+    else:
+        main()
