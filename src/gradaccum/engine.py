@@ -12,7 +12,6 @@ non-finite guard, the optimizer step and the scheduler step all happen there, on
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import logging
 import math
@@ -28,6 +27,7 @@ from gradaccum.batching import batch_size
 from gradaccum.memory import OOMPolicy
 from gradaccum.noise import NoiseScale
 from gradaccum.precision import Precision
+from gradaccum.sync import Sync, total_norm
 
 __all__ = ["Accumulator", "AccumulatorState", "StepResult"]
 
@@ -80,6 +80,34 @@ class _Window:
     loss_sum: torch.Tensor | None = None
     in_micro_batch: bool = False
     backward_done: bool = False
+    synced: bool = False  # a micro-batch marked last=True has run
+
+
+def _check_distributed(sync: Sync, mp: Precision, noise_scale: bool) -> None:
+    """What the data-parallel path does not do yet, refused with the reason."""
+    problems = []
+    if mp.accumulate_dtype is not None:
+        problems.append(
+            f"accumulate_dtype={mp.accumulate_dtype}: fp32 buffers take each micro-batch's "
+            f"gradient out of .grad, so {sync.kind.upper()}'s reduction on the last micro-batch "
+            "would miss the others; keep fp32 parameters under autocast (precision='bf16'), "
+            "or use FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.float32)"
+        )
+    if sync.kind == "fsdp" and mp.scaler is not None:
+        problems.append(
+            "precision='fp16' under FSDP2: each rank would see only its shards' overflow; "
+            "use precision='bf16'"
+        )
+    if noise_scale:
+        problems.append(
+            "noise_scale=True: the estimate reads each micro-batch's local gradient, which "
+            "is not yet reduced across ranks; it is single-process for now"
+        )
+    if problems:
+        raise ValueError(
+            f"the Accumulator on a {sync.kind.upper()} model cannot use:\n  - "
+            + "\n  - ".join(problems)
+        )
 
 
 def _check_count(count: Any, index: int) -> int | torch.Tensor:
@@ -155,19 +183,6 @@ def _scale_(grads: list[torch.Tensor], factor: float, divide_by: float | None = 
             g.mul_(factor)
 
 
-def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    if not grads:
-        return torch.zeros(())
-    fused = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6: one foreach pass
-    if fused is not None and all(g.dtype in (torch.float32, torch.float64) for g in grads):
-        return fused(grads)
-    device = grads[0].device
-    # At least fp32 for the sum of squares; fp64 buffers keep their own precision.
-    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
-    norms = [torch.linalg.vector_norm(g, dtype=dtype).to(device) for g in grads]
-    return torch.linalg.vector_norm(torch.stack(norms))
-
-
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -234,6 +249,12 @@ class Accumulator:
         noise_scale: estimate the gradient noise scale B_simple from each window's
             micro-batch and window gradients (``gradaccum.noise``); off adds nothing.
         noise_ema: smoothing of the noise-scale estimates (per window).
+        sync: for a model wrapped in ``DistributedDataParallel`` or sharded with FSDP2's
+            ``fully_shard``: ``"window"`` (default) communicates gradients once per window,
+            in the last micro-batch's backward; ``"micro"`` every micro-batch (under FSDP2
+            the gradient then stays sharded: less memory, N reduce-scatters per step). The
+            window's counts are summed over ranks, so the step is the global batch's. See
+            ``gradaccum.sync``. Ignored for a plain model.
     """
 
     def __init__(
@@ -251,6 +272,7 @@ class Accumulator:
         fault_hook: Callable[[int], None] | None = None,
         noise_scale: bool = False,
         noise_ema: float = 0.95,
+        sync: str = "window",
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -293,6 +315,9 @@ class Accumulator:
         self._mp = Precision(
             precision, accumulate_dtype, self._params, trainable[0].device.type, scaler
         )
+        self._sync = Sync(model, sync)
+        if self._sync.distributed:
+            _check_distributed(self._sync, self._mp, noise_scale)
 
         self.model = model
         self.optimizer = optimizer
@@ -309,6 +334,7 @@ class Accumulator:
         self.state = AccumulatorState()
         self._window: _Window | None = None
         self._warned_batchnorm = False
+        self._pad_source: Any = None  # a micro-batch this rank can replay with weight 0
 
     def __repr__(self) -> str:
         return (
@@ -351,6 +377,8 @@ class Accumulator:
                 "finish it with end_window() or drop it with abort_window() before step()"
             )
         given = list(micro_batches)
+        if self._sync.distributed:
+            return self._step_distributed(given, loss_fn)
         if not given:
             raise ValueError("step() got an empty window: a window needs at least one micro-batch")
         replays = 0
@@ -375,6 +403,34 @@ class Accumulator:
             self.oom.window_done(given, self.state.windows)
         return dataclasses.replace(result, oom_replays=replays)
 
+    def _step_distributed(self, given: list[Any], loss_fn: LossFn) -> StepResult:
+        """Every rank runs as many micro-batches as the rank that holds the most: collective
+        calls (DDP's reduction, FSDP2's all-gathers) must match, or ranks hang. A rank with
+        fewer (or none) replays a micro-batch it has seen with loss and count times zero,
+        which adds exact zeros. OOM replay is off here: a replay on one rank would change
+        its number of micro-batches after the ranks agreed on it."""
+        pad = given[-1] if given else self._pad_source
+        most, stuck = self._sync.most_micro_batches(len(given), pad is not None)
+        if stuck:
+            raise ValueError(
+                "a rank got an empty window before it ever held a micro-batch, so it has "
+                "nothing to run in step with the other ranks; give every rank at least one "
+                "micro-batch in its first window (later empty windows are padded)"
+            )
+        if most == 0:
+            raise ValueError(
+                "step() got an empty window on every rank: a window needs at least one micro-batch"
+            )
+        self._pad_source = pad
+        for index in range(most):
+            real = index < len(given)
+            with self.micro_batch(last=index == most - 1):
+                loss_sum, count = _unpack(loss_fn(self.model, given[index] if real else pad), index)
+                if not real:
+                    loss_sum, count = _check_loss(loss_sum, index) * 0.0, 0
+                self.backward(loss_sum, count)
+        return self.end_window()
+
     def _run_micro_batches(self, run: list[Any], loss_fn: LossFn) -> None:
         for index, micro_batch in enumerate(run):
             with self.micro_batch():
@@ -384,8 +440,12 @@ class Accumulator:
                 self.backward(loss_sum, count)
 
     @contextmanager
-    def micro_batch(self) -> Iterator[None]:
+    def micro_batch(self, last: bool = False) -> Iterator[None]:
         """Context for one micro-batch in a hand-written loop; call ``backward`` inside it.
+
+        ``last``: this is the window's last micro-batch. Only a data-parallel model needs it
+        (its backward is the one that communicates gradients); every rank must then run the
+        same number of micro-batches per window, each marking its last one.
 
         An exception inside aborts the whole window (gradients cleared, parameters untouched)
         and propagates.
@@ -396,10 +456,16 @@ class Accumulator:
         assert window is not None
         if window.in_micro_batch:
             raise RuntimeError("micro_batch() contexts do not nest")
+        if window.synced and self._sync.mode == "window":
+            self.abort_window()
+            raise RuntimeError(
+                "micro_batch() after the one marked last=True: its gradient would miss the "
+                "reduction; end the window with end_window() first"
+            )
         window.in_micro_batch = True
         window.backward_done = False
         try:
-            with self._mp.autocast():
+            with self._sync.micro_batch(last), self._mp.autocast():
                 yield
         except BaseException:
             self.abort_window()
@@ -413,6 +479,7 @@ class Accumulator:
             )
         window.in_micro_batch = False
         window.micro_batches += 1
+        window.synced = window.synced or last
 
     def backward(self, loss_sum: torch.Tensor, count: int | torch.Tensor) -> None:
         """Backpropagate one micro-batch's summed loss and record its item count."""
@@ -437,7 +504,7 @@ class Accumulator:
                 g for g in (self._mp.accumulated(p) for p in self._step_params) if g is not None
             ]
             multiplier = self._mp.loss_multiplier()
-            self.noise.record(_total_norm(sums).square() / multiplier**2, checked)
+            self.noise.record(total_norm(sums).square() / multiplier**2, checked)
         detached = loss_sum.detach().to(torch.float64)
         window.loss_sum = detached if window.loss_sum is None else window.loss_sum + detached
         window.backward_done = True
@@ -454,6 +521,15 @@ class Accumulator:
             raise RuntimeError("end_window() called inside a micro_batch() context")
         try:
             total = window.int_count + self._tensor_count_total(window)
+            loss_total = 0.0 if window.loss_sum is None else window.loss_sum.item()
+            if self._sync.distributed:
+                if not window.synced and self._sync.mode == "window":
+                    raise RuntimeError(
+                        f"the window ended without a micro-batch marked last=True; under "
+                        f"{self._sync.kind.upper()} the last micro-batch's backward is the one "
+                        "that reduces gradients: use `with acc.micro_batch(last=True)` for it"
+                    )
+                total, loss_total = self._sync.totals(total, loss_total)
         except BaseException:
             self.abort_window()
             raise
@@ -463,11 +539,13 @@ class Accumulator:
             if total == 0:
                 skipped = "zero count"
             else:
-                assert window.loss_sum is not None
-                loss = window.loss_sum.item() / total
+                loss = loss_total / total
                 grads, carried = self._mp.gather(self.optimizer, self._step_params)
-                _scale_(grads, 1.0 / (total * carried), divide_by=total * carried)
-                grad_norm = _total_norm(grads).item()
+                grads = self._sync.local(grads)
+                # DDP and FSDP2 hand back the mean over ranks: divide by total / world.
+                divisor = total * carried / self._sync.grad_factor
+                _scale_(grads, 1.0 / divisor, divide_by=divisor)
+                grad_norm = self._sync.norm(grads).item()
                 if not math.isfinite(grad_norm):
                     skipped = "fp16 overflow" if self._mp.scaler else "non-finite gradient"
                 elif self.max_grad_norm is not None:
@@ -599,10 +677,16 @@ class Accumulator:
                 f"state_dict() called inside a window after {self._window.micro_batches} "
                 "micro-batches; checkpoint between windows so a resumed run is the same run"
             )
+        if self._sync.kind == "fsdp":
+            raise NotImplementedError(
+                "state_dict() of an FSDP2-sharded model: save it with "
+                "torch.distributed.checkpoint (each rank holds only its shards)"
+            )
         return {
             "format": _FORMAT,
             "accumulator": asdict(self.state),
-            "model": self.model.state_dict(),
+            # The unwrapped module's (no DDP "module." prefix): loads with or without DDP.
+            "model": self._sync.inner.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "scaler": None if self._mp.scaler is None else self._mp.scaler.state_dict(),
@@ -642,7 +726,11 @@ class Accumulator:
         unknown = set(counters) - known
         if unknown:
             raise ValueError(f"checkpoint has unknown accumulator fields {sorted(unknown)}")
-        self.model.load_state_dict(state_dict["model"])
+        if self._sync.kind == "fsdp":
+            raise NotImplementedError(
+                "load_state_dict() into an FSDP2-sharded model: use torch.distributed.checkpoint"
+            )
+        self._sync.inner.load_state_dict(state_dict["model"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state_dict["scheduler"])

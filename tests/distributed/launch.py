@@ -1,0 +1,60 @@
+"""Run a function in 2 real processes on gloo, rendezvous on 127.0.0.1 at a free port.
+
+A run that does not finish in time is killed and fails the test: a hang is a failure, not a
+stuck CI job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=45),
+    )
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable, *args, world: int = 2, timeout: float = 60.0) -> None:
+    """``fn(rank, world, *args)`` in ``world`` processes; raises if one fails or time runs out."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children at spawn
+    try:
+        ctx = mp.start_processes(
+            _entry, args=(fn, world, free_port(), args), nprocs=world, join=False,
+            start_method="spawn",
+        )  # fmt: skip
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError(f"{world} processes did not finish within {timeout:.0f} s (hang)")

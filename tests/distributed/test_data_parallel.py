@@ -1,0 +1,79 @@
+"""DDP and FSDP2 on 2 real gloo processes: one exact step per window, one reduction per step.
+
+Each launch is 2 spawned processes on 127.0.0.1 with a free port and OMP_NUM_THREADS=1,
+killed (and failed) after 60 s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import workers
+from helpers import TinyLM, lm_reference, make_model, max_rel_err, padded_lm_batch
+from launch import launch
+
+PARAM_TOL = 1e-5  # fp32 rounding, relative
+
+
+def reference(steps: int):
+    """One process, the whole global batch, torch's mean loss: no gradaccum. Returns the
+    parameters after ``steps`` steps, each step's gradient and each step's loss."""
+    model = make_model(TinyLM)
+    opt = workers.optimizer(model.parameters())
+    grads, losses = [], []
+    for step in range(steps):
+        loss = lm_reference(model, padded_lm_batch(seed=11 + step, n=workers.GLOBAL_BATCH))
+        losses.append(loss.item())
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, grads, losses
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp")
+    runs = {}
+    for kind in ("ddp", "fsdp"):
+        launch(workers.train, kind, str(out))
+        runs[kind] = torch.load(out / f"{kind}.pt", weights_only=False)
+    return runs
+
+
+@pytest.mark.parametrize("scenario", sorted(workers.SCENARIOS))
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_three_steps_equal_single_process_full_batch(trained, kind, scenario):
+    expected, expected_grads, expected_losses = reference(3)
+    got = trained[kind][scenario]
+    for step, (a, b) in enumerate(zip(got["grads"], expected_grads, strict=True)):
+        err = max_rel_err(a, b)
+        assert err <= PARAM_TOL, f"{kind} {scenario} step {step}: gradient error {err:.2e}"
+    err = max_rel_err(got["params"], expected)
+    assert err <= PARAM_TOL, f"{kind} {scenario}: parameter relative error {err:.2e}"
+    # the reported loss is the global batch's mean, not one rank's
+    for step, (a, b) in enumerate(zip(got["losses"], expected_losses, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a} vs full batch {b}"
+    assert got["state"].optimizer_steps == 3
+    start = {n: p.detach() for n, p in make_model(TinyLM).named_parameters()}
+    assert max_rel_err(got["params"], start) > 1e-3  # training moved them
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_one_gradient_reduction_per_optimizer_step(tmp_path, kind):
+    n = 4
+    for mode in ("window", "micro"):
+        launch(workers.count, kind, mode, n, str(tmp_path))
+    window = torch.load(tmp_path / f"count-{kind}-window-{n}.pt", weights_only=True)
+    micro = torch.load(tmp_path / f"count-{kind}-micro-{n}.pt", weights_only=True)
+    assert window["steps"] == micro["steps"] == 3
+    assert window["reductions"] == 3, window  # one per optimizer step
+    assert micro["reductions"] == 3 * n, micro  # against one per micro-batch when forced
+
+
+def test_ddp_gradients_differ_before_the_last_micro_batch_and_match_after(tmp_path):
+    launch(workers.ddp_grads_across_ranks, str(tmp_path))
+    spread = torch.load(tmp_path / "spread.pt", weights_only=True)
+    assert spread["before"] > 1e-3, spread  # each rank holds only its own data's gradient
+    assert spread["after"] == 0.0, spread  # the reduction made them identical
+    assert spread["stepped"]

@@ -1,0 +1,155 @@
+"""What each of the 2 processes runs. Results go to files the test reads and checks against
+a single-process full-batch reference (tests/helpers.py), never against gradaccum itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from helpers import TinyLM, lm_loss, make_model, padded_lm_batch, split_sizes
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+import gradaccum as ga
+
+GLOBAL_BATCH = 13
+
+
+def optimizer(params) -> torch.optim.Optimizer:
+    # SGD with momentum, not Adam: Adam divides out a gradient's scale, so a gradient off by
+    # the world size (DDP's averaging not undone) would barely move Adam's parameters.
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+# Per optimizer step, the micro-batch sizes of rank 0 and of rank 1. Rank 0 holds the first
+# sum(rank 0 sizes) sequences of the step's global batch of 13, rank 1 the rest, so the
+# ranks hold different numbers of tokens in every step.
+SCENARIOS = {
+    "uneven tokens": [([3, 5], [2, 3])] * 3,
+    "fewer micro-batches": [([3, 5], [2, 3]), ([2, 2, 2, 2], [5]), ([4, 4], [1, 1, 1, 1, 1])],
+    "empty rank": [([3, 5], [2, 3]), ([6, 7], []), ([5, 3], [5])],
+}
+
+
+def wrap(model: torch.nn.Module, kind: str, root_only: bool = False) -> torch.nn.Module:
+    if kind == "ddp":
+        return DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    if not root_only:
+        for block in model.blocks:
+            fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def my_micro_batches(step: int, sizes: tuple[list[int], list[int]], rank: int) -> list:
+    batch = padded_lm_batch(seed=11 + step, n=GLOBAL_BATCH)
+    assert sum(sizes[0]) + sum(sizes[1]) == GLOBAL_BATCH
+    start = 0 if rank == 0 else sum(sizes[0])
+    mine = {k: v[start : start + sum(sizes[rank])] for k, v in batch.items()}
+    return split_sizes(mine, sizes[rank])
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name.removeprefix("module.")] = p.detach().clone()
+    return out
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name.removeprefix("module.")] = g.detach().clone()
+    return out
+
+
+def train(rank: int, world: int, kind: str, out: str) -> None:
+    """Every scenario, 3 optimizer steps each; rank 0 saves parameters and step losses."""
+    results = {}
+    for name, steps in SCENARIOS.items():
+        model = wrap(make_model(TinyLM), kind)
+        opt = optimizer(model.parameters())
+        handed = []  # the gradient the optimizer is given at each step, in full
+        opt.register_step_pre_hook(lambda *_, h=handed, m=model: h.append(full_grads(m)))
+        acc = ga.Accumulator(model, opt)
+        losses = []
+        for step, sizes in enumerate(steps):
+            result = acc.step(my_micro_batches(step, sizes, rank), lm_loss)
+            assert result.stepped, result
+            losses.append(result.loss)
+        results[name] = {"params": full_params(model), "grads": handed, "losses": losses,
+                         "state": acc.state}  # fmt: skip
+    if rank == 0:
+        torch.save(results, Path(out) / f"{kind}.pt")
+
+
+class CountingReduceScatter:
+    """FSDP2's reduce-scatter, counted (set_custom_reduce_scatter takes any object with
+    ``allocate`` and ``__call__``)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+        return dist.reduce_scatter_single(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
+
+
+def count(rank: int, world: int, kind: str, mode: str, n: int, out: str) -> None:
+    """Gradient reductions over 3 optimizer steps of n micro-batches each."""
+    model = wrap(make_model(TinyLM), kind, root_only=True)
+    if kind == "ddp":
+        calls = [0]
+
+        def hook(state, bucket):
+            calls[0] += 1
+            return allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, hook)
+    else:
+        counter = CountingReduceScatter()
+        model.set_custom_reduce_scatter(counter)
+    acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), sync=mode)
+    for step in range(3):
+        batch = padded_lm_batch(seed=20 + 2 * step + rank, n=2 * n)
+        acc.step(split_sizes(batch, [2] * n), lm_loss)
+    if rank == 0:
+        reductions = calls[0] if kind == "ddp" else counter.calls
+        torch.save({"reductions": reductions, "steps": acc.state.optimizer_steps},
+                   Path(out) / f"count-{kind}-{mode}-{n}.pt")  # fmt: skip
+
+
+def ddp_grads_across_ranks(rank: int, world: int, out: str) -> None:
+    """Manual API: the largest difference between the two ranks' accumulated gradients after
+    the first micro-batch (no sync) and after the last one (sync)."""
+    model = wrap(make_model(TinyLM), "ddp")
+    acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    micro = split_sizes(padded_lm_batch(seed=30 + rank, n=6), [3, 3])
+
+    def spread() -> float:
+        grads = acc.accumulated_gradient()
+        flat = torch.cat([grads[k].flatten() for k in sorted(grads)])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        return float((gathered[0] - gathered[1]).abs().max())
+
+    with acc.micro_batch():
+        acc.backward(*lm_loss(model, micro[0]))
+    before = spread()
+    with acc.micro_batch(last=True):
+        acc.backward(*lm_loss(model, micro[1]))
+    after = spread()
+    result = acc.end_window()
+    if rank == 0:
+        torch.save({"before": before, "after": after, "stepped": result.stepped},
+                   Path(out) / "spread.pt")  # fmt: skip
