@@ -71,6 +71,27 @@ def test_split_refuses_what_it_cannot_split():
     assert ga.split(torch.zeros(0, 3), 2) == []
 
 
+@pytest.mark.parametrize("size,world", [(45, 2), (7, 3), (4, 4), (64, 8)])
+def test_shard_splits_a_global_batch_exactly_across_processes(size, world):
+    batch = {"x": torch.arange(size), "y": torch.arange(size) * 10}
+    shares = [ga.shard(batch, rank, world) for rank in range(world)]
+    sizes = [len(s["x"]) for s in shares]
+    assert sum(sizes) == size and max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # the larger shares go to the first ranks
+    # every sample once, in order, rows kept together
+    assert torch.equal(torch.cat([s["x"] for s in shares]), batch["x"])
+    assert torch.equal(torch.cat([s["y"] for s in shares]), batch["y"])
+
+
+def test_shard_refuses_what_it_cannot_split():
+    with pytest.raises(ValueError, match="a batch of 3 samples cannot be split across 4"):
+        ga.shard(torch.zeros(3, 2), 0, 4)
+    with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 2\), got 2"):
+        ga.shard(torch.zeros(3, 2), 2, 2)
+    with pytest.raises(ValueError, match="world must be an integer >= 1, got 0"):
+        ga.shard(torch.zeros(3, 2), 0, 0)
+
+
 def test_windows_keeps_the_last_partial_window_and_is_lazy():
     assert list(ga.windows(range(7), 3)) == [[0, 1, 2], [3, 4, 5], [6]]
     assert list(ga.windows(range(6), 3)) == [[0, 1, 2], [3, 4, 5]]

@@ -4,7 +4,7 @@ Train with the batch size your recipe needs on the memory you have, and get exac
 gradient that the large batch would have given. See README.md for the tour.
 """
 
-from gradaccum.batching import batch_size, split, windows
+from gradaccum.batching import batch_size, shard, split, windows
 from gradaccum.diagnose import batchnorm_momentum, check, convert_batchnorm
 from gradaccum.engine import Accumulator, AccumulatorState, StepResult
 from gradaccum.loss import causal_lm_loss, sample_mean, token_cross_entropy
@@ -34,6 +34,7 @@ __all__ = [
     "parse_bytes",
     "plan",
     "sample_mean",
+    "shard",
     "split",
     "token_cross_entropy",
     "windows",

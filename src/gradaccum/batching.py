@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["split", "windows", "batch_size", "take", "to_device"]
+__all__ = ["split", "windows", "batch_size", "shard", "take", "to_device"]
 
 
 def _check_positive_int(value: Any, name: str) -> int:
@@ -121,6 +121,26 @@ def _repeat(batch: Any, times: int) -> Any:
     if isinstance(batch, list):
         return [_repeat(v, times) for v in batch]
     return batch
+
+
+def shard(batch: Any, rank: int, world: int) -> Any:
+    """Rank ``rank``'s contiguous share of a global ``batch`` split across ``world`` processes.
+
+    Shares differ by at most one sample (the first ``size % world`` ranks hold one more) and
+    together are the whole batch, each sample once. Refuses a batch smaller than ``world``.
+    """
+    world = _check_positive_int(world, "world")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank must be an integer in [0, {world}), got {rank!r}")
+    size = batch_size(batch)
+    if size < world:
+        raise ValueError(
+            f"a batch of {size} samples cannot be split across {world} processes: each needs "
+            "at least one"
+        )
+    base, extra = divmod(size, world)
+    start = rank * base + min(rank, extra)
+    return _rebuild(batch, start, base + (rank < extra))
 
 
 def take(batch: Any, n: int) -> Any:

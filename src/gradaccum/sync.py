@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 
 import torch
@@ -39,7 +40,7 @@ except ImportError:  # pragma: no cover - older torch
     except ImportError:
         FSDPModule = None
 
-__all__ = ["SYNC_MODES", "Sync"]
+__all__ = ["SYNC_MODES", "Sync", "any_rank", "broadcast", "init_from_env", "shutdown"]
 
 SYNC_MODES = ("window", "micro")
 
@@ -152,3 +153,41 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
     norms = [torch.linalg.vector_norm(g, dtype=dtype).to(device) for g in grads]
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+# -- the processes of a torchrun job (used by `gradaccum train`) -----------------------------
+
+
+def init_from_env() -> tuple[int, int]:
+    """Join the process group torchrun describes in the environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT, LOCAL_RANK): nccl on CUDA, gloo on CPU. Returns ``(rank,
+    world)``; ``(0, 1)`` when not launched by torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast(value, src: int = 0):
+    """Rank ``src``'s value on every rank (a small picklable object between the job's own
+    processes: a path, a verdict, a plan)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on any (e.g. a signal that reached one rank)."""
+    device = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

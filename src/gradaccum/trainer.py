@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from gradaccum.batching import split, to_device
+from gradaccum import sync
+from gradaccum.batching import shard, split, to_device
 from gradaccum.engine import Accumulator
 from gradaccum.measure import fresh_process_verifier
-from gradaccum.memory import TrainingMemory, format_bytes, parse_bytes
+from gradaccum.memory import TrainingMemory, enable_checkpointing, format_bytes, parse_bytes
 from gradaccum.noise import advice
 from gradaccum.plan import plan
 from gradaccum.precision import PRECISIONS
@@ -251,19 +252,37 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     problems = cfg.problems()
     if problems:
         raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    # Under torchrun every process runs this function; rank 0 alone plans, writes the run
+    # folder and reports. The effective batch is global: each rank trains its shard of it.
+    rank, world = sync.init_from_env()
+    main = rank == 0
+    if world > cfg.effective_batch:
+        raise ValueError(f"effective_batch {cfg.effective_batch} cannot be split across {world} "
+                         "processes: each needs at least one sample")  # fmt: skip
+    if not main:
+        log = _quiet
     recipe = hf_recipe(cfg.hf_model) if cfg.hf_model else get_recipe(cfg.recipe)
     name = "hf" if cfg.hf_model else cfg.recipe
     out = Path(cfg.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     checkpoint_path = out / CHECKPOINT
     resuming = checkpoint_path.exists() and cfg.resume is not None
+    problem = None
     if not resuming and out.exists() and any(out.iterdir()):
-        raise ValueError(f"run folder {out} already holds a run; continue it with --resume "
-                         f"{out} or choose another --out")  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
+        problem = (f"run folder {out} already holds a run; continue it with --resume {out} or "
+                   "choose another --out")  # fmt: skip
+    if world > 1:  # rank 0's folder and verdict, so no rank races another's mkdir
+        out, resuming, problem = sync.broadcast((out, resuming, problem))
+        checkpoint_path = out / CHECKPOINT
+    if problem:
+        raise ValueError(problem)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(cfg.seed)
     model = recipe.build_model()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0)
     model.to(device)
     data = recipe.make_data(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -284,39 +303,59 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     elif cfg.micro_batch is not None:
         micro, plan_info = cfg.micro_batch, {"micro_size": cfg.micro_batch, "source": "given"}
     else:
-        log(f"planning the micro-batch for an effective batch of {cfg.effective_batch} in "
-            f"{cfg.budget} ({recipe.summary})")  # fmt: skip
-        verify = None
-        if not cfg.hf_model and device.type == "cpu":
-            verify = fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed)
-        planned = plan(model, optimizer, recipe.sample_batch(8), recipe.loss_fn,
-                       effective_batch=cfg.effective_batch, budget=cfg.budget,
-                       precision=cfg.precision, verify=verify)  # fmt: skip
-        planned.apply(model)
-        log(planned.summary())
-        micro, plan_info = planned.micro_size, {**planned.to_dict(), "source": "planned"}
-    (out / "plan.json").write_text(json.dumps(plan_info, indent=2, default=str))
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        per_rank = math.ceil(cfg.effective_batch / world)
+        plan_info = None
+        if main:  # one plan for all ranks (same model, same hardware), for one rank's share
+            log(f"planning the micro-batch for an effective batch of {per_rank} per process in "
+                f"{cfg.budget} ({recipe.summary})")  # fmt: skip
+            verify = None
+            if not cfg.hf_model and device.type == "cpu":
+                verify = fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed)
+            planned = plan(model, optimizer, recipe.sample_batch(8), recipe.loss_fn,
+                           effective_batch=per_rank, budget=cfg.budget,
+                           precision=cfg.precision, verify=verify)  # fmt: skip
+            log(planned.summary())
+            plan_info = {**planned.to_dict(), "source": "planned"}
+        if world > 1:
+            plan_info = sync.broadcast(plan_info)
+        if plan_info["checkpointing"]:
+            enable_checkpointing(model)
+        micro = plan_info["micro_size"]
+    if main:
+        (out / "plan.json").write_text(json.dumps(plan_info, indent=2, default=str))
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
 
+    train_model = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        train_model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda"
+                                              else None)  # fmt: skip
+        if cfg.noise_scale:
+            log(f"noise scale: off under torchrun ({world} processes); it is single-process "
+                "for now")  # fmt: skip
     acc = Accumulator(
-        model,
+        train_model,
         optimizer,
         scheduler=scheduler,
         max_grad_norm=cfg.max_grad_norm or None,
         precision=cfg.precision,
-        noise_scale=cfg.noise_scale,
+        noise_scale=cfg.noise_scale and world == 1,
     )
     start = 0
     if saved is not None:
         acc.load_state_dict(saved["accumulator"])
         start = saved["step"]
-    windows = math.ceil(cfg.effective_batch / micro)
+    windows = math.ceil(math.ceil(cfg.effective_batch / world) / micro)
+    across = f" on each of {world} processes" if world > 1 else ""
     log(
         f"training {total} steps: effective batch {cfg.effective_batch} = {windows} "
-        f"micro-batches of up to {micro}, {per_epoch} steps per epoch, run folder {out}"
+        f"micro-batches of up to {micro}{across}, {per_epoch} steps per epoch, run folder {out}"
     )
 
     def checkpoint(step: int) -> None:
+        if not main:
+            return
         _atomic_save({"format": CHECKPOINT_FORMAT, "step": step, "micro_batch": micro,
                       "signature": signature, "accumulator": acc.state_dict()},
                      checkpoint_path)  # fmt: skip
@@ -330,8 +369,8 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, on_signal)
     memory = TrainingMemory(model, device)
-    bar = _progress(total, start)
-    metrics_file = (out / "metrics.jsonl").open("a")
+    bar = _progress(total, start) if main else None
+    metrics_file = (out / "metrics.jsonl").open("a") if main else open(os.devnull, "w")
     began = time.perf_counter()
     items = 0
     last_eval: dict[str, float] = {}
@@ -339,6 +378,8 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         for step in range(start, total):
             t0 = time.perf_counter()
             batch = data.batch(step, cfg.effective_batch)
+            if world > 1:
+                batch = shard(batch, rank, world)
             if device.type == "cuda":
                 batch = to_device(batch, device)
             result = acc.step(split(batch, micro), recipe.loss_fn)
@@ -350,13 +391,15 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
                 "peak_memory": memory.peak(), "skipped": result.skipped,
                 "oom_replays": result.oom_replays, "noise_scale": result.noise_scale,
             }  # fmt: skip
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == total:
+            if main and ((step + 1) % cfg.eval_every == 0 or step + 1 == total):
                 last_eval = data.evaluate(model, micro)
                 line.update({f"eval_{k}": v for k, v in last_eval.items()})
             metrics_file.write(json.dumps(line) + "\n")
             metrics_file.flush()
             rate = items / max(time.perf_counter() - began, 1e-9)
             _report(bar, log, line, rate, total)
+            if world > 1 and sync.any_rank(bool(stop)) and not stop:
+                stop.append(signal.SIGTERM)  # another rank was signalled: stop together
             if stop:
                 checkpoint(step + 1)
                 raise Interrupted(step + 1, out, stop[0])
@@ -369,6 +412,8 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
+    if not main:
+        return {"rank": rank}
     if start >= total:
         log(f"{out} already trained {start} steps of {total}; nothing to do")
         if not last_eval:
@@ -385,6 +430,10 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     if cfg.noise_scale:
         log(summary["noise_advice"])
     return summary
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """The log of ranks other than 0: rank 0 speaks for the job."""
 
 
 def _report(bar, log, line: dict[str, Any], rate: float, total: int) -> None:

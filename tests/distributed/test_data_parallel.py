@@ -77,3 +77,8 @@ def test_ddp_gradients_differ_before_the_last_micro_batch_and_match_after(tmp_pa
     assert spread["before"] > 1e-3, spread  # each rank holds only its own data's gradient
     assert spread["after"] == 0.0, spread  # the reduction made them identical
     assert spread["stepped"]
+    no_last, after_last, noise = spread["errors"]
+    assert "without a micro-batch marked last=True" in no_last
+    assert "after the one marked last=True" in after_last
+    assert not spread["in_window"]  # both misuses dropped their window
+    assert "noise_scale=True" in noise and "DDP" in noise

@@ -150,6 +150,27 @@ def ddp_grads_across_ranks(rank: int, world: int, out: str) -> None:
         acc.backward(*lm_loss(model, micro[1]))
     after = spread()
     result = acc.end_window()
+
+    # Misuse is refused the same way on every rank, before any collective could hang.
+    errors = []
+    with acc.micro_batch():
+        acc.backward(*lm_loss(model, micro[0]))
+    try:
+        acc.end_window()  # no micro-batch marked last: nothing was reduced
+    except RuntimeError as err:
+        errors.append(str(err))
+    with acc.micro_batch(last=True):
+        acc.backward(*lm_loss(model, micro[0]))
+    try:
+        with acc.micro_batch():  # after the last one: would miss the reduction
+            pass
+    except RuntimeError as err:
+        errors.append(str(err))
+    try:
+        ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_scale=True)
+    except ValueError as err:
+        errors.append(str(err))
     if rank == 0:
-        torch.save({"before": before, "after": after, "stepped": result.stepped},
+        torch.save({"before": before, "after": after, "stepped": result.stepped,
+                    "errors": errors, "in_window": acc.in_window},
                    Path(out) / "spread.pt")  # fmt: skip

@@ -16,6 +16,7 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
+from gradaccum.sync import shutdown
 from gradaccum.trainer import Interrupted, TrainConfig, train
 
 _FILE_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"config", "resume"}
@@ -113,4 +114,6 @@ def run(args: argparse.Namespace) -> int:
     except Interrupted as stop:
         print(f"\n{stop}", file=sys.stderr)
         return 128 + stop.signum
+    finally:
+        shutdown()  # leave a torchrun job's process group cleanly (no-op otherwise)
     return 0

@@ -1,0 +1,47 @@
+"""`torchrun --nproc-per-node 2 -m gradaccum train`: 2 real processes on gloo over 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from helpers import max_rel_err
+from launch import free_port
+
+# 45 images per step: rank 0 trains 23 (micro-batches of 16 + 7), rank 1 trains 22 (16 + 6).
+ARGS = ["train", "--recipe", "digits", "--steps", "6", "--effective-batch", "45",
+        "--micro-batch", "16", "--eval-every", "3"]  # fmt: skip
+
+
+def run(cmd: list[str], cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_torchrun_two_processes_train_the_global_batch_into_one_run_folder(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]  # fmt: skip
+    proc = run([*torchrun, "-m", "gradaccum", *ARGS, "--out", "two"], tmp_path)
+    run([sys.executable, "-m", "gradaccum", *ARGS, "--out", "one"], tmp_path)
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # rank 1 wrote nothing
+    two, one = tmp_path / "two", tmp_path / "one"
+    for name in ("config.json", "plan.json", "metrics.jsonl", "checkpoint.pt", "summary.json"):
+        assert (two / name).is_file(), name
+    lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 7))  # once, by rank 0
+    assert all(x["count"] == 45 for x in lines)  # the global batch, counted over both ranks
+    assert "on each of 2 processes" in proc.stdout
+
+    # The same run in one process: same losses and parameters within fp32 rounding.
+    single = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(lines, single, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["loss"], b["loss"])
+    got = torch.load(two / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
+    want = torch.load(one / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
+    assert max_rel_err(got, want) <= 1e-5
