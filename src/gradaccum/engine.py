@@ -81,6 +81,7 @@ class _Window:
     in_micro_batch: bool = False
     backward_done: bool = False
     synced: bool = False  # a micro-batch marked last=True has run
+    synced_now: bool = False  # the micro-batch in progress communicates gradients
 
 
 def _check_distributed(sync: Sync, mp: Precision, noise_scale: bool) -> None:
@@ -98,10 +99,11 @@ def _check_distributed(sync: Sync, mp: Precision, noise_scale: bool) -> None:
             "precision='fp16' under FSDP2: each rank would see only its shards' overflow; "
             "use precision='bf16'"
         )
-    if noise_scale:
+    if noise_scale and sync.mode == "micro":
         problems.append(
-            "noise_scale=True: the estimate reads each micro-batch's local gradient, which "
-            "is not yet reduced across ranks; it is single-process for now"
+            "noise_scale=True with sync='micro': every prefix of the window is then reduced "
+            "across ranks, and its global item count is not known without one more "
+            "all-reduce per micro-batch; use sync='window'"
         )
     if problems:
         raise ValueError(
@@ -464,6 +466,7 @@ class Accumulator:
             )
         window.in_micro_batch = True
         window.backward_done = False
+        window.synced_now = last or self._sync.mode == "micro"
         try:
             with self._sync.micro_batch(last), self._mp.autocast():
                 yield
@@ -499,7 +502,9 @@ class Accumulator:
             window.tensor_counts.append((index, checked))
         else:
             window.int_count += checked
-        if self.noise is not None:
+        if self.noise is not None and not (self._sync.distributed and window.synced_now):
+            # (a reduced gradient is not this rank's prefix: the window's global mean is
+            # added at end_window instead)
             sums = [
                 g for g in (self._mp.accumulated(p) for p in self._step_params) if g is not None
             ]
@@ -556,7 +561,9 @@ class Accumulator:
             b_simple = None
             if self.noise is not None:
                 if skipped is None:
-                    b_simple = self.noise.end_window(grad_norm**2, total)
+                    b_simple = self.noise.end_window(
+                        grad_norm**2, total, window_point=self._sync.distributed
+                    )
                 else:
                     self.noise.drop_window()
             scale = self._mp.scale()

@@ -20,6 +20,11 @@ gives both estimates (intercept |G|^2, slope tr(Sigma)); they are smoothed separ
 bias-corrected EMA, and B_simple = tr(Sigma) / |G|^2 is the batch size above which larger
 batches give diminishing returns.
 
+Under DDP or FSDP2 (``sync="window"``) the prefixes are this rank's micro-batches before
+the reduction, and the window's reduced gradient adds one point at the global batch size:
+B_big is the whole global batch. Each rank fits its own prefixes and the shared global
+point; rank 0's estimate is the one reported.
+
 (Per-parameter gradient hooks can read each micro-batch's own gradient as it arrives; we
 measured them at 1-3% of a step on a small GPT, a Python call per parameter per
 micro-batch. Prefix sums give the same unbiased estimates at a fraction of the cost.)
@@ -52,25 +57,41 @@ class NoiseScale:
     def record(self, sq_norm: torch.Tensor, count: Any) -> None:
         """After a micro-batch: the squared norm of the window's gradient sum so far (loss
         scaling divided out) and that micro-batch's own item count (int or 0-dim tensor;
-        the prefix counts are summed at the window's end, with one host sync)."""
+        the prefix counts are summed at the window's end, with one host sync). A micro-batch
+        of no items (a padding replay) leaves the prefix as it was: nothing to add."""
+        if isinstance(count, int) and count == 0:
+            return
         self._prefixes.append((sq_norm, count))
 
-    def end_window(self, window_sq_norm: float | None, total: int) -> float | None:
-        """Fold one window into the estimates; returns B_simple or None while undefined."""
+    def end_window(
+        self, window_sq_norm: float | None, total: int, window_point: bool = False
+    ) -> float | None:
+        """Fold one window into the estimates; returns B_simple or None while undefined.
+
+        ``window_point``: add the window's mean gradient (squared norm ``window_sq_norm`` over
+        ``total`` items) as a point of its own. Data-parallel training does: its prefixes are
+        this rank's micro-batches before the reduction, and the window is the global batch.
+        Alone, the last prefix already is the window.
+        """
         prefixes, self._prefixes = self._prefixes, []
-        if window_sq_norm is None or total <= 0 or len(prefixes) < 2:
+        if window_sq_norm is None or total <= 0:
             return self.value()
-        device = prefixes[0][0].device
-        stacked = torch.stack(
-            [torch.stack([s.to(device).double(), torch.as_tensor(c, device=device).double()])
-             for s, c in prefixes]
-        ).cpu()  # fmt: skip
-        sq = stacked[:, 0].tolist()
-        counts = stacked[:, 1].cumsum(0).tolist()  # items in each prefix
-        # E|G_B|^2 = |G|^2 + tr(Sigma) / B is a line in 1/B: fit it by least squares through
-        # every prefix (the whole window included). Each prefix alone gives an unbiased pair
-        # too, but the long prefixes sit close to the window and their differences are noise.
-        points = [(1 / c, s / (c * c)) for s, c in zip(sq, counts, strict=True) if c > 0]
+        points = []
+        if prefixes:
+            device = prefixes[0][0].device
+            stacked = torch.stack(
+                [torch.stack([s.to(device).double(), torch.as_tensor(c, device=device).double()])
+                 for s, c in prefixes]
+            ).cpu()  # fmt: skip
+            sq = stacked[:, 0].tolist()
+            counts = stacked[:, 1].cumsum(0).tolist()  # items in each prefix
+            # E|G_B|^2 = |G|^2 + tr(Sigma) / B is a line in 1/B: fit it by least squares
+            # through every prefix (the whole window included). Each prefix alone gives an
+            # unbiased pair too, but the long prefixes sit close to the window and their
+            # differences are noise.
+            points = [(1 / c, s / (c * c)) for s, c in zip(sq, counts, strict=True) if c > 0]
+        if window_point:
+            points.append((1 / total, window_sq_norm))
         if len({x for x, _ in points}) < 2:
             return self.value()
         g2, trace = fit_line([x for x, _ in points], [y for _, y in points])

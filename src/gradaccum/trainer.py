@@ -331,16 +331,13 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
 
         train_model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda"
                                               else None)  # fmt: skip
-        if cfg.noise_scale:
-            log(f"noise scale: off under torchrun ({world} processes); it is single-process "
-                "for now")  # fmt: skip
     acc = Accumulator(
         train_model,
         optimizer,
         scheduler=scheduler,
         max_grad_norm=cfg.max_grad_norm or None,
         precision=cfg.precision,
-        noise_scale=cfg.noise_scale and world == 1,
+        noise_scale=cfg.noise_scale,
     )
     start = 0
     if saved is not None:

@@ -81,4 +81,18 @@ def test_ddp_gradients_differ_before_the_last_micro_batch_and_match_after(tmp_pa
     assert "without a micro-batch marked last=True" in no_last
     assert "after the one marked last=True" in after_last
     assert not spread["in_window"]  # both misuses dropped their window
-    assert "noise_scale=True" in noise and "DDP" in noise
+    assert "noise_scale=True with sync='micro'" in noise and "DDP" in noise
+
+
+def test_noise_scale_under_ddp_matches_the_closed_form(tmp_path):
+    """Local prefixes before the reduction plus the global batch after it: the same estimate
+    the single-process test checks (tests/test_diagnose.py), same tolerance."""
+    launch(workers.noise_scale, str(tmp_path))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"noise-{rank}.pt", weights_only=True)
+        for micro, (b_simple, g2) in got["found"].items():
+            print(
+                f"rank {rank}, micro {micro}: B_simple {b_simple:.1f}, analytic {got['analytic']:.1f}"
+            )
+            assert b_simple == pytest.approx(got["analytic"], rel=0.15), micro
+            assert g2 == pytest.approx(got["true_g2"], rel=0.15), micro

@@ -12,6 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 import gradaccum as ga
+from gradaccum.noise import NoiseScale
 
 GLOBAL_BATCH = 13
 
@@ -167,10 +168,44 @@ def ddp_grads_across_ranks(rank: int, world: int, out: str) -> None:
     except RuntimeError as err:
         errors.append(str(err))
     try:
-        ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_scale=True)
+        ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_scale=True,
+                       sync="micro")  # fmt: skip
     except ValueError as err:
         errors.append(str(err))
     if rank == 0:
         torch.save({"before": before, "after": after, "stepped": result.stepped,
                     "errors": errors, "in_window": acc.in_window},
                    Path(out) / "spread.pt")  # fmt: skip
+
+
+def noise_scale(rank: int, world: int, out: str) -> None:
+    """B_simple on linear regression with a known answer (see tests/test_diagnose.py): each
+    rank holds 64 samples in 4 micro-batches, the global batch is 128."""
+    d, s, delta_norm = 10, 1.5, 0.8
+    torch.manual_seed(0)
+    w_star = torch.randn(d)
+    delta = torch.randn(d)
+    delta = delta / delta.norm() * delta_norm
+    model = torch.nn.Linear(d, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_((w_star + delta)[None])
+    model = DistributedDataParallel(model)
+    acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_scale=True,
+                         noise_ema=0.99)  # fmt: skip
+
+    def loss_fn(model, mb):
+        x, y = mb
+        return ga.sample_mean(0.5 * (model(x).squeeze(1) - y) ** 2)
+
+    g = torch.Generator().manual_seed(1 + rank)
+    found = {}
+    for micro in (16, 32):  # 4 micro-batches per rank; then 2, where the reduced window (the
+        # global batch) is the only second batch size to fit the local prefix against
+        acc.noise = NoiseScale(ema=0.99)
+        for _ in range(300):
+            x = torch.randn(64, d, generator=g)
+            y = x @ w_star + s * torch.randn(64, generator=g)
+            result = acc.step(ga.split((x, y), micro), loss_fn)
+        found[micro] = (result.noise_scale, acc.noise.estimates()[0])
+    torch.save({"found": found, "analytic": d + 1 + d * s**2 / delta_norm**2,
+                "true_g2": delta_norm**2}, Path(out) / f"noise-{rank}.pt")  # fmt: skip
