@@ -2,9 +2,10 @@
 
 2 processes on gloo over 127.0.0.1 (a free port), 1 thread each, the `gpt` recipe's GPT with
 4 layers and d_model 256 (3.2M parameters, a 13 MB gradient), micro-batches of 4 x 64 bytes,
-SGD. For N in {1, 4, 16} micro-batches per window: 2 warm-up windows, then the median of
-REPEATS windows, with ``sync="window"`` (one reduction per step, in the last backward) and
-``sync="micro"`` (one per micro-batch). The two modes give the same step; only time differs.
+SGD. For N in {1, 4, 16} micro-batches per window: ``sync="window"`` (one reduction per
+step, in the last backward) and ``sync="micro"`` (one per micro-batch) on two copies of the
+model, taking turns window by window; 2 warm-up windows, then the median of REPEATS. The
+two modes give the same step; only time differs.
 
 Writes bench/results/distributed.md and bench/results/distributed.png.
 """
@@ -30,7 +31,7 @@ from gradaccum.recipes.gpt import GPT, GPTConfig
 from gradaccum.recipes.stdlib_text import corpus_bytes, full_length_batch
 
 OUT = Path(__file__).parent / "results"
-NS, MICRO, SEQ, WARMUP, REPEATS = [1, 4, 16], 4, 64, 2, 7
+NS, MICRO, SEQ, WARMUP, REPEATS = [1, 4, 16], 4, 64, 2, 11
 KINDS, MODES = ["ddp", "fsdp"], ["window", "micro"]
 
 
@@ -57,21 +58,27 @@ def worker(rank: int, port: int, out: str) -> None:
     data = corpus_bytes()
     results = {}
     for kind in KINDS:
+        # Both modes side by side, taking turns window by window: drift of the shared machine
+        # hits both alike.
+        accs = {}
         for mode in MODES:
             model = build(kind)
-            acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.01), sync=mode)
-            for n in NS:
-                times = []
-                for w in range(WARMUP + REPEATS):
-                    batch = full_length_batch(data, MICRO * n, SEQ, seed=1000 * rank + w)
+            accs[mode] = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                                        sync=mode)  # fmt: skip
+        for n in NS:
+            times = {mode: [] for mode in MODES}
+            for w in range(WARMUP + REPEATS):
+                batch = full_length_batch(data, MICRO * n, SEQ, seed=1000 * rank + w)
+                for mode in MODES if w % 2 == 0 else MODES[::-1]:
                     dist.barrier()  # both ranks start the window together
                     start = time.perf_counter()
-                    acc.step(ga.split(batch, MICRO), loss_fn)
+                    accs[mode].step(ga.split(batch, MICRO), loss_fn)
                     if w >= WARMUP:
-                        times.append(time.perf_counter() - start)
-                results[(kind, mode, n)] = statistics.median(times)
+                        times[mode].append(time.perf_counter() - start)
+            for mode in MODES:
+                results[(kind, mode, n)] = statistics.median(times[mode])
             if rank == 0:
-                print(f"{kind} sync={mode} done", file=sys.stderr, flush=True)
+                print(f"{kind} N={n} done", file=sys.stderr, flush=True)
     if rank == 0:
         torch.save(results, Path(out) / "times.pt")
     dist.destroy_process_group()
@@ -91,7 +98,8 @@ def main() -> None:
         f"2 processes, gloo over 127.0.0.1, 1 thread each; GPT 4 layers, d_model 256 (3.2M "
         f"parameters), micro-batches of {MICRO} x {SEQ} bytes, SGD. Machine: "
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Python "
-        f"{sys.version.split()[0]}. Median of {REPEATS} windows after {WARMUP} warm-up.",
+        f"{sys.version.split()[0]}. Median of {REPEATS} windows after {WARMUP} warm-up, the "
+        "two modes taking turns.",
         "",
         "| model | N | sync per window | sync per micro-batch | per micro-batch / per window |",
         "|---|---:|---:|---:|---:|",
