@@ -203,6 +203,8 @@ def test_advice_in_plain_words():
     from gradaccum.noise import advice
 
     assert "8x the estimated critical batch" in advice(800, 100.0)
+    assert "not estimated yet" in advice(800, None)
+    assert "estimated |G|^2 is not positive" in advice(800, None, estimated=True)
     assert "smaller batches would need fewer samples" in advice(800, 100.0)
     assert "larger batches" in advice(10, 100.0)
     assert "not estimated yet" in advice(10, None)

@@ -124,8 +124,15 @@ class NoiseScale:
         self.trace, self.updates = float(state["trace"]), int(state["updates"])
 
 
-def advice(effective_batch: int, b_simple: float | None) -> str:
-    """Plain words on the effective batch against the estimated critical batch."""
+def advice(effective_batch: int, b_simple: float | None, estimated: bool = False) -> str:
+    """Plain words on the effective batch against the estimated critical batch.
+
+    ``estimated``: windows were folded in (``NoiseScale.updates > 0``), so a missing
+    ``b_simple`` means the |G|^2 estimate is not positive rather than no data yet."""
+    if b_simple is None and estimated:
+        return ("gradient noise scale: undefined so far: the estimated |G|^2 is not positive, "
+                "i.e. the true gradient is small against its noise (near convergence, or a "
+                "batch far below the critical one)")  # fmt: skip
     if b_simple is None:
         return "gradient noise scale: not estimated yet (needs windows of 2+ micro-batches)"
     ratio = effective_batch / b_simple

@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - older torch
     except ImportError:
         FSDPModule = None
 
-__all__ = ["SYNC_MODES", "Sync", "any_rank", "broadcast", "init_from_env", "shutdown"]
+__all__ = ["SYNC_MODES", "Sync", "any_rank", "broadcast", "init_from_env", "is_main", "shutdown"]
 
 SYNC_MODES = ("window", "micro")
 
@@ -170,6 +170,11 @@ def init_from_env() -> tuple[int, int]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size()
+
+
+def is_main() -> bool:
+    """Rank 0 of a process group, or a process outside one: the one that speaks."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def shutdown() -> None:

@@ -420,7 +420,11 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     b_simple = None if acc.noise is None else acc.noise.value()
     items_per_sample = acc.state.items / max(acc.state.windows, 1) / cfg.effective_batch
     summary["noise_scale"] = b_simple
-    summary["noise_advice"] = advice(round(cfg.effective_batch * items_per_sample), b_simple)
+    summary["noise_advice"] = advice(
+        round(cfg.effective_batch * items_per_sample),
+        b_simple,
+        estimated=acc.noise is not None and acc.noise.updates > 0,
+    )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _plots(out, lines)
     log(_summary_table(summary))

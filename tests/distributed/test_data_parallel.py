@@ -91,8 +91,7 @@ def test_noise_scale_under_ddp_matches_the_closed_form(tmp_path):
     for rank in range(2):
         got = torch.load(tmp_path / f"noise-{rank}.pt", weights_only=True)
         for micro, (b_simple, g2) in got["found"].items():
-            print(
-                f"rank {rank}, micro {micro}: B_simple {b_simple:.1f}, analytic {got['analytic']:.1f}"
-            )
+            print(f"rank {rank}, micro {micro}: B_simple {b_simple:.1f}, analytic "
+                  f"{got['analytic']:.1f}")  # fmt: skip
             assert b_simple == pytest.approx(got["analytic"], rel=0.15), micro
             assert g2 == pytest.approx(got["true_g2"], rel=0.15), micro

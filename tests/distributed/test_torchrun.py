@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import torch
 from helpers import max_rel_err
@@ -16,17 +18,22 @@ ARGS = ["train", "--recipe", "digits", "--steps", "6", "--effective-batch", "45"
         "--micro-batch", "16", "--eval-every", "3"]  # fmt: skip
 
 
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def torchrun() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port())]  # fmt: skip
+
+
 def run(cmd: list[str], cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
 def test_torchrun_two_processes_train_the_global_batch_into_one_run_folder(tmp_path):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]  # fmt: skip
-    proc = run([*torchrun, "-m", "gradaccum", *ARGS, "--out", "two"], tmp_path)
+    proc = run([*torchrun(), "-m", "gradaccum", *ARGS, "--out", "two"], tmp_path)
     run([sys.executable, "-m", "gradaccum", *ARGS, "--out", "one"], tmp_path)
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # rank 1 wrote nothing
@@ -45,3 +52,29 @@ def test_torchrun_two_processes_train_the_global_batch_into_one_run_folder(tmp_p
     got = torch.load(two / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
     want = torch.load(one / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
     assert max_rel_err(got, want) <= 1e-5
+
+
+def test_sigterm_under_torchrun_stops_every_rank_at_one_checkpointed_window(tmp_path):
+    args = ["train", "--recipe", "digits", "--steps", "400", "--effective-batch", "64",
+            "--micro-batch", "16", "--eval-every", "500", "--checkpoint-every", "500"]  # fmt: skip
+    proc = subprocess.Popen([*torchrun(), "-m", "gradaccum", *args, "--out", "run"],
+                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 45
+    while time.time() < deadline and not (
+        metrics.exists() and metrics.read_text().count("\n") >= 6
+    ):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # to torchrun, which passes it to both ranks
+    _, err = proc.communicate(timeout=45)
+    assert proc.returncode != 0
+    assert err.count("stopped by SIGTERM at step") == 1, err[-3000:]  # rank 0 says it, once
+    at = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"]
+    logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert logged == list(range(1, at + 1)), (at, logged[-3:])  # every logged step is saved
+    assert 6 <= at < 400
+
+    run([*torchrun(), "-m", "gradaccum", "train", "--resume", "run"], tmp_path)
+    logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert logged == list(range(1, 401))

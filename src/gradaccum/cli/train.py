@@ -16,7 +16,7 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
-from gradaccum.sync import shutdown
+from gradaccum.sync import is_main, shutdown
 from gradaccum.trainer import Interrupted, TrainConfig, train
 
 _FILE_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"config", "resume"}
@@ -112,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         train(cfg)
     except Interrupted as stop:
-        print(f"\n{stop}", file=sys.stderr)
+        if is_main():  # every rank stops; one says so
+            print(f"\n{stop}", file=sys.stderr)
         return 128 + stop.signum
     finally:
         shutdown()  # leave a torchrun job's process group cleanly (no-op otherwise)
