@@ -13,12 +13,11 @@ optimizer). Writes bench/results/correctness.md.
 
 from __future__ import annotations
 
-import platform
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from machine import describe
 from peers import capture
 
 import gradaccum as ga
@@ -166,15 +165,10 @@ def main() -> None:
         rows.append((name, lm_err, reg_err))
         print(f"{name}: padded LM {lm_err:.2e}, ragged last window {reg_err:.2e}", flush=True)
 
-    import accelerate
-    import lightning
-
     lines = [
         "# Correctness: gradient error against the full batch",
         "",
-        f"Machine: {platform.machine()}, torch {torch.__version__}, accelerate "
-        f"{accelerate.__version__}, lightning {lightning.__version__}, Python "
-        f"{sys.version.split()[0]}. fp32. Relative error (global L2) of the gradient each "
+        f"{describe(peers=True)} fp32. Relative error (global L2) of the gradient each "
         "hands its optimizer, against the full-batch mean gradient of the same samples.",
         "",
         "| method | padded LM window (4 micro-batches) | ragged last window (3 of 4) |",

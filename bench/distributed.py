@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from machine import describe
 
 import gradaccum as ga
 from gradaccum.recipes.gpt import GPT, GPTConfig
@@ -96,9 +96,8 @@ def main() -> None:
         "# Distributed: seconds per optimizer step, sync per window vs per micro-batch",
         "",
         f"2 processes, gloo over 127.0.0.1, 1 thread each; GPT 4 layers, d_model 256 (3.2M "
-        f"parameters), micro-batches of {MICRO} x {SEQ} bytes, SGD. Machine: "
-        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Python "
-        f"{sys.version.split()[0]}. Median of {REPEATS} windows after {WARMUP} warm-up, the "
+        f"parameters), micro-batches of {MICRO} x {SEQ} bytes, SGD. {describe(threads=1)} "
+        f"Median of {REPEATS} windows after {WARMUP} warm-up, the "
         "two modes taking turns.",
         "",
         "| model | N | sync per window | sync per micro-batch | per micro-batch / per window |",

@@ -11,11 +11,10 @@ Writes bench/results/memory_vs_n.md and bench/results/memory_vs_n.png.
 
 from __future__ import annotations
 
-import platform
-import sys
 from pathlib import Path
 
 import torch
+from machine import describe
 
 import gradaccum as ga
 from gradaccum.memory import LiveTensorBytes, format_bytes, saved_activation_bytes
@@ -51,8 +50,7 @@ def main() -> None:
         "# Peak memory vs N at a fixed effective batch",
         "",
         f"Recipe `gpt`, effective batch {EFFECTIVE} sequences of 128 bytes, AdamW, fp32. "
-        f"Machine: {platform.machine()}, torch {torch.__version__}, Python "
-        f"{sys.version.split()[0]}. Live tensor bytes above the state before the window.",
+        f"{describe()} Live tensor bytes above the state before the window.",
         "",
         "| N | micro-batch | window peak | one micro-batch step | window - step | "
         "activations saved per micro-batch |",

@@ -19,7 +19,6 @@ Writes bench/results/overhead.md and bench/results/overhead.png.
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from machine import describe
 from peers import IMPLEMENTATIONS, HandLoop
 
 import gradaccum as ga
@@ -117,16 +117,11 @@ def main() -> None:
     seconds = {
         n: {k: statistics.median(t for run in runs for t in run[n][k]) for k in names} for n in NS
     }
-    import accelerate
-    import lightning
-
     lines = [
         "# Overhead: seconds per optimizer step",
         "",
-        f"GPT 2 layers, d_model 128, micro-batches of {MICRO} x 128 bytes, AdamW. Machine: "
-        f"{platform.machine()}, 2 threads, torch {torch.__version__}, accelerate "
-        f"{accelerate.__version__}, lightning {lightning.__version__}, Python "
-        f"{sys.version.split()[0]}. {PROCESSES} fresh processes x {REPEATS} windows after "
+        f"GPT 2 layers, d_model 128, micro-batches of {MICRO} x 128 bytes, AdamW. "
+        f"{describe(threads=2, peers=True)} {PROCESSES} fresh processes x {REPEATS} windows after "
         f"{WARMUP} warm-up, the implementations taking turns.",
         "",
         "Ratio to the hand loop: median over processes of each process's median paired ratio "
