@@ -6,12 +6,13 @@ N micro-batches of 8 sequences. The implementations take turns window by window 
 who goes first) after 3 warm-up windows each; ratios are to the hand loop, the lower bound
 (no validation, no normalization by count, no norm, no guard).
 
-Why several processes: where a model's tensors land in memory changes its step time by about
-2% for the life of a process (two identical hand loops in one process differ by that much,
-consistently). So each of PROCESSES fresh processes builds the models in a different order,
-measures every window's time over the hand loop's in the same round (the paired ratio;
-machine drift cancels), and the table reports the median over processes with their range.
-A second, identical hand loop is measured as a control: its ratio is the noise floor.
+Why one model and several processes: where a model's tensors land in memory changes its step
+time by about 2% for the life of a process (two identical hand loops, each with its own copy of
+the model, differed by that much, consistently). So all implementations wrap one shared model
+and optimizer, and each of PROCESSES fresh processes measures every window's time over the
+hand loop's in the same round (the paired ratio; machine drift cancels); the table reports the
+median over processes with their range. A second, identical hand loop is measured as a
+control: its ratio is the noise floor.
 
 Writes bench/results/overhead.md and bench/results/overhead.png.
 """
@@ -34,7 +35,7 @@ from gradaccum.recipes.gpt import GPT, GPTConfig
 from gradaccum.recipes.stdlib_text import corpus_bytes, full_length_batch
 
 OUT = Path(__file__).parent / "results"
-MICRO, NS, WARMUP, REPEATS, PROCESSES = 8, [1, 4, 8], 3, 21, 5
+MICRO, NS, WARMUP, REPEATS, PROCESSES = 8, [1, 4, 8], 3, 31, 5
 
 
 class HandLoopControl(HandLoop):
@@ -61,15 +62,14 @@ def sum_loss(m, mb):
     return ga.causal_lm_loss(m(mb["input_ids"]), mb["labels"])
 
 
-def measure(n: int, data: bytes, process: int) -> dict[str, list[float]]:
+def measure(n: int, data: bytes) -> dict[str, list[float]]:
     """Seconds of every measured window, by implementation, in one process."""
-    # Build order differs per process, so memory placement does too.
-    k = process % len(RUNNERS)
-    built = {}
-    for impl in RUNNERS[k:] + RUNNERS[:k]:
-        net = model()
-        built[impl.name] = impl(net, torch.optim.AdamW(net.parameters(), lr=1e-3), n)
-    runners = [built[impl.name] for impl in RUNNERS]
+    # One model and one optimizer for all: each implementation wraps the same tensors, so
+    # where they lie in memory cannot favour one of them (with a model each, two identical
+    # hand loops differed by ~2% for a whole process). Values do not change the compute.
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    runners = [impl(net, optimizer, n) for impl in RUNNERS]
     times: dict[str, list[float]] = {r.name: [] for r in runners}
     for w in range(WARMUP + REPEATS):
         micro = ga.split(full_length_batch(data, MICRO * n, 128, seed=w), MICRO)
@@ -82,10 +82,10 @@ def measure(n: int, data: bytes, process: int) -> dict[str, list[float]]:
     return times
 
 
-def worker(process: int) -> None:
+def worker() -> None:
     torch.set_num_threads(2)
     data = corpus_bytes()
-    print(json.dumps({n: measure(n, data, process) for n in NS}))
+    print(json.dumps({n: measure(n, data) for n in NS}))
 
 
 def paired(times: dict[str, list[float]]) -> dict[str, float]:
@@ -101,7 +101,7 @@ def main() -> None:
     for p in range(PROCESSES):
         start = time.perf_counter()
         out = subprocess.run(
-            [sys.executable, __file__, "--worker", str(p)],
+            [sys.executable, __file__, "--worker"],
             check=True,
             capture_output=True,
             text=True,
@@ -176,7 +176,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        worker(int(sys.argv[2]))
+    if sys.argv[1:] == ["--worker"]:
+        worker()
     else:
         main()

@@ -549,15 +549,20 @@ class Accumulator:
                 grads = self._sync.local(grads)
                 # DDP and FSDP2 hand back the mean over ranks: divide by total / world.
                 divisor = total * carried / self._sync.grad_factor
-                _scale_(grads, 1.0 / divisor, divide_by=divisor)
-                grad_norm = self._sync.norm(grads).item()
+                # The norm of the sum, divided, is the norm of the mean: measuring first lets
+                # normalization and clipping share one pass over the gradients.
+                grad_norm = self._sync.norm(grads).item() / divisor
                 if not math.isfinite(grad_norm):
                     skipped = "fp16 overflow" if self._mp.scaler else "non-finite gradient"
-                elif self.max_grad_norm is not None:
-                    # Same rule as torch.nn.utils.clip_grad_norm_, on the normalized gradient.
-                    coef = self.max_grad_norm / (grad_norm + 1e-6)
+                else:
+                    coef = 1.0
+                    if self.max_grad_norm is not None:
+                        # torch.nn.utils.clip_grad_norm_'s rule, on the normalized gradient.
+                        coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
                     if coef < 1.0:
-                        _scale_(grads, coef)
+                        _scale_(grads, coef / divisor)
+                    else:
+                        _scale_(grads, 1.0 / divisor, divide_by=divisor)
             b_simple = None
             if self.noise is not None:
                 if skipped is None:

