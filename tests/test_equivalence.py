@@ -132,3 +132,35 @@ def test_naive_per_micro_batch_mean_is_wrong_on_padded_lm():
     err = max_rel_err(naive, expected)
     print(f"naive mean/N gradient error on the padded LM: {err:.1%}")
     assert err > 0.10
+
+
+@pytest.mark.parametrize("task", ["mlp", "cnn"])
+def test_equal_micro_batches_arrive_normalized_and_stay_exact(task):
+    """Equal counts: step() pre-divides each loss by the first count times N, which is the
+    total, so the window's sum arrives normalized and no division pass runs. The full-batch
+    loop is the judge, for the gradient and for three AdamW steps with clipping that bites."""
+    factory, make_batch, loss_fn, reference = TASKS[task]
+    batches = [make_batch(seed=s, n=16) for s in (21, 22, 23)]
+    expected = reference_grads(make_model(factory), batches[0], reference)
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in expected.values()]))
+
+    model = make_model(factory)
+    optimizer = OPTIMIZERS["adamw"](model.parameters())
+    seen = capture_step_grads(optimizer, model)
+    acc = ga.Accumulator(model, optimizer, max_grad_norm=float(norm) / 2)
+    results = [acc.step(ga.split(batch, 4), loss_fn) for batch in batches]
+    assert all(r.micro_batches == 4 and r.count == 16 for r in results)
+    clipped = {k: v * (float(norm) / 2) / (float(norm) + 1e-6) for k, v in expected.items()}
+    err = max_rel_err(seen[0], clipped)
+    assert err <= GRAD_TOL, f"{task}: gradient relative error {err:.2e}"
+    assert results[0].grad_norm == pytest.approx(float(norm), rel=1e-5)
+
+    model_ref = make_model(factory)
+    optimizer_ref = OPTIMIZERS["adamw"](model_ref.parameters())
+    for batch in batches:
+        optimizer_ref.zero_grad(set_to_none=True)
+        reference(model_ref, batch).backward()
+        torch.nn.utils.clip_grad_norm_(model_ref.parameters(), float(norm) / 2)
+        optimizer_ref.step()
+    err = max_rel_err(params(model), params(model_ref))
+    assert err <= PARAM_TOL, f"{task}: parameter relative error {err:.2e}"

@@ -337,6 +337,7 @@ class Accumulator:
         self._window: _Window | None = None
         self._warned_batchnorm = False
         self._pad_source: Any = None  # a micro-batch this rank can replay with weight 0
+        self._planned: int | None = None  # micro-batches step() is running in this window
 
     def __repr__(self) -> str:
         return (
@@ -434,12 +435,16 @@ class Accumulator:
         return self.end_window()
 
     def _run_micro_batches(self, run: list[Any], loss_fn: LossFn) -> None:
-        for index, micro_batch in enumerate(run):
-            with self.micro_batch():
-                if self._fault_hook is not None:
-                    self._fault_hook(batch_size(micro_batch))
-                loss_sum, count = _unpack(loss_fn(self.model, micro_batch), index)
-                self.backward(loss_sum, count)
+        self._planned = len(run)  # lets backward pre-divide by the expected total
+        try:
+            for index, micro_batch in enumerate(run):
+                with self.micro_batch():
+                    if self._fault_hook is not None:
+                        self._fault_hook(batch_size(micro_batch))
+                    loss_sum, count = _unpack(loss_fn(self.model, micro_batch), index)
+                    self.backward(loss_sum, count)
+        finally:
+            self._planned = None
 
     @contextmanager
     def micro_batch(self, last: bool = False) -> Iterator[None]:
@@ -497,7 +502,7 @@ class Accumulator:
             )
         loss_sum = _check_loss(loss_sum, index)
         checked = _check_count(count, index)
-        self._mp.backward(loss_sum, checked, index == 0, self._params)
+        self._mp.backward(loss_sum, checked, index == 0, self._params, self._planned)
         if isinstance(checked, torch.Tensor):
             window.tensor_counts.append((index, checked))
         else:
@@ -547,8 +552,10 @@ class Accumulator:
                 loss = loss_total / total
                 grads, carried = self._mp.gather(self.optimizer, self._step_params)
                 grads = self._sync.local(grads)
+                # Pre-divided by the right total already (equal counts): nothing to divide.
+                normalized = self._mp.expected == total and self._sync.grad_factor == 1
                 # DDP and FSDP2 hand back the mean over ranks: divide by total / world.
-                divisor = total * carried / self._sync.grad_factor
+                divisor = 1.0 if normalized else total * carried / self._sync.grad_factor
                 # The norm of the sum, divided, is the norm of the mean: measuring first lets
                 # normalization and clipping share one pass over the gradients.
                 grad_norm = self._sync.norm(grads).item() / divisor
@@ -561,7 +568,7 @@ class Accumulator:
                         coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
                     if coef < 1.0:
                         _scale_(grads, coef / divisor)
-                    else:
+                    elif not normalized:
                         _scale_(grads, 1.0 / divisor, divide_by=divisor)
             b_simple = None
             if self.noise is not None:

@@ -105,7 +105,10 @@ class Precision:
         )
         self._buffers: dict[int, torch.Tensor] = {}
         self._prescale = 1.0
+        self.expected: int | None = None  # the count the losses were pre-divided by, if any
         self._unscaled = False
+        # fp16 gradients without a scaler would underflow if losses were pre-divided
+        self._fp16_grads = any(p.dtype == torch.float16 for p in params)
 
     def __repr__(self) -> str:
         return f"Precision({self.name!r}, accumulate_dtype={self.accumulate_dtype})"
@@ -123,9 +126,27 @@ class Precision:
         count: int | torch.Tensor,
         first: bool,
         params: list[torch.nn.Parameter],
+        planned: int | None = None,
     ) -> None:
-        """Backward of one micro-batch's summed loss, outside autocast, then buffer the grads."""
-        if self.scaler is not None:
+        """Backward of one micro-batch's summed loss, outside autocast, then buffer the grads.
+
+        ``planned``: how many micro-batches the window will run, when known (``step()``).
+        Then the losses are pre-divided by the first micro-batch's count times that number,
+        the window's total when micro-batches hold equal counts: the sum then arrives
+        normalized and end_window skips its division pass (it still divides when the total
+        turns out different). Only for a count already on the host (a Python int, or a CPU
+        tensor), so no device sync is added.
+        """
+        if self.scaler is None and first and planned and not self._fp16_grads:
+            on_host = not isinstance(count, torch.Tensor) or count.device.type == "cpu"
+            expected = int(count) * planned if on_host else 0
+            if expected > 0:
+                # the factor as the loss's dtype holds it, so carried is what was applied
+                self._prescale = torch.tensor(1.0 / expected, dtype=loss_sum.dtype).item()
+                self.expected = expected
+        if self.scaler is None and self._prescale != 1.0:
+            loss_sum = loss_sum * self._prescale
+        elif self.scaler is not None:
             if first:
                 # A summed loss has gradients ``count`` times those of a mean loss, which
                 # would overflow fp16 at GradScaler's starting scale and skip the first
@@ -169,9 +190,10 @@ class Precision:
         return grads, self._prescale
 
     def loss_multiplier(self) -> float:
-        """What the window's losses are multiplied by before backward (fp16 scaling)."""
+        """What the window's losses are multiplied by before backward (pre-division, fp16
+        scaling)."""
         if self.scaler is None:
-            return 1.0
+            return self._prescale
         return self._prescale * float(self.scaler.get_scale())
 
     def scale(self) -> float | None:
@@ -205,4 +227,5 @@ class Precision:
     def reset(self) -> None:
         self._buffers.clear()
         self._prescale = 1.0
+        self.expected = None
         self._unscaled = False

@@ -30,6 +30,8 @@ SCENARIOS = {
     "uneven tokens": [([3, 5], [2, 3])] * 3,
     "fewer micro-batches": [([3, 5], [2, 3]), ([2, 2, 2, 2], [5]), ([4, 4], [1, 1, 1, 1, 1])],
     "empty rank": [([3, 5], [2, 3]), ([6, 7], []), ([5, 3], [5])],
+    # the same as "fewer micro-batches", reducing every micro-batch (sync="micro")
+    "sync per micro-batch": [([3, 5], [2, 3]), ([2, 2, 2, 2], [5]), ([4, 4], [1, 1, 1, 1, 1])],
 }
 
 
@@ -77,7 +79,9 @@ def train(rank: int, world: int, kind: str, out: str) -> None:
         opt = optimizer(model.parameters())
         handed = []  # the gradient the optimizer is given at each step, in full
         opt.register_step_pre_hook(lambda *_, h=handed, m=model: h.append(full_grads(m)))
-        acc = ga.Accumulator(model, opt)
+        acc = ga.Accumulator(
+            model, opt, sync="micro" if name == "sync per micro-batch" else "window"
+        )
         losses = []
         for step, sizes in enumerate(steps):
             result = acc.step(my_micro_batches(step, sizes, rank), lm_loss)
