@@ -77,7 +77,8 @@ class _Window:
     micro_batches: int = 0
     int_count: int = 0
     tensor_counts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    loss_sum: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None  # losses on an accelerator, summed there (float64)
+    host_loss_sum: float = 0.0  # losses on the CPU, summed as Python floats (also float64)
     in_micro_batch: bool = False
     backward_done: bool = False
     synced: bool = False  # a micro-batch marked last=True has run
@@ -113,8 +114,9 @@ def _check_distributed(sync: Sync, mp: Precision, noise_scale: bool) -> None:
 
 
 def _check_count(count: Any, index: int) -> int | torch.Tensor:
-    """A Python count is checked now; a tensor count is checked at the window's end, with one
-    host sync for the whole window instead of one per micro-batch."""
+    """A Python count, or a tensor count on the CPU (reading it costs nothing), is checked
+    now; a count on an accelerator is checked at the window's end, with one host sync for the
+    whole window instead of one per micro-batch."""
     where = f"from micro-batch {index}"
     if isinstance(count, torch.Tensor):
         if count.numel() != 1:
@@ -126,7 +128,12 @@ def _check_count(count: Any, index: int) -> int | torch.Tensor:
             raise ValueError(
                 f"count must be a real number of items, got dtype {count.dtype} {where}"
             )
-        return count.detach().reshape(())
+        if count.device.type != "cpu":
+            return count.detach().reshape(())
+        value = count.item()
+        if value < 0 or not float(value).is_integer():
+            raise ValueError(f"count must be a non-negative integer, got {value:g} {where}")
+        return int(value)
     if isinstance(count, bool):
         raise ValueError(f"count must be a non-negative integer, got {count!r} {where}")
     if isinstance(count, float) and count.is_integer():
@@ -515,8 +522,11 @@ class Accumulator:
             ]
             multiplier = self._mp.loss_multiplier()
             self.noise.record(total_norm(sums).square() / multiplier**2, checked)
-        detached = loss_sum.detach().to(torch.float64)
-        window.loss_sum = detached if window.loss_sum is None else window.loss_sum + detached
+        if loss_sum.device.type == "cpu":
+            window.host_loss_sum += loss_sum.item()
+        else:
+            detached = loss_sum.detach().to(torch.float64)
+            window.loss_sum = detached if window.loss_sum is None else window.loss_sum + detached
         window.backward_done = True
 
     def end_window(self) -> StepResult:
@@ -531,7 +541,9 @@ class Accumulator:
             raise RuntimeError("end_window() called inside a micro_batch() context")
         try:
             total = window.int_count + self._tensor_count_total(window)
-            loss_total = 0.0 if window.loss_sum is None else window.loss_sum.item()
+            loss_total = window.host_loss_sum
+            if window.loss_sum is not None:
+                loss_total += window.loss_sum.item()
             if self._sync.distributed:
                 if not window.synced and self._sync.mode == "window":
                     raise RuntimeError(

@@ -144,8 +144,10 @@ class Precision:
                 # the factor as the loss's dtype holds it, so carried is what was applied
                 self._prescale = torch.tensor(1.0 / expected, dtype=loss_sum.dtype).item()
                 self.expected = expected
+        grad_out = None
         if self.scaler is None and self._prescale != 1.0:
-            loss_sum = loss_sum * self._prescale
+            # d(loss * s)/d(loss) = s, handed to backward directly: no extra autograd node
+            grad_out = torch.full((), self._prescale, dtype=loss_sum.dtype, device=loss_sum.device)
         elif self.scaler is not None:
             if first:
                 # A summed loss has gradients ``count`` times those of a mean loss, which
@@ -156,7 +158,7 @@ class Precision:
                 self._prescale = 2.0 ** -math.floor(math.log2(n))
             loss_sum = self.scaler.scale(loss_sum * self._prescale)
         with torch.autocast(self.device_type, enabled=False):
-            loss_sum.backward()
+            loss_sum.backward(gradient=grad_out)
         if self._buffered:
             self._absorb(params)
 
