@@ -442,7 +442,13 @@ class Accumulator:
         return self.end_window()
 
     def _run_micro_batches(self, run: list[Any], loss_fn: LossFn) -> None:
-        self._planned = len(run)  # lets backward pre-divide by the expected total
+        # Micro-batches of one size usually hold equal counts: backward may then pre-divide
+        # by the expected total. Sizes that differ would only change the rounding for nothing.
+        try:
+            equal = len({batch_size(mb) for mb in run}) == 1
+        except (TypeError, ValueError):  # micro-batches gradaccum cannot measure
+            equal = False
+        self._planned = len(run) if equal else None
         try:
             for index, micro_batch in enumerate(run):
                 with self.micro_batch():

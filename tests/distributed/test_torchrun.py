@@ -45,7 +45,10 @@ def test_torchrun_two_processes_train_the_global_batch_into_one_run_folder(tmp_p
     assert all(x["count"] == 45 for x in lines)  # the global batch, counted over both ranks
     assert "on each of 2 processes" in proc.stdout
 
-    # The same run in one process: same losses and parameters within fp32 rounding.
+    # The same run in one process: same losses and parameters within fp32 rounding. Tight on
+    # purpose: AdamW turns a rounding-order change on a near-zero gradient element into a
+    # full-size update (a pre-division by an expected total that the counts then missed moved
+    # these parameters 2.6e-3 apart), so this also holds both paths to the same arithmetic.
     single = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
     for a, b in zip(lines, single, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["loss"], b["loss"])
