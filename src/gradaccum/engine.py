@@ -130,10 +130,7 @@ def _check_count(count: Any, index: int) -> int | torch.Tensor:
             )
         if count.device.type != "cpu":
             return count.detach().reshape(())
-        value = count.item()
-        if value < 0 or not float(value).is_integer():
-            raise ValueError(f"count must be a non-negative integer, got {value:g} {where}")
-        return int(value)
+        return _count_value(count.item(), index)
     if isinstance(count, bool):
         raise ValueError(f"count must be a non-negative integer, got {count!r} {where}")
     if isinstance(count, float) and count.is_integer():
@@ -141,6 +138,15 @@ def _check_count(count: Any, index: int) -> int | torch.Tensor:
     if not isinstance(count, int) or count < 0:
         raise ValueError(f"count must be a non-negative integer, got {count!r} {where}")
     return count
+
+
+def _count_value(value: float, index: int) -> int:
+    """A count read from a tensor: a whole number of items, or the error naming it."""
+    if value < 0 or not float(value).is_integer():
+        raise ValueError(
+            f"count must be a non-negative integer, got {value:g} from micro-batch {index}"
+        )
+    return int(value)
 
 
 def _check_loss(loss_sum: Any, index: int) -> torch.Tensor:
@@ -694,14 +700,10 @@ class Accumulator:
         if not window.tensor_counts:
             return 0
         values = torch.stack([c.to(torch.float64) for _, c in window.tensor_counts]).cpu()
-        total = 0
-        for (index, _), value in zip(window.tensor_counts, values.tolist(), strict=True):
-            if value < 0 or not float(value).is_integer():
-                raise ValueError(
-                    f"count must be a non-negative integer, got {value:g} from micro-batch {index}"
-                )
-            total += int(value)
-        return total
+        return sum(
+            _count_value(value, index)
+            for (index, _), value in zip(window.tensor_counts, values.tolist(), strict=True)
+        )
 
     # -- checkpoints ------------------------------------------------------------------------
 

@@ -106,6 +106,7 @@ class Precision:
         self._buffers: dict[int, torch.Tensor] = {}
         self._prescale = 1.0
         self.expected: int | None = None  # the count the losses were pre-divided by, if any
+        self._grad_out: torch.Tensor | None = None  # that pre-division, as backward's gradient
         self._unscaled = False
         # fp16 gradients without a scaler would underflow if losses were pre-divided
         self._fp16_grads = any(p.dtype == torch.float16 for p in params)
@@ -141,14 +142,20 @@ class Precision:
             on_host = not isinstance(count, torch.Tensor) or count.device.type == "cpu"
             expected = int(count) * planned if on_host else 0
             if expected > 0:
-                # the factor as the loss's dtype holds it, so carried is what was applied
-                self._prescale = torch.tensor(1.0 / expected, dtype=loss_sum.dtype).item()
+                # the factor as the loss's dtype holds it, so carried is what was applied;
+                # made once per window, handed to every micro-batch's backward
+                factor = torch.tensor(1.0 / expected, dtype=loss_sum.dtype)
+                self._prescale = factor.item()
+                self._grad_out = factor.to(loss_sum.device)
                 self.expected = expected
-        grad_out = None
-        if self.scaler is None and self._prescale != 1.0:
-            # d(loss * s)/d(loss) = s, handed to backward directly: no extra autograd node
-            grad_out = torch.full((), self._prescale, dtype=loss_sum.dtype, device=loss_sum.device)
-        elif self.scaler is not None:
+        # d(loss * s)/d(loss) = s, handed to backward directly: no extra autograd node
+        grad_out = self._grad_out
+        if grad_out is not None and (grad_out.dtype, grad_out.device) != (
+            loss_sum.dtype,
+            loss_sum.device,
+        ):
+            grad_out = grad_out.to(loss_sum.device, loss_sum.dtype)
+        if self.scaler is not None:
             if first:
                 # A summed loss has gradients ``count`` times those of a mean loss, which
                 # would overflow fp16 at GradScaler's starting scale and skip the first
@@ -230,4 +237,5 @@ class Precision:
         self._buffers.clear()
         self._prescale = 1.0
         self.expected = None
+        self._grad_out = None
         self._unscaled = False

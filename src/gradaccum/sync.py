@@ -67,9 +67,7 @@ class Sync:
             self.kind = "local"
             self.inner = model
         self.world = dist.get_world_size(self.group) if self.distributed else 1
-        self._device = torch.device("cpu")
-        if self.distributed and "nccl" in str(dist.get_backend(self.group)).lower():
-            self._device = torch.device("cuda", torch.cuda.current_device())
+        self._device = _collective_device(self.group) if self.distributed else torch.device("cpu")
 
     def __repr__(self) -> str:
         return f"Sync({self.kind}, mode={self.mode!r}, world={self.world})"
@@ -83,11 +81,15 @@ class Sync:
         """What the reduced gradient was divided by: DDP and FSDP2 average over ranks."""
         return self.world
 
-    @contextlib.contextmanager
-    def micro_batch(self, last: bool) -> Iterator[None]:
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Forward and backward of one micro-batch; they communicate only when ``last`` (or
         in ``"micro"`` mode). DDP decides in forward, FSDP2 in backward: wrap both."""
-        communicate = last or self.mode == "micro"
+        if self.kind == "local":
+            return contextlib.nullcontext()  # the per-micro-batch path of a plain model
+        return self._communicating(last or self.mode == "micro")
+
+    @contextlib.contextmanager
+    def _communicating(self, communicate: bool) -> Iterator[None]:
         if self.kind == "ddp":
             before = self.model.require_backward_grad_sync
             self.model.require_backward_grad_sync = communicate
@@ -95,14 +97,12 @@ class Sync:
                 yield
             finally:
                 self.model.require_backward_grad_sync = before
-        elif self.kind == "fsdp":
+        else:
             self.model.set_requires_gradient_sync(communicate)
             try:
                 yield
             finally:
                 self.model.set_requires_gradient_sync(True)
-        else:
-            yield
 
     def _all_reduce(self, values: list[float], dtype: torch.dtype, op) -> list[float]:
         t = torch.tensor(values, dtype=dtype, device=self._device)
@@ -140,6 +140,13 @@ class Sync:
         squared = norm.double().square().to(self._device)
         dist.all_reduce(squared, group=self.group)
         return squared.sqrt()
+
+
+def _collective_device(group=None) -> torch.device:
+    """Where a group's collectives take their tensors: the current GPU for nccl, else CPU."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -197,7 +204,6 @@ def broadcast(value, src: int = 0):
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when it is true on any (e.g. a signal that reached one rank)."""
-    device = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
-    t = torch.tensor([int(flag)], device=device)
+    t = torch.tensor([int(flag)], device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
