@@ -43,6 +43,12 @@ def per_sample(model, mb):
         (returning(count=torch.tensor(-3)), ValueError, r"got -3 from micro-batch 0"),
         (returning(count=torch.tensor(2.5)), ValueError, r"got 2\.5 from micro-batch 0"),
         (returning(count=torch.ones(2)), ValueError, r"0-dim tensor, got a tensor of shape \(2,\)"),
+        (
+            returning(count=torch.tensor(True)),
+            ValueError,
+            r"real number of items, got dtype torch.bool",
+        ),
+        (returning(count=torch.tensor(4 + 0j)), ValueError, r"got dtype torch.complex64"),
         (returning(loss=lambda m, mb: torch.tensor(1.0)), ValueError, r"does not require grad"),
         (
             returning(loss=lambda m, mb: 1.0),
@@ -69,6 +75,8 @@ def per_sample(model, mb):
         "negative-tensor-count",
         "fractional-tensor-count",
         "vector-count",
+        "bool-tensor-count",
+        "complex-tensor-count",
         "loss-without-grad",
         "float-loss",
         "bare-loss",
@@ -159,7 +167,10 @@ def test_manual_mode_misuse(setup):
         with acc.micro_batch():
             pass
     with acc.micro_batch():
-        acc.backward(*mlp_loss(model, micro[0]))
+        with pytest.raises(RuntimeError, match="micro_batch\\(\\) contexts do not nest"):
+            with acc.micro_batch():
+                pass
+        acc.backward(*mlp_loss(model, micro[0]))  # the outer context is still usable
     with pytest.raises(RuntimeError, match="manual window is open with 1 micro-batches"):
         acc.step(micro, mlp_loss)
     with pytest.raises(RuntimeError, match="checkpoint between windows"):

@@ -11,13 +11,13 @@ non-finite guard, the optimizer step and the scheduler step all happen there, on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import math
 import random
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -85,6 +85,76 @@ class _Window:
     synced_now: bool = False  # the micro-batch in progress communicates gradients
 
 
+class _MicroBatch:
+    """``Accumulator.micro_batch()``: a plain class rather than a generator context, and no
+    inner contexts unless the model is data-parallel or autocast is on. It runs on every
+    micro-batch, where each Python step costs more than it does in isolation (the forward
+    and backward just evicted the interpreter's data from the CPU caches)."""
+
+    __slots__ = ("acc", "last", "inner", "window")
+
+    def __init__(self, acc: Accumulator, last: bool) -> None:
+        self.acc, self.last = acc, last
+        self.inner: contextlib.ExitStack | None = None
+        self.window: _Window | None = None
+
+    def __enter__(self) -> None:
+        acc = self.acc
+        if acc._window is None:
+            acc._open_window()
+        window = acc._window
+        assert window is not None
+        if window.in_micro_batch:
+            raise RuntimeError("micro_batch() contexts do not nest")
+        sync = acc._sync
+        if window.synced and sync.mode == "window":
+            acc.abort_window()
+            raise RuntimeError(
+                "micro_batch() after the one marked last=True: its gradient would miss the "
+                "reduction; end the window with end_window() first"
+            )
+        window.in_micro_batch = True
+        window.backward_done = False
+        window.synced_now = self.last or sync.mode == "micro"
+        self.window = window
+        if sync.distributed or acc._mp.autocast_dtype is not None:
+            inner = contextlib.ExitStack()
+            try:
+                inner.enter_context(sync.micro_batch(self.last))
+                inner.enter_context(acc._mp.autocast())
+            except BaseException:
+                inner.close()
+                acc.abort_window()
+                raise
+            self.inner = inner
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        acc = self.acc
+        try:
+            if self.inner is not None:
+                self.inner.__exit__(exc_type, exc, tb)
+        except BaseException:
+            acc.abort_window()
+            raise
+        finally:
+            self.inner = None
+        if exc_type is not None:
+            acc.abort_window()
+            return  # the exception propagates
+        window = self.window
+        assert window is not None
+        if not window.backward_done:
+            acc.abort_window()
+            raise RuntimeError(
+                f"micro-batch {window.micro_batches} ended without acc.backward(loss_sum, count);"
+                " every micro-batch of a window must run backward (use count 0 for one that "
+                "holds no item)"
+            )
+        window.in_micro_batch = False
+        window.micro_batches += 1
+        window.synced = window.synced or self.last
+
+
 def _check_distributed(sync: Sync, mp: Precision, noise_scale: bool) -> None:
     """What the data-parallel path does not do yet, refused with the reason."""
     problems = []
@@ -124,13 +194,18 @@ def _check_count(count: Any, index: int) -> int | torch.Tensor:
                 f"count must be an integer or a 0-dim tensor, got a tensor of shape "
                 f"{tuple(count.shape)} {where}"
             )
-        if count.is_complex() or count.dtype == torch.bool:
+        if not count.is_cpu:
+            if count.is_complex() or count.dtype == torch.bool:
+                raise ValueError(
+                    f"count must be a real number of items, got dtype {count.dtype} {where}"
+                )
+            return count.detach().reshape(())
+        value = count.item()  # (the dtype checks below read the Python value: fewer steps)
+        if isinstance(value, (bool, complex)):
             raise ValueError(
                 f"count must be a real number of items, got dtype {count.dtype} {where}"
             )
-        if count.device.type != "cpu":
-            return count.detach().reshape(())
-        return _count_value(count.item(), index)
+        return _count_value(value, index)
     if isinstance(count, bool):
         raise ValueError(f"count must be a non-negative integer, got {count!r} {where}")
     if isinstance(count, float) and count.is_integer():
@@ -417,6 +492,7 @@ class Accumulator:
         result = self.end_window()
         if replays == 0:
             self.oom.window_done(given, self.state.windows)
+            return result
         return dataclasses.replace(result, oom_replays=replays)
 
     def _step_distributed(self, given: list[Any], loss_fn: LossFn) -> StepResult:
@@ -465,8 +541,7 @@ class Accumulator:
         finally:
             self._planned = None
 
-    @contextmanager
-    def micro_batch(self, last: bool = False) -> Iterator[None]:
+    def micro_batch(self, last: bool = False) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch in a hand-written loop; call ``backward`` inside it.
 
         ``last``: this is the window's last micro-batch. Only a data-parallel model needs it
@@ -476,37 +551,7 @@ class Accumulator:
         An exception inside aborts the whole window (gradients cleared, parameters untouched)
         and propagates.
         """
-        if self._window is None:
-            self._open_window()
-        window = self._window
-        assert window is not None
-        if window.in_micro_batch:
-            raise RuntimeError("micro_batch() contexts do not nest")
-        if window.synced and self._sync.mode == "window":
-            self.abort_window()
-            raise RuntimeError(
-                "micro_batch() after the one marked last=True: its gradient would miss the "
-                "reduction; end the window with end_window() first"
-            )
-        window.in_micro_batch = True
-        window.backward_done = False
-        window.synced_now = last or self._sync.mode == "micro"
-        try:
-            with self._sync.micro_batch(last), self._mp.autocast():
-                yield
-        except BaseException:
-            self.abort_window()
-            raise
-        if not window.backward_done:
-            self.abort_window()
-            raise RuntimeError(
-                f"micro-batch {window.micro_batches} ended without acc.backward(loss_sum, count);"
-                " every micro-batch of a window must run backward (use count 0 for one that "
-                "holds no item)"
-            )
-        window.in_micro_batch = False
-        window.micro_batches += 1
-        window.synced = window.synced or last
+        return _MicroBatch(self, last)
 
     def backward(self, loss_sum: torch.Tensor, count: int | torch.Tensor) -> None:
         """Backpropagate one micro-batch's summed loss and record its item count."""
@@ -534,7 +579,7 @@ class Accumulator:
             ]
             multiplier = self._mp.loss_multiplier()
             self.noise.record(total_norm(sums).square() / multiplier**2, checked)
-        if loss_sum.device.type == "cpu":
+        if loss_sum.is_cpu:
             window.host_loss_sum += loss_sum.item()
         else:
             detached = loss_sum.detach().to(torch.float64)

@@ -123,10 +123,11 @@ class Sync:
         total, loss = self._all_reduce([float(count), loss_sum], torch.float64, dist.ReduceOp.SUM)
         return int(total), loss
 
-    @staticmethod
-    def local(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's part of each gradient (an FSDP2 shard is a DTensor; its local tensor
         shares storage, so scaling it in place scales the gradient)."""
+        if self.kind != "fsdp":
+            return grads
         return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
 
     def norm(self, local_grads: list[torch.Tensor]) -> torch.Tensor:
