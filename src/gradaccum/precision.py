@@ -115,6 +115,7 @@ class Precision:
         self._prescale = 1.0
         self.expected: int | None = None  # the count the losses were pre-divided by, if any
         self._grad_out: torch.Tensor | None = None  # that pre-division, as backward's gradient
+        self._factors: dict[tuple, tuple[torch.Tensor, float]] = {}  # by (total, dtype, device)
         self._unscaled = False
         # fp16 gradients without a scaler would underflow if losses were pre-divided
         self._fp16_grads = any(p.dtype == torch.float16 for p in params)
@@ -151,10 +152,16 @@ class Precision:
             expected = int(count) * planned if on_host else 0
             if expected > 0:
                 # the factor as the loss's dtype holds it, so carried is what was applied;
-                # made once per window, handed to every micro-batch's backward
-                factor = torch.tensor(1.0 / expected, dtype=loss_sum.dtype)
-                self._prescale = factor.item()
-                self._grad_out = factor.to(loss_sum.device)
+                # handed to every micro-batch's backward, and kept for the next window (which
+                # usually expects the same total)
+                key = (expected, loss_sum.dtype, loss_sum.get_device())
+                made = self._factors.get(key)
+                if made is None:
+                    if len(self._factors) >= 64:
+                        self._factors.clear()
+                    factor = torch.tensor(1.0 / expected, dtype=loss_sum.dtype)
+                    made = self._factors[key] = (factor.to(loss_sum.device), factor.item())
+                self._grad_out, self._prescale = made
                 self.expected = expected
         # d(loss * s)/d(loss) = s, handed to backward directly: no extra autograd node
         grad_out = self._grad_out
