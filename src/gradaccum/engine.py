@@ -194,18 +194,18 @@ def _check_count(count: Any, index: int) -> int | torch.Tensor:
                 f"count must be an integer or a 0-dim tensor, got a tensor of shape "
                 f"{tuple(count.shape)} {where}"
             )
-        if not count.is_cpu:
-            if count.is_complex() or count.dtype == torch.bool:
-                raise ValueError(
-                    f"count must be a real number of items, got dtype {count.dtype} {where}"
-                )
-            return count.detach().reshape(())
-        value = count.item()  # (the dtype checks below read the Python value: fewer steps)
-        if isinstance(value, (bool, complex)):
+        # On the CPU the Python value is read now and its type checked (fewer steps than
+        # the tensor's dtype); an accelerator's count is checked by dtype and read later.
+        if count.is_cpu:
+            value = count.item()
+            bad_dtype = isinstance(value, (bool, complex))
+        else:
+            value, bad_dtype = None, count.is_complex() or count.dtype == torch.bool
+        if bad_dtype:
             raise ValueError(
                 f"count must be a real number of items, got dtype {count.dtype} {where}"
             )
-        return _count_value(value, index)
+        return count.detach().reshape(()) if value is None else _count_value(value, index)
     if isinstance(count, bool):
         raise ValueError(f"count must be a non-negative integer, got {count!r} {where}")
     if isinstance(count, float) and count.is_integer():

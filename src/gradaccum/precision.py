@@ -144,12 +144,11 @@ class Precision:
         Then the losses are pre-divided by the first micro-batch's count times that number,
         the window's total when micro-batches hold equal counts: the sum then arrives
         normalized and end_window skips its division pass (it still divides when the total
-        turns out different). Only for a count already on the host (a Python int, or a CPU
-        tensor), so no device sync is added.
+        turns out different). Only for a count already on the host (the Accumulator reads a
+        CPU tensor count into an int), so no device sync is added.
         """
         if self.scaler is None and first and planned and not self._fp16_grads:
-            on_host = not isinstance(count, torch.Tensor) or count.device.type == "cpu"
-            expected = int(count) * planned if on_host else 0
+            expected = count * planned if isinstance(count, int) else 0
             if expected > 0:
                 # the factor as the loss's dtype holds it, so carried is what was applied;
                 # handed to every micro-batch's backward, and kept for the next window (which
