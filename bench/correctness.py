@@ -135,8 +135,12 @@ def fabric(make, mean_loss, sum_loss, windows) -> list[dict]:
     return seen
 
 
-WAYS = {"naive mean / N": naive, "Accelerate": accelerate, "Lightning Fabric": fabric,
-        "gradaccum": gradaccum}  # fmt: skip
+WAYS = {
+    "naive mean / N": naive,
+    "Accelerate": accelerate,
+    "Lightning Fabric": fabric,
+    "gradaccum": gradaccum,
+}
 
 
 def main() -> None:
@@ -154,8 +158,9 @@ def main() -> None:
     reg_windows = list(ga.windows(reg_micro, N))
     assert [len(w) for w in reg_windows] == [4, 3]
     last = reg_windows[-1]
-    last_full = full_grad(reg_model, reg_mean, (torch.cat([a for a, _ in last]),
-                                                torch.cat([b for _, b in last])))  # fmt: skip
+    last_full = full_grad(
+        reg_model, reg_mean, (torch.cat([a for a, _ in last]), torch.cat([b for _, b in last]))
+    )
 
     rows = []
     for name, way in WAYS.items():

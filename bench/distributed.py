@@ -53,8 +53,13 @@ def loss_fn(m, mb):
 
 def worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=120),
+    )
     data = corpus_bytes()
     results = {}
     for kind in KINDS:
@@ -63,8 +68,9 @@ def worker(rank: int, port: int, out: str) -> None:
         accs = {}
         for mode in MODES:
             model = build(kind)
-            accs[mode] = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.01),
-                                        sync=mode)  # fmt: skip
+            accs[mode] = ga.Accumulator(
+                model, torch.optim.SGD(model.parameters(), lr=0.01), sync=mode
+            )
         for n in NS:
             times = {mode: [] for mode in MODES}
             for w in range(WARMUP + REPEATS):

@@ -13,8 +13,12 @@ def describe(threads: int | None = None, peers: bool = False) -> str:
     """``x86_64, 2 cores, 2 torch threads, torch 2.13.0+cpu, Python 3.11.7`` (and the
     versions of Accelerate and Lightning when ``peers``)."""
     threads = torch.get_num_threads() if threads is None else threads
-    parts = [platform.machine(), f"{os.cpu_count()} cores", f"{threads} torch threads per process",
-             f"torch {torch.__version__}"]  # fmt: skip
+    parts = [
+        platform.machine(),
+        f"{os.cpu_count()} cores",
+        f"{threads} torch threads per process",
+        f"torch {torch.__version__}",
+    ]
     if peers:
         import accelerate
         import lightning

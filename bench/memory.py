@@ -35,15 +35,33 @@ NS = [1, 2, 4, 8, 16]
 
 
 def fresh_peak(micro: int, micro_batches: int) -> int:
-    cmd = [sys.executable, "-m", "gradaccum.measure", "--recipe", "gpt", "--micro",
-           str(micro), "--micro-batches", str(micro_batches)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "gradaccum.measure",
+        "--recipe",
+        "gpt",
+        "--micro",
+        str(micro),
+        "--micro-batches",
+        str(micro_batches),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return int(json.loads(out.strip().splitlines()[-1])["peak"])
 
 
 def plan_cli(budget: str) -> tuple[dict, float]:
-    cmd = [sys.executable, "-m", "gradaccum", "plan", "--effective-batch", str(EFFECTIVE),
-           "--budget", budget, "--json"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "gradaccum",
+        "plan",
+        "--effective-batch",
+        str(EFFECTIVE),
+        "--budget",
+        budget,
+        "--json",
+    ]
     start = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out), time.perf_counter() - start
@@ -106,8 +124,10 @@ def main() -> None:
         "|---:|---:|---:|---:|",
     ]
     for n in NS:
-        lines.append(f"| {n} | {FIXED_E // n} | {format_bytes(fixed_e_rss[n])} | "
-                     f"{format_bytes(fixed_e_live[n])} |")  # fmt: skip
+        lines.append(
+            f"| {n} | {FIXED_E // n} | {format_bytes(fixed_e_rss[n])} | "
+            f"{format_bytes(fixed_e_live[n])} |"
+        )
     lines += [
         "",
         "## Peak vs N at a fixed micro-batch of 16",
@@ -116,8 +136,10 @@ def main() -> None:
         "|---:|---:|---:|",
     ]
     for n in NS:
-        lines.append(f"| {n} | {format_bytes(fixed_m_live[n])} | "
-                     f"{fixed_m_live[n] / fixed_m_live[1] - 1:+.1%} |")  # fmt: skip
+        lines.append(
+            f"| {n} | {format_bytes(fixed_m_live[n])} | "
+            f"{fixed_m_live[n] / fixed_m_live[1] - 1:+.1%} |"
+        )
     lines += [
         "",
         "From N = 2 on, a window holds one gradient (here 3.4 MB) while the next micro-batch "
@@ -147,8 +169,12 @@ def main() -> None:
     ax.grid(alpha=0.3)
     ax = axes[1]
     for budget, planned, measured in plans:
-        ax.scatter(planned["predicted_peak"] / mib, measured / mib, s=40,
-                   label=f"budget {budget}: micro {planned['micro_size']}")  # fmt: skip
+        ax.scatter(
+            planned["predicted_peak"] / mib,
+            measured / mib,
+            s=40,
+            label=f"budget {budget}: micro {planned['micro_size']}",
+        )
     top = max(max(p["predicted_peak"], m) for _, p, m in plans) / mib * 1.1
     ax.plot([0, top], [0, top], color="gray", linestyle="--", label="measured = predicted")
     ax.set_xlabel("predicted peak (MiB)")

@@ -59,7 +59,7 @@ def main() -> None:
             f"| {n} | {m} | {format_bytes(w)} | {format_bytes(s)} | {format_bytes(w - s)} | "
             f"{format_bytes(a)} |"
             for n, m, w, s, a in rows
-        ],  # fmt: skip
+        ],
         "",
         "The window's peak falls with N as its micro-batch does. Over a plain step of one "
         "micro-batch it adds at most one held gradient (the parameters' 3.2 MiB here), "

@@ -33,8 +33,11 @@ def main() -> None:
     for on in (False, True):
         torch.manual_seed(0)
         model = recipe.build_model()
-        acc = ga.Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                             noise_scale=on)  # fmt: skip
+        acc = ga.Accumulator(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-3),
+            noise=ga.NoiseScale() if on else None,
+        )
         runs[on] = {"acc": acc, "times": []}
     for step in range(3):  # warm-up
         for run in runs.values():

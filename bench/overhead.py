@@ -55,8 +55,9 @@ def model() -> GPT:
 
 def mean_loss(m, mb):
     logits = m(mb["input_ids"])[:, :-1]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             mb["labels"][:, 1:].reshape(-1))  # fmt: skip
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), mb["labels"][:, 1:].reshape(-1)
+    )
 
 
 def sum_loss(m, mb):
@@ -159,8 +160,12 @@ def main() -> None:
         "control / hand loop |",
         "|---:|---:|---:|---:|---:|",
     ]
-    pairs = [("gradaccum", "hand loop"), ("gradaccum", "Accelerate"),
-             ("gradaccum", "Lightning Fabric"), ("hand loop (control)", "hand loop")]  # fmt: skip
+    pairs = [
+        ("gradaccum", "hand loop"),
+        ("gradaccum", "Accelerate"),
+        ("gradaccum", "Lightning Fabric"),
+        ("hand loop (control)", "hand loop"),
+    ]
     for n in NS:
         cells = []
         for a, b in pairs:

@@ -42,8 +42,10 @@ def added(n: int, data: bytes) -> dict[str, tuple[float, float, float]]:
             r.window(micro, mean_loss, sum_loss)
             if w >= WARMUP:
                 times[r.name].append(time.perf_counter() - start)
-    out = {name: (*paired_difference(t, times["hand loop"]), statistics.median(t) * 1e6)
-           for name, t in times.items()}  # fmt: skip
+    out = {
+        name: (*paired_difference(t, times["hand loop"]), statistics.median(t) * 1e6)
+        for name, t in times.items()
+    }
     for name in PEERS:  # gradaccum against each peer directly, round by round
         out[f"gradaccum - {name}"] = paired_difference(times["gradaccum"], times[name])
     return out

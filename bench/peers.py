@@ -21,8 +21,14 @@ def capture(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list[di
     seen: list[dict] = []
 
     def hook(opt, args, kwargs):
-        seen.append({names[id(p)]: p.grad.detach().clone() for g in opt.param_groups
-                     for p in g["params"] if p.grad is not None and id(p) in names})  # fmt: skip
+        seen.append(
+            {
+                names[id(p)]: p.grad.detach().clone()
+                for g in opt.param_groups
+                for p in g["params"]
+                if p.grad is not None and id(p) in names
+            }
+        )
 
     optimizer.register_step_pre_hook(hook)
     return seen

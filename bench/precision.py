@@ -77,7 +77,9 @@ def measure(dtype, accumulate_dtype, micro) -> tuple[list[float], list[float]]:
         model = model_in(dtype)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         handed = record_handed(optimizer, model)
-        acc = ga.Accumulator(model, optimizer, accumulate_dtype=accumulate_dtype)
+        acc = ga.Accumulator(
+            model, optimizer, precision=ga.Precision(accumulate_dtype=accumulate_dtype)
+        )
         for mb in micro[:n]:
             with acc.micro_batch():
                 acc.backward(*loss_fn(model, mb))

@@ -1,37 +1,34 @@
 """gradaccum: exact gradient accumulation for PyTorch.
 
 Train with the batch size your recipe needs on the memory you have, and get exactly the
-gradient that the large batch would have given. See README.md for the tour.
+gradient that the large batch would have given. See README.md for the tour and docs/ for
+the guides.
 """
 
-from gradaccum.batching import batch_size, shard, split, windows
+from gradaccum.batching import shard, split, windows
 from gradaccum.diagnose import batchnorm_momentum, check, convert_batchnorm
 from gradaccum.engine import Accumulator, AccumulatorState, StepResult
 from gradaccum.loss import causal_lm_loss, sample_mean, token_cross_entropy
-from gradaccum.memory import (
-    disable_checkpointing,
-    enable_checkpointing,
-    format_bytes,
-    inject_oom,
-    parse_bytes,
-)
+from gradaccum.noise import NoiseScale
+from gradaccum.oom import OOMReplay
 from gradaccum.plan import Plan, plan
+from gradaccum.precision import Precision
+from gradaccum.recompute import disable_checkpointing, enable_checkpointing
 
 __all__ = [
     "Accumulator",
     "AccumulatorState",
-    "StepResult",
-    "batch_size",
+    "NoiseScale",
+    "OOMReplay",
     "Plan",
+    "Precision",
+    "StepResult",
     "batchnorm_momentum",
+    "causal_lm_loss",
     "check",
     "convert_batchnorm",
-    "causal_lm_loss",
     "disable_checkpointing",
     "enable_checkpointing",
-    "format_bytes",
-    "inject_oom",
-    "parse_bytes",
     "plan",
     "sample_mean",
     "shard",
@@ -40,4 +37,4 @@ __all__ = [
     "windows",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -7,18 +7,14 @@ not as samples; every tensor leaf must hold the same number of samples.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["split", "windows", "batch_size", "shard", "take", "to_device"]
+from gradaccum.validate import positive_int
 
-
-def _check_positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+__all__ = ["batch_size", "map_tensors", "shard", "split", "take", "to_device", "windows"]
 
 
 def _leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
@@ -54,23 +50,27 @@ def batch_size(batch: Any) -> int:
     return next(iter(sizes.values()))
 
 
-def _rebuild(batch: Any, start: int, length: int) -> Any:
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``batch`` with ``fn`` applied to every tensor in it, its containers kept: the user's
+    mapping type (a Hugging Face BatchEncoding, an OrderedDict), namedtuples, tuples, lists.
+    Anything else (None) is passed through."""
     if isinstance(batch, torch.Tensor):
-        return batch.narrow(0, start, length)
+        return fn(batch)
     if isinstance(batch, Mapping):
-        items = {k: _rebuild(v, start, length) for k, v in batch.items()}
-        try:  # keep the user's mapping type (a Hugging Face BatchEncoding, an OrderedDict)
+        items = {k: map_tensors(v, fn) for k, v in batch.items()}
+        try:
             return type(batch)(items)
         except TypeError:
             return items
-    if isinstance(batch, tuple):
-        parts = [_rebuild(v, start, length) for v in batch]
-        if hasattr(batch, "_fields"):  # namedtuple
-            return type(batch)(*parts)
-        return tuple(parts)
-    if isinstance(batch, list):
-        return [_rebuild(v, start, length) for v in batch]
-    return batch  # None
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(map_tensors(v, fn) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(v, fn) for v in batch)
+    return batch
+
+
+def _rebuild(batch: Any, start: int, length: int) -> Any:
+    return map_tensors(batch, lambda t: t.narrow(0, start, length))
 
 
 def split(batch: Any, micro_size: int) -> list[Any]:
@@ -80,7 +80,7 @@ def split(batch: Any, micro_size: int) -> list[Any]:
     every sample appears in exactly one micro-batch. Micro-batches are views, not copies,
     and keep the batch's container types. An empty batch gives an empty list.
     """
-    _check_positive_int(micro_size, "micro_size")
+    positive_int(micro_size, "micro_size")
     total = batch_size(batch)
     return [
         _rebuild(batch, start, min(micro_size, total - start))
@@ -95,7 +95,7 @@ def windows(micro_batches: Iterable[Any], n: int) -> Iterator[list[Any]]:
     shorter than ``n``); the Accumulator normalizes it by its own item count, so it is still
     an exact mean-gradient step over the samples it holds.
     """
-    _check_positive_int(n, "n (micro-batches per window)")
+    positive_int(n, "n (micro-batches per window)")
     window: list[Any] = []
     for micro_batch in micro_batches:
         window.append(micro_batch)
@@ -106,30 +106,13 @@ def windows(micro_batches: Iterable[Any], n: int) -> Iterator[list[Any]]:
         yield window
 
 
-def _repeat(batch: Any, times: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return torch.cat([batch] * times)
-    if isinstance(batch, Mapping):
-        items = {k: _repeat(v, times) for k, v in batch.items()}
-        try:
-            return type(batch)(items)
-        except TypeError:
-            return items
-    if isinstance(batch, tuple):
-        parts = [_repeat(v, times) for v in batch]
-        return type(batch)(*parts) if hasattr(batch, "_fields") else tuple(parts)
-    if isinstance(batch, list):
-        return [_repeat(v, times) for v in batch]
-    return batch
-
-
 def shard(batch: Any, rank: int, world: int) -> Any:
     """Rank ``rank``'s contiguous share of a global ``batch`` split across ``world`` processes.
 
     Shares differ by at most one sample (the first ``size % world`` ranks hold one more) and
     together are the whole batch, each sample once. Refuses a batch smaller than ``world``.
     """
-    world = _check_positive_int(world, "world")
+    world = positive_int(world, "world")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError(f"rank must be an integer in [0, {world}), got {rank!r}")
     size = batch_size(batch)
@@ -146,27 +129,16 @@ def shard(batch: Any, rank: int, world: int) -> Any:
 def take(batch: Any, n: int) -> Any:
     """The first ``n`` samples of ``batch``; when it holds fewer, its samples repeated until
     there are ``n`` (a stand-in of the right shape, e.g. for measuring memory)."""
-    _check_positive_int(n, "n")
+    positive_int(n, "n")
     total = batch_size(batch)
     if total == 0:
         raise ValueError("cannot take samples from an empty batch")
     if n > total:
-        batch = _repeat(batch, -(-n // total))
+        times = -(-n // total)
+        batch = map_tensors(batch, lambda t: torch.cat([t] * times))
     return _rebuild(batch, 0, n)
 
 
 def to_device(batch: Any, device: torch.device | str) -> Any:
     """``batch`` with every tensor moved to ``device``, containers kept."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        items = {k: to_device(v, device) for k, v in batch.items()}
-        try:
-            return type(batch)(items)
-        except TypeError:
-            return items
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    return map_tensors(batch, lambda t: t.to(device))

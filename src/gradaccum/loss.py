@@ -1,4 +1,4 @@
-"""The (loss_sum, count) contract and helpers that follow it.
+"""The (loss_sum, count) contract: its checks, and loss helpers that follow it.
 
 A loss function for the Accumulator returns the loss *summed* over the items a micro-batch
 covers and how many items that is. The Accumulator backpropagates the sum and divides the
@@ -10,10 +10,121 @@ bug this contract exists to remove.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["token_cross_entropy", "causal_lm_loss", "sample_mean"]
+__all__ = [
+    "causal_lm_loss",
+    "check_count",
+    "check_loss",
+    "count_value",
+    "sample_mean",
+    "tensor_count_total",
+    "token_cross_entropy",
+    "unpack",
+    "window_input",
+]
+
+
+# -- the contract, checked on every micro-batch ------------------------------------------------
+
+
+def window_input(micro_batches: Any, loss_fn: Any, may_be_empty: bool = False) -> list[Any]:
+    """``step()``'s arguments checked: a sequence of micro-batches (as a list) and a callable.
+    ``may_be_empty``: a data-parallel rank may hold none (it is padded: ``Sync.pad``)."""
+    if isinstance(micro_batches, (torch.Tensor, Mapping)):
+        raise TypeError(
+            f"step() takes a sequence of micro-batches, got a {type(micro_batches).__name__};"
+            " split a batch first with ga.split(batch, micro_size)"
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    given = list(micro_batches)
+    if not given and not may_be_empty:
+        raise ValueError("step() got an empty window: a window needs at least one micro-batch")
+    return given
+
+
+def unpack(result: Any, index: int) -> tuple[Any, Any]:
+    """``loss_fn``'s return value as ``(loss_sum, count)``, or the TypeError saying what it was."""
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        got = f"a {type(result).__name__}"
+        if isinstance(result, (tuple, list)):
+            got += f" of length {len(result)}"
+        raise TypeError(
+            f"loss_fn must return (loss_sum, count), got {got} from micro-batch {index}; return "
+            "the loss summed over the micro-batch's items and the number of items, e.g. "
+            "ga.sample_mean(F.mse_loss(pred, y, reduction='none'))"
+        )
+    return result[0], result[1]
+
+
+def check_loss(loss_sum: Any, index: int) -> torch.Tensor:
+    """A 0-dim floating tensor that requires grad, or the error naming what it is instead."""
+    where = f"from micro-batch {index}"
+    if not isinstance(loss_sum, torch.Tensor):
+        raise TypeError(f"loss_sum must be a 0-dim tensor, got {type(loss_sum).__name__} {where}")
+    if loss_sum.dim() != 0:
+        raise ValueError(
+            f"loss_sum must be a 0-dim tensor (the loss summed over the micro-batch's items), got "
+            f"shape {tuple(loss_sum.shape)} {where}; reduce it with .sum() or ga.sample_mean"
+        )
+    if not loss_sum.is_floating_point():
+        raise TypeError(f"loss_sum must be a floating-point tensor, got {loss_sum.dtype} {where}")
+    if not loss_sum.requires_grad:
+        raise ValueError(
+            f"loss_sum {where} does not require grad: was it computed under torch.no_grad(), "
+            "detached, or from a model with no trainable parameters?"
+        )
+    return loss_sum
+
+
+def check_count(count: Any, index: int) -> int | torch.Tensor:
+    """A count as a Python int, checked now; or, for a count on an accelerator, a 0-dim tensor
+    whose value :func:`count_value` checks at the window's end (one host sync per window, not
+    one per micro-batch)."""
+    where = f"from micro-batch {index}"
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1:
+            raise ValueError(
+                f"count must be an integer or a 0-dim tensor, got a tensor of shape "
+                f"{tuple(count.shape)} {where}"
+            )
+        if count.is_complex() or count.dtype == torch.bool:
+            raise ValueError(
+                f"count must be a real number of items, got dtype {count.dtype} {where}"
+            )
+        if not count.is_cpu:
+            return count.detach().reshape(())
+        return count_value(count.item(), index)
+    if isinstance(count, bool) or not isinstance(count, (int, float)):
+        raise ValueError(f"count must be a non-negative integer, got {count!r} {where}")
+    return count_value(count, index)
+
+
+def count_value(value: float, index: int) -> int:
+    """A count read as a number: a whole, non-negative number of items, or the error naming it."""
+    if value < 0 or not float(value).is_integer():
+        shown = f"{value:g}" if isinstance(value, float) else repr(value)
+        raise ValueError(
+            f"count must be a non-negative integer, got {shown} from micro-batch {index}"
+        )
+    return int(value)
+
+
+def tensor_count_total(counts: list[tuple[int, torch.Tensor]]) -> int:
+    """The sum of counts left on an accelerator, given as ``(micro-batch index, count)``: read
+    with one host sync, each checked as :func:`count_value` checks a number."""
+    if not counts:
+        return 0
+    values = torch.stack([c.to(torch.float64) for _, c in counts]).cpu().tolist()
+    return sum(count_value(v, i) for (i, _), v in zip(counts, values, strict=True))
+
+
+# -- loss helpers -------------------------------------------------------------------------------
 
 
 def token_cross_entropy(

@@ -21,12 +21,20 @@ import torch
 
 from gradaccum.batching import split, to_device
 from gradaccum.engine import Accumulator
-from gradaccum.memory import TrainingMemory, enable_checkpointing
+from gradaccum.memory import TrainingMemory
 from gradaccum.recipes import get_recipe
+from gradaccum.recompute import enable_checkpointing
 
 
-def measure(recipe_name: str, micro: int, micro_batches: int, windows: int, precision: str,
-            checkpointing: bool, seed: int) -> int:  # fmt: skip
+def measure(
+    recipe_name: str,
+    micro: int,
+    micro_batches: int,
+    windows: int,
+    precision: str,
+    checkpointing: bool,
+    seed: int,
+) -> int:
     recipe = get_recipe(recipe_name)
     batch = recipe.sample_batch(micro * micro_batches)
     torch.manual_seed(seed)
@@ -43,21 +51,33 @@ def measure(recipe_name: str, micro: int, micro_batches: int, windows: int, prec
     return memory.peak()
 
 
-def fresh_process_verifier(recipe: str, precision: str = "fp32", seed: int = 0,
-                           checkpointing: bool = False):  # fmt: skip
+def fresh_process_verifier(
+    recipe: str, precision: str = "fp32", seed: int = 0, checkpointing: bool = False
+):
     """A ``verify`` for ``plan()``: measure a planned size where training will run, in a new
     process from its first step."""
 
     def verify(micro: int, micro_batches: int) -> int:
         cmd = [
-            sys.executable, "-m", "gradaccum.measure", "--recipe", recipe,
-            "--micro", str(micro), "--micro-batches", str(micro_batches),
-            "--precision", precision, "--seed", str(seed),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "gradaccum.measure",
+            "--recipe",
+            recipe,
+            "--micro",
+            str(micro),
+            "--micro-batches",
+            str(micro_batches),
+            "--precision",
+            precision,
+            "--seed",
+            str(seed),
+        ]
         if checkpointing:
             cmd.append("--checkpointing")
-        print(f"measuring micro-batch {micro} x {micro_batches} in a fresh process",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"measuring micro-batch {micro} x {micro_batches} in a fresh process", file=sys.stderr
+        )
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"measuring micro-batch {micro} failed:\n{proc.stderr[-2000:]}")
@@ -76,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    peak = measure(a.recipe, a.micro, a.micro_batches, a.windows, a.precision,
-                   a.checkpointing, a.seed)  # fmt: skip
+    peak = measure(
+        a.recipe, a.micro, a.micro_batches, a.windows, a.precision, a.checkpointing, a.seed
+    )
     print(json.dumps({"peak": peak}))
     return 0
 

@@ -13,8 +13,9 @@
   measurements, not for training.
 - ``saved_activation_bytes``: bytes of the tensors autograd saves for backward, each storage
   counted once and parameters excluded (``torch.autograd.graph.saved_tensors_hooks``).
-- ``OOMPolicy``: how ``Accumulator.step`` survives ``torch.OutOfMemoryError``: halve the
-  micro-batch size, re-split the same window, replay it; grow back after clean windows.
+
+What to do when memory runs out is ``gradaccum.oom``; recomputing activations to save it is
+``gradaccum.recompute``.
 """
 
 from __future__ import annotations
@@ -23,38 +24,35 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
-import logging
-import math
 import re
 import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gradaccum.batching import batch_size, split
-
 __all__ = [
     "LiveTensorBytes",
     "MemoryMeter",
-    "OOMPolicy",
     "TrainingMemory",
     "format_bytes",
-    "inject_oom",
     "parse_bytes",
     "saved_activation_bytes",
     "tensor_bytes",
 ]
 
-log = logging.getLogger("gradaccum")
-
 _UNITS = {
     "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
@@ -314,146 +312,3 @@ class TrainingMemory:
 
     def peak(self) -> int:
         return 0 if self.meter is None else self.resident + self.meter.peak()
-
-
-def inject_oom(max_fitting_size: int) -> Callable[[int], None]:
-    """A fault hook for ``Accumulator(fault_hook=...)``: raises ``torch.OutOfMemoryError`` for
-    any micro-batch larger than ``max_fitting_size``, as a device that small would."""
-    if isinstance(max_fitting_size, bool) or not isinstance(max_fitting_size, int):
-        raise ValueError(f"max_fitting_size must be an integer, got {max_fitting_size!r}")
-
-    def hook(micro_size: int) -> None:
-        if micro_size > max_fitting_size:
-            raise torch.OutOfMemoryError(
-                f"injected: micro-batch of {micro_size} exceeds {max_fitting_size}"
-            )
-
-    return hook
-
-
-@dataclass
-class OOMPolicy:
-    """Replay a window at half the micro-batch size on out-of-memory; grow back later.
-
-    ``cap`` is the largest micro-batch size allowed now (None: as given). After
-    ``grow_after`` clean windows the cap doubles, back up to the sizes the caller gives,
-    never above them (those are the plan's limit).
-    """
-
-    grow_after: int = 50
-    cap: int | None = None
-    clean_windows: int = 0
-
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.grow_after, bool)
-            or not isinstance(self.grow_after, int)
-            or (self.grow_after < 1)
-        ):
-            raise ValueError(f"grow_after must be an integer >= 1, got {self.grow_after!r}")
-
-    def arrange(self, micro_batches: list[Any]) -> list[Any]:
-        """The micro-batches to run: each given one, split further if above the cap."""
-        if self.cap is None:
-            return micro_batches
-        out: list[Any] = []
-        for mb in micro_batches:
-            out.extend(split(mb, self.cap) if batch_size(mb) > self.cap else [mb])
-        return out
-
-    def shrink(self, ran: list[Any], window: int) -> int | None:
-        """After an OOM: the new cap, or None when the window cannot be split smaller."""
-        try:
-            largest = max(batch_size(mb) for mb in ran)
-        except (TypeError, ValueError):
-            return None  # micro-batches that are not tensors cannot be re-split
-        if largest <= 1:
-            return None
-        self.cap = math.ceil(largest / 2)
-        self.clean_windows = 0
-        log.warning(
-            "window %d: out of memory at micro-batch size %d; replaying the window at %d "
-            "(every sample once)", window, largest, self.cap,
-        )  # fmt: skip
-        return self.cap
-
-    def window_done(self, given: list[Any], window: int) -> None:
-        """Count a clean window; after ``grow_after`` of them, double the cap."""
-        if self.cap is None:
-            return
-        self.clean_windows += 1
-        if self.clean_windows < self.grow_after:
-            return
-        self.clean_windows = 0
-        limit = max(batch_size(mb) for mb in given)
-        grown = self.cap * 2
-        self.cap = None if grown >= limit else grown
-        log.info(
-            "window %d: %d clean windows; growing the micro-batch back to %s",
-            window, self.grow_after, limit if self.cap is None else self.cap,
-        )  # fmt: skip
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"cap": self.cap, "clean_windows": self.clean_windows}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.cap = state["cap"]
-        self.clean_windows = state["clean_windows"]
-
-
-# -- activation checkpointing ----------------------------------------------------------------
-
-
-def repeated_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The model's repeated blocks: children of every ``nn.ModuleList`` that holds two or
-    more modules of one type (a transformer's layers)."""
-    found = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) >= 2:
-            if len({type(child) for child in module}) == 1:
-                found.extend((f"{name}.{i}" if name else str(i), c) for i, c in enumerate(module))
-    return found
-
-
-def enable_checkpointing(model: torch.nn.Module) -> list[str]:
-    """Recompute each repeated block's activations in backward instead of saving them
-    (``torch.utils.checkpoint``, non-reentrant, random state preserved so dropout replays
-    the same masks). Parameter names and ``state_dict`` keys do not change. Returns the
-    names of the wrapped blocks; refuses a model with none."""
-    blocks = repeated_blocks(model)
-    if not blocks:
-        raise ValueError(
-            f"{type(model).__name__} has no repeated blocks to checkpoint (an nn.ModuleList of "
-            "two or more modules of one type)"
-        )
-    for _, block in blocks:
-        if getattr(block, "_gradaccum_plain_forward", None) is not None:
-            continue
-        plain = block.forward
-
-        def forward(*args: Any, _plain: Callable[..., Any] = plain, **kwargs: Any) -> Any:
-            if torch.is_grad_enabled():
-                return torch.utils.checkpoint.checkpoint(
-                    _plain, *args, use_reentrant=False, **kwargs
-                )
-            return _plain(*args, **kwargs)
-
-        block._gradaccum_plain_forward = plain
-        block.forward = forward
-    return [name for name, _ in blocks]
-
-
-def disable_checkpointing(model: torch.nn.Module) -> None:
-    """Undo ``enable_checkpointing``."""
-    for _, block in repeated_blocks(model):
-        plain = getattr(block, "_gradaccum_plain_forward", None)
-        if plain is not None:
-            del block.forward
-            del block._gradaccum_plain_forward
-
-
-def checkpointing_enabled(model: torch.nn.Module) -> bool:
-    return any(
-        getattr(block, "_gradaccum_plain_forward", None) is not None
-        for _, block in repeated_blocks(model)
-    )

@@ -38,12 +38,18 @@ from typing import Any
 import torch
 
 from gradaccum.stats import fit_line
+from gradaccum.window import total_norm
 
 __all__ = ["NoiseScale", "advice"]
 
 
 @dataclass
 class NoiseScale:
+    """The estimator and its state: ``Accumulator(..., noise=NoiseScale(ema=0.95))``.
+
+    ``ema``: smoothing of the estimates, per window. One instance per Accumulator; its state
+    travels with the Accumulator's checkpoints."""
+
     ema: float = 0.95
     g2: float = 0.0  # EMA of |G|^2 (uncorrected)
     trace: float = 0.0  # EMA of tr(Sigma) (uncorrected)
@@ -51,17 +57,19 @@ class NoiseScale:
     _prefixes: list[tuple[torch.Tensor, Any]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.ema, bool) or not isinstance(self.ema, float) or not 0 <= self.ema < 1:
-            raise ValueError(f"noise_ema must be a number in [0, 1), got {self.ema!r}")
+        ok = isinstance(self.ema, (int, float)) and not isinstance(self.ema, bool)
+        if not ok or not 0 <= self.ema < 1:
+            raise ValueError(f"ema must be a number in [0, 1), got {self.ema!r}")
+        self.ema = float(self.ema)
 
-    def record(self, sq_norm: torch.Tensor, count: Any) -> None:
-        """After a micro-batch: the squared norm of the window's gradient sum so far (loss
-        scaling divided out) and that micro-batch's own item count (int or 0-dim tensor;
-        the prefix counts are summed at the window's end, with one host sync). A micro-batch
-        of no items (a padding replay) leaves the prefix as it was: nothing to add."""
+    def record(self, sums: list[torch.Tensor], count: Any, multiplier: float = 1.0) -> None:
+        """After a micro-batch: the window's gradient summed so far (``sums``, carrying the
+        loss ``multiplier`` of fp16 scaling) and that micro-batch's own item count (int or
+        0-dim tensor; the prefix counts are summed at the window's end, with one host sync).
+        A micro-batch of no items (a padding replay) leaves the prefix as it was."""
         if isinstance(count, int) and count == 0:
             return
-        self._prefixes.append((sq_norm, count))
+        self._prefixes.append((total_norm(sums).square() / multiplier**2, count))
 
     def end_window(
         self, window_sq_norm: float | None, total: int, window_point: bool = False
@@ -80,9 +88,11 @@ class NoiseScale:
         if prefixes:
             device = prefixes[0][0].device
             stacked = torch.stack(
-                [torch.stack([s.to(device).double(), torch.as_tensor(c, device=device).double()])
-                 for s, c in prefixes]
-            ).cpu()  # fmt: skip
+                [
+                    torch.stack([s.to(device).double(), torch.as_tensor(c, device=device).double()])
+                    for s, c in prefixes
+                ]
+            ).cpu()
             sq = stacked[:, 0].tolist()
             counts = stacked[:, 1].cumsum(0).tolist()  # items in each prefix
             # E|G_B|^2 = |G|^2 + tr(Sigma) / B is a line in 1/B: fit it by least squares
@@ -130,19 +140,25 @@ def advice(effective_batch: int, b_simple: float | None, estimated: bool = False
     ``estimated``: windows were folded in (``NoiseScale.updates > 0``), so a missing
     ``b_simple`` means the |G|^2 estimate is not positive rather than no data yet."""
     if b_simple is None and estimated:
-        return ("gradient noise scale: undefined so far: the estimated |G|^2 is not positive, "
-                "i.e. the true gradient is small against its noise (near convergence, or a "
-                "batch far below the critical one)")  # fmt: skip
+        return (
+            "gradient noise scale: undefined so far: the estimated |G|^2 is not positive, "
+            "i.e. the true gradient is small against its noise (near convergence, or a "
+            "batch far below the critical one)"
+        )
     if b_simple is None:
         return "gradient noise scale: not estimated yet (needs windows of 2+ micro-batches)"
     ratio = effective_batch / b_simple
     head = f"gradient noise scale B_simple ~ {b_simple:,.0f} items per step"
     if ratio > 2:
-        return (f"{head}; your effective batch ({effective_batch:,}) is {ratio:.0f}x the "
-                "estimated critical batch: smaller batches would need fewer samples per unit "
-                "of progress")  # fmt: skip
+        return (
+            f"{head}; your effective batch ({effective_batch:,}) is {ratio:.0f}x the "
+            "estimated critical batch: smaller batches would need fewer samples per unit "
+            "of progress"
+        )
     if ratio < 0.5:
-        return (f"{head}; your effective batch ({effective_batch:,}) is {1 / ratio:.0f}x below "
-                "it: larger batches would make nearly linear progress per step (fewer, "
-                "better-parallelized steps)")  # fmt: skip
+        return (
+            f"{head}; your effective batch ({effective_batch:,}) is {1 / ratio:.0f}x below "
+            "it: larger batches would make nearly linear progress per step (fewer, "
+            "better-parallelized steps)"
+        )
     return f"{head}; your effective batch ({effective_batch:,}) is near it: a good trade"

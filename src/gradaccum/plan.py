@@ -24,19 +24,20 @@ from typing import Any
 import torch
 
 from gradaccum.batching import batch_size, take
+from gradaccum.checkpoint import preserved_rng
 from gradaccum.engine import Accumulator, LossFn
 from gradaccum.memory import (
     METERS,
     MemoryMeter,
-    checkpointing_enabled,
-    disable_checkpointing,
-    enable_checkpointing,
     format_bytes,
     parse_bytes,
     saved_activation_bytes,
     tensor_bytes,
 )
+from gradaccum.precision import Precision
+from gradaccum.recompute import checkpointing_enabled, disable_checkpointing, enable_checkpointing
 from gradaccum.stats import fit_line
+from gradaccum.validate import int_problem
 
 __all__ = ["Fit", "Plan", "Probe", "plan"]
 
@@ -162,11 +163,6 @@ def _fit(xs: Sequence[float], ys: Sequence[float]) -> Fit:
     return Fit(intercept=intercept, slope=slope, max_error=max(errors, default=0.0))
 
 
-def _check_int(value: Any, name: str, problems: list[str], minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        problems.append(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
 def plan(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -205,8 +201,9 @@ def plan(
     blind to the allocator's own overheads).
     """
     problems: list[str] = []
-    _check_int(effective_batch, "effective_batch", problems)
-    _check_int(world_size, "world_size", problems)
+    for value, name in ((effective_batch, "effective_batch"), (world_size, "world_size")):
+        if (problem := int_problem(value, name)) is not None:
+            problems.append(problem)
     try:
         budget_bytes = parse_bytes(budget)
     except ValueError as err:
@@ -253,27 +250,36 @@ def plan(
     saved = {
         "model": copy.deepcopy(model.state_dict()),
         "optimizer": copy.deepcopy(optimizer.state_dict()),
-        "rng": torch.get_rng_state(),
         "checkpointing": checkpointing_enabled(model),
     }
     usable = budget_bytes * (1 - margin)
-    try:
-        use_ckpt = checkpointing == "on"
-        while True:
-            prober = _Prober(model, optimizer, sample_batch, loss_fn, use_ckpt, precision,
-                             accumulate_dtype, memory)  # fmt: skip
-            m = prober.measure(probe_sizes)
-            fits = m.need(1) <= usable
-            if fits or checkpointing != "auto" or use_ckpt:
-                break
-            use_ckpt = True  # nothing fits as it is: try recomputing activations
+    # the probes' dropout and data order must not advance any generator
+    with preserved_rng():
+        try:
+            use_ckpt = checkpointing == "on"
+            while True:
+                prober = _Prober(
+                    model,
+                    optimizer,
+                    sample_batch,
+                    loss_fn,
+                    use_ckpt,
+                    precision,
+                    accumulate_dtype,
+                    memory,
+                )
+                m = prober.measure(probe_sizes)
+                fits = m.need(1) <= usable
+                if fits or checkpointing != "auto" or use_ckpt:
+                    break
+                use_ckpt = True  # nothing fits as it is: try recomputing activations
+                _restore(model, optimizer, saved)
+            if not fits:
+                raise ValueError(_too_small(model, budget_bytes, margin, use_ckpt, m.need(1)))
+            largest = min(per_rank, int((usable - m.need(0)) // max(m.peak_fit.slope, 1.0)))
+            largest, micro, verified = _verify(prober, m, per_rank, largest, usable, verify)
+        finally:
             _restore(model, optimizer, saved)
-        if not fits:
-            raise ValueError(_too_small(model, budget_bytes, margin, use_ckpt, m.need(1)))
-        largest = min(per_rank, int((usable - m.need(0)) // max(m.peak_fit.slope, 1.0)))
-        largest, micro, verified = _verify(prober, m, per_rank, largest, usable, verify)
-    finally:
-        _restore(model, optimizer, saved)
 
     windows = math.ceil(per_rank / micro)
     last = per_rank - (windows - 1) * micro
@@ -308,8 +314,14 @@ def plan(
     )
 
 
-def _verify(prober: _Prober, m: _Measured, per_rank: int, largest: int, usable: float,
-            verify: Callable[[int, int], int] | None):  # fmt: skip
+def _verify(
+    prober: _Prober,
+    m: _Measured,
+    per_rank: int,
+    largest: int,
+    usable: float,
+    verify: Callable[[int, int], int] | None,
+):
     """Measure a window at the planned size itself; step down while it does not fit.
 
     The line through small probes extrapolates; the allocator's behaviour at the planned
@@ -356,7 +368,6 @@ def _restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: di
     optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
     for p in model.parameters():
         p.grad = None
-    torch.set_rng_state(saved["rng"])
 
 
 @dataclass(frozen=True)
@@ -376,13 +387,15 @@ class _Measured:
 class _Prober:
     """Runs measured windows through a real Accumulator on the user's model."""
 
-    def __init__(self, model, optimizer, sample_batch, loss_fn, use_ckpt, precision,
-                 accumulate_dtype, meter) -> None:  # fmt: skip
+    def __init__(
+        self, model, optimizer, sample_batch, loss_fn, use_ckpt, precision, accumulate_dtype, meter
+    ) -> None:
         self.blocks = enable_checkpointing(model) if use_ckpt else []
         self.model, self.optimizer = model, optimizer
         self.sample_batch, self.loss_fn, self.meter = sample_batch, loss_fn, meter
-        self.acc = Accumulator(model, optimizer, precision=precision,
-                               accumulate_dtype=accumulate_dtype, oom_replay=False)  # fmt: skip
+        self.acc = Accumulator(
+            model, optimizer, precision=Precision(precision, accumulate_dtype=accumulate_dtype)
+        )
 
     def window(self, size: int, micro_batches: int = 2) -> tuple[int, int]:
         """Peak memory of a window of micro-batches of ``size`` above its start, and the

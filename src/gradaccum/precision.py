@@ -1,6 +1,9 @@
 """Mixed precision inside a window: autocast, one GradScaler cycle, fp32 accumulation buffers.
 
-Three choices, each with a memory cost per trainable parameter (P = parameter bytes):
+``precision=`` takes a name (``"fp32"``, ``"bf16"``, ``"fp16"``) or a ``Precision`` object for
+the settings beyond the name: ``Precision("fp16", scaler=torch.amp.GradScaler(...))`` or
+``Precision("bf16", accumulate_dtype=None)``. Three choices, each with a memory cost per
+trainable parameter (P = parameter bytes):
 
 - ``precision="fp32"``: no autocast. Gradients live in ``.grad`` in the parameter dtype.
 - ``precision="bf16"``: autocast to bfloat16 around each micro-batch's forward; backward runs
@@ -40,88 +43,96 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LOW = (torch.float16, torch.bfloat16)
 
 
-def _bits(dtype: torch.dtype) -> int:
-    return torch.finfo(dtype).bits
-
-
-def _autocast_on(device_type: str) -> bool:
-    """Whether autocast is on for the device (ours, or one the user entered around us)."""
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # a torch without the per-device query: assume on, disable it
-        return True
-
-
 class Precision:
-    """The precision policy of one Accumulator (autocast, loss scaling, accumulation dtype)."""
+    """The precision policy of one Accumulator: autocast, loss scaling, accumulation dtype.
+
+    Args:
+        name: ``"fp32"`` (no autocast), ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a
+            GradScaler, one scaler cycle per window).
+        accumulate_dtype: dtype of the buffers that accumulate low-precision gradients across
+            the window's micro-batches; ``"auto"`` (default) is ``torch.float32`` when a
+            trainable parameter is bf16 or fp16 and off otherwise; ``None`` turns it off.
+        scaler: a ``torch.amp.GradScaler`` for ``"fp16"`` (for its init_scale or
+            growth_interval); by default one is made for the model's device.
+
+    One object per Accumulator: it holds the window's buffers and the scaler's state.
+    """
 
     def __init__(
         self,
-        precision: str,
-        accumulate_dtype: Any,
-        params: list[torch.nn.Parameter],
-        device_type: str,
+        name: str = "fp32",
+        *,
+        accumulate_dtype: Any = "auto",
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
-        if precision not in PRECISIONS:
-            raise ValueError(
-                f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}"
+        problems = []
+        if name not in PRECISIONS:
+            problems.append(
+                f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {name!r}"
             )
-        if accumulate_dtype == "auto":
-            low = any(p.dtype in _LOW for p in params)
-            accumulate_dtype = torch.float32 if low else None
-        elif accumulate_dtype is not None and (
-            not isinstance(accumulate_dtype, torch.dtype) or not accumulate_dtype.is_floating_point
+        if (
+            accumulate_dtype != "auto"
+            and accumulate_dtype is not None
+            and (
+                not isinstance(accumulate_dtype, torch.dtype)
+                or not accumulate_dtype.is_floating_point
+            )
         ):
-            raise ValueError(
+            problems.append(
                 "accumulate_dtype must be 'auto', None or a floating torch dtype such as "
                 f"torch.float32, got {accumulate_dtype!r}"
             )
-        problems = []
-        if scaler is not None and precision != "fp16":
-            problems.append(f"a GradScaler was given but precision is {precision!r}, not 'fp16'")
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             problems.append(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-        if precision == "fp16":
-            half = sorted({str(p.dtype) for p in params if p.dtype in _LOW})
-            if half:
-                problems.append(
-                    f"precision='fp16' needs fp32 parameters (torch's GradScaler refuses "
-                    f"{'/'.join(half)} gradients); keep the model in fp32 and let autocast run "
-                    "the forward in fp16, or use precision='bf16'"
-                )
-            elif accumulate_dtype is not None:
-                problems.append(
-                    "precision='fp16' keeps fp32 parameters whose .grad already accumulates in "
-                    f"fp32; accumulate_dtype={accumulate_dtype} does not apply (pass None)"
-                )
+        elif scaler is not None and name != "fp16":
+            problems.append(f"a GradScaler was given but precision is {name!r}, not 'fp16'")
+        if name == "fp16" and accumulate_dtype not in ("auto", None):
+            problems.append(
+                "precision='fp16' keeps fp32 parameters whose .grad already accumulates in "
+                f"fp32; accumulate_dtype={accumulate_dtype} does not apply (pass None)"
+            )
         if problems:
             raise ValueError("; ".join(problems))
-
-        self.name = precision
-        self.autocast_dtype: torch.dtype | None = PRECISIONS[precision]
-        self.device_type = device_type
-        self.accumulate_dtype: torch.dtype | None = accumulate_dtype
-        if precision == "fp16" and scaler is None:
-            scaler = torch.amp.GradScaler(device_type)
+        self.name = name
+        self.autocast_dtype: torch.dtype | None = PRECISIONS[name]
+        self.accumulate_dtype: Any = accumulate_dtype
         self.scaler = scaler
-        # Parameters whose gradient goes through a buffer: lower precision than the buffer.
-        self._buffered = (
-            set()
-            if accumulate_dtype is None
-            else {id(p) for p in params if _bits(p.dtype) < _bits(accumulate_dtype)}
-        )
+        self.device_type: str | None = None  # set by bind()
+        self._buffered: set[int] = set()  # parameters whose gradient goes through a buffer
         self._buffers: dict[int, torch.Tensor] = {}
         self._prescale = 1.0
-        self.expected: int | None = None  # the count the losses were pre-divided by, if any
-        self._grad_out: torch.Tensor | None = None  # that pre-division, as backward's gradient
-        self._factors: dict[tuple, tuple[torch.Tensor, float]] = {}  # by (total, dtype, device)
         self._unscaled = False
-        # fp16 gradients without a scaler would underflow if losses were pre-divided
-        self._fp16_grads = any(p.dtype == torch.float16 for p in params)
+
+    @classmethod
+    def of(cls, precision: str | Precision) -> Precision:
+        return precision if isinstance(precision, Precision) else cls(precision)
 
     def __repr__(self) -> str:
         return f"Precision({self.name!r}, accumulate_dtype={self.accumulate_dtype})"
+
+    def bind(self, params: list[torch.nn.Parameter], device_type: str) -> Precision:
+        """Settle what depends on the model's parameters; once, by the Accumulator."""
+        if self.device_type is not None:
+            raise ValueError(
+                "this Precision already serves an Accumulator; give each its own (it holds the "
+                "window's buffers and the scaler's state)"
+            )
+        half = sorted({str(p.dtype) for p in params if p.dtype in _LOW})
+        if self.name == "fp16" and half:
+            raise ValueError(
+                f"precision='fp16' needs fp32 parameters (torch's GradScaler refuses "
+                f"{'/'.join(half)} gradients); keep the model in fp32 and let autocast run "
+                "the forward in fp16, or use precision='bf16'"
+            )
+        if self.accumulate_dtype == "auto":
+            self.accumulate_dtype = torch.float32 if half and self.name != "fp16" else None
+        if self.accumulate_dtype is not None:
+            bits = torch.finfo(self.accumulate_dtype).bits
+            self._buffered = {id(p) for p in params if torch.finfo(p.dtype).bits < bits}
+        if self.name == "fp16" and self.scaler is None:
+            self.scaler = torch.amp.GradScaler(device_type)
+        self.device_type = device_type
+        return self
 
     # -- per micro-batch --------------------------------------------------------------------
 
@@ -136,52 +147,20 @@ class Precision:
         count: int | torch.Tensor,
         first: bool,
         params: list[torch.nn.Parameter],
-        planned: int | None = None,
     ) -> None:
-        """Backward of one micro-batch's summed loss, outside autocast, then buffer the grads.
-
-        ``planned``: how many micro-batches the window will run, when known (``step()``).
-        Then the losses are pre-divided by the first micro-batch's count times that number,
-        the window's total when micro-batches hold equal counts: the sum then arrives
-        normalized and end_window skips its division pass (it still divides when the total
-        turns out different). Only for a count already on the host (the Accumulator reads a
-        CPU tensor count into an int), so no device sync is added.
-        """
-        if self.scaler is None and first and planned and not self._fp16_grads:
-            expected = count * planned if isinstance(count, int) else 0
-            if expected > 0:
-                # the factor as the loss's dtype holds it, so carried is what was applied;
-                # handed to every micro-batch's backward, and kept for the next window (which
-                # usually expects the same total)
-                key = (expected, loss_sum.dtype, loss_sum.get_device())
-                made = self._factors.get(key)
-                if made is None:
-                    if len(self._factors) >= 64:
-                        self._factors.clear()
-                    factor = torch.tensor(1.0 / expected, dtype=loss_sum.dtype)
-                    made = self._factors[key] = (factor.to(loss_sum.device), factor.item())
-                self._grad_out, self._prescale = made
-                self.expected = expected
-        # d(loss * s)/d(loss) = s, handed to backward directly: no extra autograd node
-        grad_out = self._grad_out
-        if grad_out is not None and (
-            grad_out.dtype != loss_sum.dtype or grad_out.get_device() != loss_sum.get_device()
-        ):
-            grad_out = grad_out.to(loss_sum.device, loss_sum.dtype)
+        """Backward of one micro-batch's summed loss, outside autocast, then buffer the grads."""
         if self.scaler is not None:
             if first:
                 # A summed loss has gradients ``count`` times those of a mean loss, which
                 # would overflow fp16 at GradScaler's starting scale and skip the first
                 # windows. A power-of-two pre-scale from the first micro-batch's count keeps
-                # them at mean-loss size and is exact; end_window divides it back out.
-                n = max(int(count), 1)
-                self._prescale = 2.0 ** -math.floor(math.log2(n))
+                # them at mean-loss size and is exact; the window's one division takes it out.
+                self._prescale = 2.0 ** -math.floor(math.log2(max(int(count), 1)))
             loss_sum = self.scaler.scale(loss_sum * self._prescale)
-        if _autocast_on(self.device_type):
-            with torch.autocast(self.device_type, enabled=False):
-                loss_sum.backward(gradient=grad_out)
-        else:  # entering and leaving a disabled autocast costs ~6 us a micro-batch (measured)
-            loss_sum.backward(gradient=grad_out)
+        # Autocast (ours, or one the user entered around us) is for the forward; backward's
+        # ops follow the forward's dtypes.
+        with torch.autocast(self.device_type, enabled=False):
+            loss_sum.backward()
         if self._buffered:
             self._absorb(params)
 
@@ -211,15 +190,11 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
             self._unscaled = True
-        if self._buffers:
-            grads = [g for g in (self.accumulated(p) for p in params) if g is not None]
-        else:
-            grads = [g for p in params if (g := p.grad) is not None]
+        grads = [g for g in (self.accumulated(p) for p in params) if g is not None]
         return grads, self._prescale
 
     def loss_multiplier(self) -> float:
-        """What the window's losses are multiplied by before backward (pre-division, fp16
-        scaling)."""
+        """What the window's losses are multiplied by before backward (fp16 scaling)."""
         if self.scaler is None:
             return self._prescale
         return self._prescale * float(self.scaler.get_scale())
@@ -255,6 +230,4 @@ class Precision:
     def reset(self) -> None:
         self._buffers.clear()
         self._prescale = 1.0
-        self.expected = None
-        self._grad_out = None
         self._unscaled = False

@@ -1,14 +1,20 @@
 """Gradient communication for a data-parallel model, once per window. All of it lives here.
 
-The Accumulator asks this module four things: whether the model is wrapped for data
-parallelism (``DistributedDataParallel``, or FSDP2's ``fully_shard``), whether a micro-batch's
-backward communicates, how to make the window's totals global, and the global gradient norm.
+The Accumulator asks this module whether the model is wrapped for data parallelism
+(``DistributedDataParallel``, or FSDP2's ``fully_shard``), whether a micro-batch's backward
+communicates, how to make the window's totals global, the global gradient norm, and how to
+pad a rank that holds fewer micro-batches than the others.
 
 Why the last micro-batch communicates and the others do not: DDP all-reduces (and FSDP2
 reduce-scatters) gradients inside backward, overlapped with the computation. Suppressing it
 on every micro-batch but the window's last one leaves exactly one reduction per optimizer
 step, and that one still overlaps with the last backward. The summed gradient is linear, so
 reducing the sum once equals reducing every micro-batch's part.
+
+Why a forward must run inside ``micro_batch()``: DDP decides in its forward whether the
+backward that follows communicates. A loss computed outside the context and backpropagated
+inside would reduce on the wrong micro-batch and leave the ranks' gradients different, so
+the Accumulator refuses it.
 
 Why the counts are all-reduced: the window's gradient is divided by the items of the whole
 *global* batch, and ranks hold different numbers of items (padding, a ragged end). One
@@ -24,23 +30,23 @@ reduce-scatters per step; under DDP it only costs communication and exists for c
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-try:  # public from torch 2.6
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - older torch
-    try:
-        from torch.distributed._composable.fsdp import FSDPModule
-    except ImportError:
-        FSDPModule = None
+from gradaccum.batching import map_tensors
+from gradaccum.window import total_norm
 
-__all__ = ["SYNC_MODES", "Sync", "any_rank", "broadcast", "init_from_env", "is_main", "shutdown"]
+try:  # public from torch 2.6; torch 2.4 and 2.5 (which the package supports) keep it here
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - torch < 2.6
+    from torch.distributed._composable.fsdp import FSDPModule
+
+__all__ = ["SYNC_MODES", "Sync", "collective_device"]
 
 SYNC_MODES = ("window", "micro")
 
@@ -56,70 +62,158 @@ class Sync:
         self.mode = mode
         self.model = model
         self.group = None
+        self.inner = model
+        self.kind = "local"
         if isinstance(model, DistributedDataParallel):
-            self.kind = "ddp"
-            self.group = model.process_group
-            self.inner = model.module
-        elif FSDPModule is not None and isinstance(model, FSDPModule):
+            self.kind, self.group, self.inner = "ddp", model.process_group, model.module
+        elif isinstance(model, FSDPModule):
             self.kind = "fsdp"
-            self.inner = model
-        else:
-            self.kind = "local"
-            self.inner = model
+        self.distributed = self.kind != "local"
         self.world = dist.get_world_size(self.group) if self.distributed else 1
-        self._device = _collective_device(self.group) if self.distributed else torch.device("cpu")
+        self._device = collective_device(self.group) if self.distributed else None
+        self._pad: Any = None  # one sample of a micro-batch this rank held, to pad with
+        self._forwards: int | None = None  # forwards in the micro-batch in progress
+        if self.distributed:
+            ref = weakref.ref(self)
+
+            def count_forward(module: torch.nn.Module, args: Any) -> None:
+                sync = ref()
+                if sync is not None and sync._forwards is not None:
+                    sync._forwards += 1
+
+            handle = model.register_forward_pre_hook(count_forward)
+            weakref.finalize(self, handle.remove)
 
     def __repr__(self) -> str:
         return f"Sync({self.kind}, mode={self.mode!r}, world={self.world})"
 
-    @property
-    def distributed(self) -> bool:
-        return self.kind != "local"
+    def refuse_unsupported(self, precision: Any, oom: Any, noise: Any) -> None:
+        """What the data-parallel path does not do, refused at once with the reasons."""
+        if not self.distributed:
+            return
+        accumulate_dtype, fp16 = precision.accumulate_dtype, precision.scaler is not None
+        problems = []
+        if accumulate_dtype is not None:
+            problems.append(
+                f"accumulate_dtype={accumulate_dtype}: fp32 buffers take each micro-batch's "
+                f"gradient out of .grad, so {self.kind.upper()}'s reduction on the last "
+                "micro-batch would miss the others; keep fp32 parameters under autocast "
+                "(precision='bf16'), or use FSDP2's "
+                "MixedPrecisionPolicy(reduce_dtype=torch.float32)"
+            )
+        if self.kind == "fsdp" and fp16:
+            problems.append(
+                "precision='fp16' under FSDP2: each rank would see only its shards' overflow; "
+                "use precision='bf16'"
+            )
+        if oom is not None:
+            problems.append(
+                "oom=OOMReplay(...): a replay on one rank would change its number of "
+                "micro-batches after the ranks agreed on it; pass oom=None"
+            )
+        if noise is not None and self.mode == "micro":
+            problems.append(
+                "noise=NoiseScale(...) with sync='micro': every prefix of the window is then "
+                "reduced across ranks, and its global item count is not known without one more "
+                "all-reduce per micro-batch; use sync='window'"
+            )
+        if problems:
+            raise ValueError(
+                f"the Accumulator on a {self.kind.upper()} model cannot use:\n  - "
+                + "\n  - ".join(problems)
+            )
 
-    @property
-    def grad_factor(self) -> int:
-        """What the reduced gradient was divided by: DDP and FSDP2 average over ranks."""
-        return self.world
+    # -- per micro-batch ----------------------------------------------------------------------
 
-    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
-        """Forward and backward of one micro-batch; they communicate only when ``last`` (or
-        in ``"micro"`` mode). DDP decides in forward, FSDP2 in backward: wrap both."""
-        if self.kind == "local":
-            return contextlib.nullcontext()  # the per-micro-batch path of a plain model
-        return self._communicating(last or self.mode == "micro")
+    def communicates(self, last: bool) -> bool:
+        """Whether the backward of a micro-batch reduces gradients across ranks."""
+        return self.distributed and (last or self.mode == "micro")
 
     @contextlib.contextmanager
-    def _communicating(self, communicate: bool) -> Iterator[None]:
+    def micro_batch(self, last: bool) -> Iterator[None]:
+        """Forward and backward of one micro-batch; they communicate only when ``last`` (or
+        in ``"micro"`` mode). DDP decides in forward, FSDP2 in backward: wrap both."""
+        if not self.distributed:
+            yield
+            return
+        communicate = self.communicates(last)
+        self._forwards = 0
         if self.kind == "ddp":
             before = self.model.require_backward_grad_sync
             self.model.require_backward_grad_sync = communicate
-            try:
-                yield
-            finally:
-                self.model.require_backward_grad_sync = before
         else:
             self.model.set_requires_gradient_sync(communicate)
-            try:
-                yield
-            finally:
+        try:
+            yield
+        finally:
+            self._forwards = None
+            if self.kind == "ddp":
+                self.model.require_backward_grad_sync = before
+            else:
                 self.model.set_requires_gradient_sync(True)
 
-    def _all_reduce(self, values: list[float], dtype: torch.dtype, op) -> list[float]:
-        t = torch.tensor(values, dtype=dtype, device=self._device)
-        dist.all_reduce(t, op=op, group=self.group)
-        return t.tolist()
+    def check_forward(self, index: int) -> None:
+        """Refuse a backward whose forward ran outside this micro-batch's context."""
+        if self.distributed and not self._forwards:
+            raise RuntimeError(
+                f"micro-batch {index}: no forward of the {self.kind.upper()} model ran inside "
+                "`with acc.micro_batch(...)`; the loss was computed outside it. The forward "
+                "decides whether the backward communicates gradients, so a forward outside the "
+                "context would reduce on the wrong micro-batch and leave the ranks' gradients "
+                "different: compute the loss inside the context"
+            )
 
-    def most_micro_batches(self, mine: int, can_pad: bool) -> tuple[int, bool]:
-        """The largest number of micro-batches any rank holds this window, and whether a rank
-        that must pad has nothing to pad with. One small all-reduce (MAX)."""
+    def check_after_last(self, ended_last: bool) -> None:
+        """Under ``sync="window"`` nothing may follow the micro-batch marked last."""
+        if ended_last and self.mode == "window":
+            raise RuntimeError(
+                "micro_batch() after the one marked last=True: its gradient would miss the "
+                "reduction; end the window with end_window() first"
+            )
+
+    def check_window_end(self, ended_last: bool) -> None:
+        """Under ``sync="window"`` a window must end with a micro-batch marked last."""
+        if self.distributed and not ended_last and self.mode == "window":
+            raise RuntimeError(
+                f"the window ended without a micro-batch marked last=True; under "
+                f"{self.kind.upper()} the last micro-batch's backward is the one that "
+                "reduces gradients: use `with acc.micro_batch(last=True)` for it"
+            )
+
+    def pad(self, given: list[Any]) -> tuple[list[Any], int]:
+        """The micro-batches this rank runs in ``step()`` and how many of them are its own.
+
+        Every rank runs as many micro-batches as the rank that holds the most: collective
+        calls (DDP's reduction, FSDP2's all-gathers) must match, or ranks hang. A rank with
+        fewer (or none) replays one sample it has held, with loss and count times zero,
+        which adds exact zeros. That sample is copied from the window's last micro-batch, so
+        the micro-batch itself is not kept past its window. One small all-reduce (MAX)."""
+        if not self.distributed:
+            return given, len(given)
+        if given:
+            self._pad = map_tensors(given[-1], lambda t: t[:1].clone())
         most, stuck = self._all_reduce(
-            [mine, int(not can_pad and mine == 0)], torch.int64, dist.ReduceOp.MAX
+            [len(given), int(self._pad is None)], torch.int64, dist.ReduceOp.MAX
         )
-        return int(most), bool(stuck)
+        if stuck:
+            raise ValueError(
+                "a rank got an empty window before it ever held a micro-batch, so it has "
+                "nothing to run in step with the other ranks; give every rank at least one "
+                "micro-batch in its first window (later empty windows are padded)"
+            )
+        if most == 0:
+            raise ValueError(
+                "step() got an empty window on every rank: a window needs at least one micro-batch"
+            )
+        return given + [self._pad] * (int(most) - len(given)), len(given)
+
+    # -- the window's end ---------------------------------------------------------------------
 
     def totals(self, count: int, loss_sum: float) -> tuple[int, float]:
         """Items and loss summed over ranks: one all-reduce of two float64 scalars per window
         (exact for counts below 2**53)."""
+        if not self.distributed:
+            return count, loss_sum
         total, loss = self._all_reduce([float(count), loss_sum], torch.float64, dist.ReduceOp.SUM)
         return int(total), loss
 
@@ -142,69 +236,14 @@ class Sync:
         dist.all_reduce(squared, group=self.group)
         return squared.sqrt()
 
+    def _all_reduce(self, values: list[float], dtype: torch.dtype, op: Any) -> list[float]:
+        t = torch.tensor(values, dtype=dtype, device=self._device)
+        dist.all_reduce(t, op=op, group=self.group)
+        return t.tolist()
 
-def _collective_device(group=None) -> torch.device:
+
+def collective_device(group: Any = None) -> torch.device:
     """Where a group's collectives take their tensors: the current GPU for nccl, else CPU."""
     if "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm over a list of tensors, at least fp32 for the sum of squares."""
-    if not grads:
-        return torch.zeros(())
-    device = grads[0].device
-    same = len({(g.device, g.dtype) for g in grads}) == 1 and grads[0].dtype in (
-        torch.float32,
-        torch.float64,
-    )
-    if same and hasattr(torch, "_foreach_norm"):
-        # One fused kernel per device, what clip_grad_norm_ runs, without its Python wrapper
-        # (about 50 us a call, measured).
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
-    norms = [torch.linalg.vector_norm(g, dtype=dtype).to(device) for g in grads]
-    return torch.linalg.vector_norm(torch.stack(norms))
-
-
-# -- the processes of a torchrun job (used by `gradaccum train`) -----------------------------
-
-
-def init_from_env() -> tuple[int, int]:
-    """Join the process group torchrun describes in the environment (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT, LOCAL_RANK): nccl on CUDA, gloo on CPU. Returns ``(rank,
-    world)``; ``(0, 1)`` when not launched by torchrun."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1
-    if not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), dist.get_world_size()
-
-
-def is_main() -> bool:
-    """Rank 0 of a process group, or a process outside one: the one that speaks."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def broadcast(value, src: int = 0):
-    """Rank ``src``'s value on every rank (a small picklable object between the job's own
-    processes: a path, a verdict, a plan)."""
-    box = [value]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank when it is true on any (e.g. a signal that reached one rank)."""
-    t = torch.tensor([int(flag)], device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())

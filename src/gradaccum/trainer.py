@@ -28,15 +28,18 @@ from typing import Any
 
 import torch
 
-from gradaccum import sync
+from gradaccum import launch
 from gradaccum.batching import shard, split, to_device
 from gradaccum.engine import Accumulator
 from gradaccum.measure import fresh_process_verifier
-from gradaccum.memory import TrainingMemory, enable_checkpointing, format_bytes, parse_bytes
-from gradaccum.noise import advice
+from gradaccum.memory import TrainingMemory, format_bytes, parse_bytes
+from gradaccum.noise import NoiseScale, advice
+from gradaccum.oom import OOMReplay
 from gradaccum.plan import plan
 from gradaccum.precision import PRECISIONS
 from gradaccum.recipes import RECIPES, Recipe, get_recipe, hf_recipe
+from gradaccum.recompute import enable_checkpointing
+from gradaccum.validate import int_problem
 
 __all__ = ["Interrupted", "TrainConfig", "train"]
 
@@ -131,8 +134,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is None and optional:
                 return
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                out.append(f"{name} must be an integer >= {minimum}, got {value!r}")
+            if (problem := int_problem(value, name, minimum)) is not None:
+                out.append(problem)
 
         positive_int("effective_batch")
         positive_int("micro_batch", optional=True)
@@ -147,8 +150,10 @@ class TrainConfig:
             and isinstance(self.effective_batch, int)
             and self.micro_batch > self.effective_batch
         ):
-            out.append(f"micro_batch {self.micro_batch} is larger than effective_batch "
-                       f"{self.effective_batch}")  # fmt: skip
+            out.append(
+                f"micro_batch {self.micro_batch} is larger than effective_batch "
+                f"{self.effective_batch}"
+            )
         if self.micro_batch is None:
             try:
                 parse_bytes(self.budget)
@@ -161,8 +166,10 @@ class TrainConfig:
                 or not isinstance(value, (int, float))
                 or not (math.isfinite(value) and (value > 0 if name == "lr" else value >= 0))
             ):
-                out.append(f"{name} must be a {'positive' if name == 'lr' else 'non-negative'} "
-                           f"number, got {value!r}")  # fmt: skip
+                out.append(
+                    f"{name} must be a {'positive' if name == 'lr' else 'non-negative'} "
+                    f"number, got {value!r}"
+                )
         if self.max_grad_norm is not None and (
             isinstance(self.max_grad_norm, bool)
             or not isinstance(self.max_grad_norm, (int, float))
@@ -206,8 +213,11 @@ def _schedule(total: int, warmup: int):
 
 def _signature(recipe: Recipe, model: torch.nn.Module) -> dict[str, Any]:
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
-    return {**recipe.signature, "parameters": sum(p.numel() for p in model.parameters()),
-            "shapes": shapes}  # fmt: skip
+    return {
+        **recipe.signature,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "shapes": shapes,
+    }
 
 
 def _check_signature(saved: dict[str, Any], mine: dict[str, Any], path: Path) -> None:
@@ -235,10 +245,8 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 def _progress(total: int, initial: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
+    from tqdm import tqdm  # imported here: only a terminal needs it
+
     if not sys.stderr.isatty():
         return None
     # A terminal that reports no size (some ptys) would get an empty bar: fall back to 100.
@@ -254,11 +262,13 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
     # Under torchrun every process runs this function; rank 0 alone plans, writes the run
     # folder and reports. The effective batch is global: each rank trains its shard of it.
-    rank, world = sync.init_from_env()
+    rank, world = launch.init_from_env()
     main = rank == 0
     if world > cfg.effective_batch:
-        raise ValueError(f"effective_batch {cfg.effective_batch} cannot be split across {world} "
-                         "processes: each needs at least one sample")  # fmt: skip
+        raise ValueError(
+            f"effective_batch {cfg.effective_batch} cannot be split across {world} "
+            "processes: each needs at least one sample"
+        )
     if not main:
         log = _quiet
     recipe = hf_recipe(cfg.hf_model) if cfg.hf_model else get_recipe(cfg.recipe)
@@ -268,10 +278,12 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     resuming = checkpoint_path.exists() and cfg.resume is not None
     problem = None
     if not resuming and out.exists() and any(out.iterdir()):
-        problem = (f"run folder {out} already holds a run; continue it with --resume {out} or "
-                   "choose another --out")  # fmt: skip
+        problem = (
+            f"run folder {out} already holds a run; continue it with --resume {out} or "
+            "choose another --out"
+        )
     if world > 1:  # rank 0's folder and verdict, so no rank races another's mkdir
-        out, resuming, problem = sync.broadcast((out, resuming, problem))
+        out, resuming, problem = launch.broadcast((out, resuming, problem))
         checkpoint_path = out / CHECKPOINT
     if problem:
         raise ValueError(problem)
@@ -297,8 +309,10 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         if saved.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{checkpoint_path} is not a gradaccum run checkpoint")
         _check_signature(saved["signature"], signature, checkpoint_path)
-        micro, plan_info = saved["micro_batch"], {"micro_size": saved["micro_batch"],
-                                                  "source": "resumed"}  # fmt: skip
+        micro, plan_info = (
+            saved["micro_batch"],
+            {"micro_size": saved["micro_batch"], "source": "resumed"},
+        )
         log(f"resuming {out} at step {saved['step']} of {total} (micro-batch {micro})")
     elif cfg.micro_batch is not None:
         micro, plan_info = cfg.micro_batch, {"micro_size": cfg.micro_batch, "source": "given"}
@@ -306,18 +320,27 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         per_rank = math.ceil(cfg.effective_batch / world)
         plan_info = None
         if main:  # one plan for all ranks (same model, same hardware), for one rank's share
-            log(f"planning the micro-batch for an effective batch of {per_rank} per process in "
-                f"{cfg.budget} ({recipe.summary})")  # fmt: skip
+            log(
+                f"planning the micro-batch for an effective batch of {per_rank} per process in "
+                f"{cfg.budget} ({recipe.summary})"
+            )
             verify = None
             if not cfg.hf_model and device.type == "cpu":
                 verify = fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed)
-            planned = plan(model, optimizer, recipe.sample_batch(8), recipe.loss_fn,
-                           effective_batch=per_rank, budget=cfg.budget,
-                           precision=cfg.precision, verify=verify)  # fmt: skip
+            planned = plan(
+                model,
+                optimizer,
+                recipe.sample_batch(8),
+                recipe.loss_fn,
+                effective_batch=per_rank,
+                budget=cfg.budget,
+                precision=cfg.precision,
+                verify=verify,
+            )
             log(planned.summary())
             plan_info = {**planned.to_dict(), "source": "planned"}
         if world > 1:
-            plan_info = sync.broadcast(plan_info)
+            plan_info = launch.broadcast(plan_info)
         if plan_info["checkpointing"]:
             enable_checkpointing(model)
         micro = plan_info["micro_size"]
@@ -329,15 +352,17 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        train_model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda"
-                                              else None)  # fmt: skip
+        train_model = DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None
+        )
     acc = Accumulator(
         train_model,
         optimizer,
         scheduler=scheduler,
         max_grad_norm=cfg.max_grad_norm or None,
         precision=cfg.precision,
-        noise_scale=cfg.noise_scale,
+        oom=OOMReplay() if world == 1 else None,
+        noise=NoiseScale() if cfg.noise_scale else None,
     )
     start = 0
     if saved is not None:
@@ -353,9 +378,16 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     def checkpoint(step: int) -> None:
         if not main:
             return
-        _atomic_save({"format": CHECKPOINT_FORMAT, "step": step, "micro_batch": micro,
-                      "signature": signature, "accumulator": acc.state_dict()},
-                     checkpoint_path)  # fmt: skip
+        _atomic_save(
+            {
+                "format": CHECKPOINT_FORMAT,
+                "step": step,
+                "micro_batch": micro,
+                "signature": signature,
+                "accumulator": acc.state_dict(),
+            },
+            checkpoint_path,
+        )
 
     stop: list[int] = []
     previous = {}
@@ -383,11 +415,17 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
             seconds = time.perf_counter() - t0
             items += result.count
             line = {
-                "step": step + 1, "loss": result.loss, "lr": optimizer.param_groups[0]["lr"],
-                "grad_norm": result.grad_norm, "count": result.count, "seconds": seconds,
-                "peak_memory": memory.peak(), "skipped": result.skipped,
-                "oom_replays": result.oom_replays, "noise_scale": result.noise_scale,
-            }  # fmt: skip
+                "step": step + 1,
+                "loss": result.loss,
+                "lr": optimizer.param_groups[0]["lr"],
+                "grad_norm": result.grad_norm,
+                "count": result.count,
+                "seconds": seconds,
+                "peak_memory": memory.peak(),
+                "skipped": result.skipped,
+                "oom_replays": result.oom_replays,
+                "noise_scale": result.noise_scale,
+            }
             if main and ((step + 1) % cfg.eval_every == 0 or step + 1 == total):
                 last_eval = data.evaluate(model, micro)
                 line.update({f"eval_{k}": v for k, v in last_eval.items()})
@@ -395,7 +433,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
             metrics_file.flush()
             rate = items / max(time.perf_counter() - began, 1e-9)
             _report(bar, log, line, rate, total)
-            if world > 1 and sync.any_rank(bool(stop)) and not stop:
+            if world > 1 and launch.any_rank(bool(stop)) and not stop:
                 stop.append(signal.SIGTERM)  # another rank was signalled: stop together
             if stop:
                 checkpoint(step + 1)
@@ -449,8 +487,13 @@ def _report(bar, log, line: dict[str, Any], rate: float, total: int) -> None:
         log(f"step {line['step']:>5}/{total}  {text}")
 
 
-def _summarize(lines: list[dict[str, Any]], acc: Accumulator, last_eval: dict[str, float],
-               seconds: float, device: torch.device) -> dict[str, Any]:  # fmt: skip
+def _summarize(
+    lines: list[dict[str, Any]],
+    acc: Accumulator,
+    last_eval: dict[str, float],
+    seconds: float,
+    device: torch.device,
+) -> dict[str, Any]:
     losses = [x["loss"] for x in lines if x["loss"] is not None]
     tail = losses[-10:]
     summary = {
@@ -477,35 +520,36 @@ def _summary_table(s: dict[str, Any]) -> str:
         ("optimizer steps", s["steps"]),
         ("items seen", s["items"]),
         ("time (this session)", f"{s['seconds_this_session']:.1f} s"),
-        ("train loss (first -> last 10 steps)",
-         f"{fmt(s['first_loss'])} -> {fmt(s['final_train_loss'])}"),
+        (
+            "train loss (first -> last 10 steps)",
+            f"{fmt(s['first_loss'])} -> {fmt(s['final_train_loss'])}",
+        ),
         *[(k.replace("_", " "), fmt(v)) for k, v in s.items() if k.startswith("held_out")],
         ("peak training memory", format_bytes(s["peak_memory"])),
         ("skipped windows", s["skipped_windows"]),
         ("out-of-memory replays", s["oom_replays"]),
-    ]  # fmt: skip
+    ]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(["", "summary", "-" * (width + 24)]
-                     + [f"{k:<{width}}  {v}" for k, v in rows])  # fmt: skip
+    return "\n".join(["", "summary", "-" * (width + 24)] + [f"{k:<{width}}  {v}" for k, v in rows])
 
 
 def _plots(out: Path, lines: list[dict[str, Any]]) -> None:
-    try:
-        import matplotlib
+    import matplotlib  # imported here: slow to import, and only the end of a run plots
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib)",
-              file=sys.stderr)  # fmt: skip
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     steps = [x["step"] for x in lines if x["loss"] is not None]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(steps, [x["loss"] for x in lines if x["loss"] is not None], label="train (window)")
     evals = [x for x in lines if "eval_loss" in x]
     if evals:
-        ax.plot([x["step"] for x in evals], [x["eval_loss"] for x in evals], marker="o",
-                label="held-out")  # fmt: skip
+        ax.plot(
+            [x["step"] for x in evals],
+            [x["eval_loss"] for x in evals],
+            marker="o",
+            label="held-out",
+        )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss per item")
     ax.set_title(f"{out.name}: loss")

@@ -45,8 +45,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = CheckConfig(**options.given(args, CheckConfig))
     if cfg.micro_size < 1 or cfg.batch <= cfg.micro_size:
-        raise ValueError(f"need 1 <= micro_size < batch, got micro_size {cfg.micro_size} and "
-                         f"batch {cfg.batch}")  # fmt: skip
+        raise ValueError(
+            f"need 1 <= micro_size < batch, got micro_size {cfg.micro_size} and batch {cfg.batch}"
+        )
     recipe = hf_recipe(cfg.hf_model) if cfg.hf_model else get_recipe(cfg.recipe)
     torch.manual_seed(cfg.seed)
     model = recipe.build_model()

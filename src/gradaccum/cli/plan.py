@@ -11,10 +11,10 @@ import torch
 
 from gradaccum.cli import options
 from gradaccum.measure import fresh_process_verifier
-from gradaccum.memory import checkpointing_enabled
 from gradaccum.plan import CHECKPOINTING, Plan, plan
 from gradaccum.precision import PRECISIONS
 from gradaccum.recipes import RECIPES, get_recipe
+from gradaccum.recompute import checkpointing_enabled
 
 
 @dataclass(kw_only=True)
@@ -24,9 +24,11 @@ class PlanConfig:
     )
     budget: str = field(
         default="2GiB",
-        metadata={"help": "memory budget: bytes, or a number with B, KB, MB, GB (powers of "
-                  "1000) or KiB, MiB, GiB (powers of 1024)"},
-    )  # fmt: skip
+        metadata={
+            "help": "memory budget: bytes, or a number with B, KB, MB, GB (powers of "
+            "1000) or KiB, MiB, GiB (powers of 1024)"
+        },
+    )
     recipe: str = field(
         default="gpt", metadata={"help": "built-in model and data", "choices": sorted(RECIPES)}
     )
@@ -40,9 +42,12 @@ class PlanConfig:
     )
     checkpointing: str = field(
         default="off",
-        metadata={"help": "activation checkpointing of repeated blocks: off, on, or auto (only "
-                  "when nothing fits without)", "choices": list(CHECKPOINTING)},
-    )  # fmt: skip
+        metadata={
+            "help": "activation checkpointing of repeated blocks: off, on, or auto (only "
+            "when nothing fits without)",
+            "choices": list(CHECKPOINTING),
+        },
+    )
     precision: str = field(
         default="fp32", metadata={"help": "autocast precision", "choices": list(PRECISIONS)}
     )
@@ -50,9 +55,11 @@ class PlanConfig:
     json: bool = field(default=False, metadata={"help": "print the plan as JSON"})
     plot: str | None = field(
         default=None,
-        metadata={"help": "draw predicted vs measured memory per probed size to this PNG",
-                  "metavar": "FILE.png"},
-    )  # fmt: skip
+        metadata={
+            "help": "draw predicted vs measured memory per probed size to this PNG",
+            "metavar": "FILE.png",
+        },
+    )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -73,15 +80,25 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(cfg.seed)
     model = recipe.build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    print(f"planning {recipe.name}: {recipe.summary}; probing micro-batch sizes 1, 2, 4, 8",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"planning {recipe.name}: {recipe.summary}; probing micro-batch sizes 1, 2, 4, 8",
+        file=sys.stderr,
+    )
     result = plan(
-        model, optimizer, recipe.sample_batch(8), recipe.loss_fn,
-        effective_batch=cfg.effective_batch, budget=cfg.budget, world_size=cfg.world_size,
-        margin=cfg.margin, checkpointing=cfg.checkpointing, precision=cfg.precision,
-        verify=fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed,
-                                      checkpointing_enabled(model)),
-    )  # fmt: skip
+        model,
+        optimizer,
+        recipe.sample_batch(8),
+        recipe.loss_fn,
+        effective_batch=cfg.effective_batch,
+        budget=cfg.budget,
+        world_size=cfg.world_size,
+        margin=cfg.margin,
+        checkpointing=cfg.checkpointing,
+        precision=cfg.precision,
+        verify=fresh_process_verifier(
+            cfg.recipe, cfg.precision, cfg.seed, checkpointing_enabled(model)
+        ),
+    )
     if cfg.plot:
         draw(result, cfg.plot)
     if cfg.json:
@@ -96,13 +113,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def draw(result: Plan, path: str) -> None:
-    try:
-        import matplotlib
+    import matplotlib  # imported here: slow to import, and only --plot needs it
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise SystemExit(f"--plot needs matplotlib: pip install matplotlib ({err})") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     mib = 2**20
     top = max(result.micro_size, max(p.micro_size for p in result.probes))
     xs = list(range(1, top + 1))
@@ -111,13 +126,23 @@ def draw(result: Plan, path: str) -> None:
     ax.scatter(
         [p.micro_size for p in result.probes],
         [(result.static_bytes + result.overhead_bytes + p.peak_bytes) / mib for p in result.probes],
-        color="black", zorder=3, label="measured (probes)",
-    )  # fmt: skip
+        color="black",
+        zorder=3,
+        label="measured (probes)",
+    )
     ax.axhline(result.budget / mib, color="red", linestyle="--", label="budget")
-    ax.axhline(result.budget * (1 - result.margin) / mib, color="red", linestyle=":",
-               label=f"budget less {result.margin:.0%} margin")  # fmt: skip
-    ax.axvline(result.micro_size, color="green", linestyle="-.",
-               label=f"planned micro-batch {result.micro_size}")  # fmt: skip
+    ax.axhline(
+        result.budget * (1 - result.margin) / mib,
+        color="red",
+        linestyle=":",
+        label=f"budget less {result.margin:.0%} margin",
+    )
+    ax.axvline(
+        result.micro_size,
+        color="green",
+        linestyle="-.",
+        label=f"planned micro-batch {result.micro_size}",
+    )
     ax.set_xlabel("micro-batch size (samples)")
     ax.set_ylabel("peak memory (MiB)")
     ax.set_title(f"plan: effective batch {result.effective_batch} on {result.device}")

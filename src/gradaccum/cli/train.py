@@ -16,7 +16,7 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
-from gradaccum.sync import is_main, shutdown
+from gradaccum.launch import is_main, shutdown
 from gradaccum.trainer import Interrupted, TrainConfig, train
 
 _FILE_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"config", "resume"}

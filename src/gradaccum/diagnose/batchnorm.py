@@ -19,13 +19,24 @@ and no normalization of the gradient can repair it (pytorch issue 46516).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["FrozenBatchNorm", "batchnorm_modules", "batchnorm_momentum", "convert_batchnorm"]
+from gradaccum.validate import positive_int
+
+__all__ = [
+    "FrozenBatchNorm",
+    "batchnorm_modules",
+    "batchnorm_momentum",
+    "convert_batchnorm",
+    "warn_batchnorm",
+]
+
+log = logging.getLogger("gradaccum")
 
 _BN = (nn.modules.batchnorm._BatchNorm,)
 
@@ -33,6 +44,20 @@ _BN = (nn.modules.batchnorm._BatchNorm,)
 def batchnorm_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """BatchNorm and SyncBatchNorm layers (any dimension) of ``model``."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, _BN)]
+
+
+def warn_batchnorm(model: nn.Module) -> None:
+    """Log a warning naming the BatchNorm layers in train mode, if any: under accumulation
+    they change the model, not just its batch size. The Accumulator calls this once."""
+    training = [name for name, m in batchnorm_modules(model) if m.training]
+    if training:
+        log.warning(
+            "%s in train mode: each micro-batch is normalized with its own statistics, "
+            "so accumulation changes the model (not just its batch size). "
+            "gradaccum.diagnose.convert_batchnorm(model) restores exactness; "
+            "gradaccum.check() measures the difference",
+            ", ".join(training[:3]) + (" ..." if len(training) > 3 else ""),
+        )
 
 
 class FrozenBatchNorm(nn.Module):
@@ -90,8 +115,7 @@ def batchnorm_momentum(model: nn.Module, micro_batches: int) -> Iterator[list[st
     """Within the block, every BatchNorm with a momentum uses m' = 1 - (1 - m)^(1/N), so a
     window of N micro-batches updates its running statistics, in expectation, like one
     full-batch update. Restores the original momenta afterwards."""
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
+    positive_int(micro_batches, "micro_batches")
     saved = []
     for name, bn in batchnorm_modules(model):
         if bn.momentum is not None:  # None: a cumulative average, already order-free

@@ -20,22 +20,33 @@ from typing import Any
 import torch
 from torch import nn
 
+# The engine itself imports diagnose.batchnorm (its BatchNorm warning), so the engine is
+# imported as a module here and read at call time, not while both are being imported.
+from gradaccum import engine
 from gradaccum.batching import split
+from gradaccum.checkpoint import preserved_rng
 from gradaccum.diagnose.batchnorm import batchnorm_modules
-from gradaccum.engine import Accumulator, LossFn
 
 __all__ = ["CheckResult", "check", "TOLERANCES"]
 
 # Relative error (per parameter, L2) that rounding alone stays under, per parameter dtype.
-TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1.6e-2,
-              torch.float16: 1e-3}  # fmt: skip
+TOLERANCES = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.bfloat16: 1.6e-2,
+    torch.float16: 1e-3,
+}
 
-BATCHNORM_WHY = ("normalizes with the mean and variance of the micro-batch it sees (train "
-                 "mode), not of the whole batch; convert_batchnorm(model) or eval mode fixes "
-                 "the forward, batchnorm_momentum() only its running statistics")  # fmt: skip
-INSTANCENORM_WHY = ("updates running statistics once per micro-batch (its normalization is "
-                    "per sample, so gradients are unaffected); batchnorm-style momentum "
-                    "differs from one full-batch update")  # fmt: skip
+BATCHNORM_WHY = (
+    "normalizes with the mean and variance of the micro-batch it sees (train "
+    "mode), not of the whole batch; convert_batchnorm(model) or eval mode fixes "
+    "the forward, batchnorm_momentum() only its running statistics"
+)
+INSTANCENORM_WHY = (
+    "updates running statistics once per micro-batch (its normalization is "
+    "per sample, so gradients are unaffected); batchnorm-style momentum "
+    "differs from one full-batch update"
+)
 FOUND_WHY = "its output for a sample changes with the other samples in its batch (measured)"
 
 
@@ -99,15 +110,23 @@ class _Outputs:
             h.remove()
 
 
-def check(model: nn.Module, batch: Any, loss_fn: LossFn, micro_size: int,
-          *, tolerance: float | None = None) -> CheckResult:  # fmt: skip
+def check(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: engine.LossFn,
+    micro_size: int,
+    *,
+    tolerance: float | None = None,
+) -> CheckResult:
     """Compare the full-batch gradient of ``batch`` with the accumulated one over
     micro-batches of ``micro_size``. The model's parameters, buffers (BatchNorm running
     statistics), modes and random state are left as they were."""
     micro = split(batch, micro_size)
     if len(micro) < 2:
-        raise ValueError(f"micro_size {micro_size} leaves the batch whole; choose a size "
-                         "smaller than the batch so there is something to compare")  # fmt: skip
+        raise ValueError(
+            f"micro_size {micro_size} leaves the batch whole; choose a size "
+            "smaller than the batch so there is something to compare"
+        )
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters")
@@ -115,44 +134,46 @@ def check(model: nn.Module, batch: Any, loss_fn: LossFn, micro_size: int,
     tol = tolerance if tolerance is not None else TOLERANCES.get(dtype, 1e-5)
     names = {id(p): n for n, p in model.named_parameters()}
     saved_state = copy.deepcopy(model.state_dict())
-    saved_rng = torch.get_rng_state()
     modes = {m: m.training for m in model.modules()}
     dropouts = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
     if any(p.grad is not None for p in params):
-        raise RuntimeError("check() needs the model's gradients cleared first "
-                           "(optimizer.zero_grad(set_to_none=True))")  # fmt: skip
-    try:
-        for m in dropouts:
-            m.eval()
-        # 1. the full batch: its mean loss, through torch alone
-        full_out = _Outputs(model)
-        loss_sum, count = loss_fn(model, batch)
-        (loss_sum / count).backward()
-        full_out.remove()
-        full = {names[id(p)]: p.grad.detach().clone() for p in params if p.grad is not None}
-        for p in params:
-            p.grad = None
-        model.load_state_dict(saved_state)  # BatchNorm saw the batch once; undo that
-        # 2. the accumulated window, through the Accumulator (a step of zero length)
-        micro_out = _Outputs(model)
-        optimizer = torch.optim.SGD(params, lr=0.0)
-        seen: dict[str, torch.Tensor] = {}
-        optimizer.register_step_pre_hook(
-            lambda opt, *_: seen.update(
-                {names[id(p)]: p.grad.detach().clone() for p in params if p.grad is not None}
-            )
+        raise RuntimeError(
+            "check() needs the model's gradients cleared first "
+            "(optimizer.zero_grad(set_to_none=True))"
         )
-        result = Accumulator(model, optimizer).step(micro, loss_fn)
-        micro_out.remove()
-        if not result.stepped:
-            raise ValueError(f"the accumulated window was skipped ({result.skipped})")
-    finally:
-        model.load_state_dict(saved_state)
-        for m, training in modes.items():
-            m.train(training)
-        for p in params:
-            p.grad = None
-        torch.set_rng_state(saved_rng)
+    # dropout is off, but a model may draw random numbers elsewhere
+    with preserved_rng():
+        try:
+            for m in dropouts:
+                m.eval()
+            # 1. the full batch: its mean loss, through torch alone
+            full_out = _Outputs(model)
+            loss_sum, count = loss_fn(model, batch)
+            (loss_sum / count).backward()
+            full_out.remove()
+            full = {names[id(p)]: p.grad.detach().clone() for p in params if p.grad is not None}
+            for p in params:
+                p.grad = None
+            model.load_state_dict(saved_state)  # BatchNorm saw the batch once; undo that
+            # 2. the accumulated window, through the Accumulator (a step of zero length)
+            micro_out = _Outputs(model)
+            optimizer = torch.optim.SGD(params, lr=0.0)
+            seen: dict[str, torch.Tensor] = {}
+            optimizer.register_step_pre_hook(
+                lambda opt, *_: seen.update(
+                    {names[id(p)]: p.grad.detach().clone() for p in params if p.grad is not None}
+                )
+            )
+            result = engine.Accumulator(model, optimizer).step(micro, loss_fn)
+            micro_out.remove()
+            if not result.stepped:
+                raise ValueError(f"the accumulated window was skipped ({result.skipped})")
+        finally:
+            model.load_state_dict(saved_state)
+            for m, training in modes.items():
+                m.train(training)
+            for p in params:
+                p.grad = None
 
     # A parameter whose true gradient is zero (a bias right before a normalization that
     # removes it) has rounding noise for a gradient; measured against its own zero norm the
@@ -162,16 +183,23 @@ def check(model: nn.Module, batch: Any, loss_fn: LossFn, micro_size: int,
     errors = {
         n: float(torch.linalg.vector_norm(seen[n].double() - g.double()))
         / max(float(torch.linalg.vector_norm(g.double())), floor)
-        for n, g in full.items() if n in seen
-    }  # fmt: skip
+        for n, g in full.items()
+        if n in seen
+    }
     worst = sorted(errors.items(), key=lambda kv: -kv[1])[:5]
     max_error = worst[0][1] if worst else 0.0
     culprits = _culprits(model, full_out.records, micro_out.records, tol)
     return CheckResult(
-        passed=max_error <= tol, tolerance=tol, dtype=str(dtype).replace("torch.", ""),
-        max_error=max_error, errors=errors, worst=worst, culprits=culprits,
-        micro_batches=len(micro), dropout_disabled=len(dropouts),
-    )  # fmt: skip
+        passed=max_error <= tol,
+        tolerance=tol,
+        dtype=str(dtype).replace("torch.", ""),
+        max_error=max_error,
+        errors=errors,
+        worst=worst,
+        culprits=culprits,
+        micro_batches=len(micro),
+        dropout_disabled=len(dropouts),
+    )
 
 
 def _culprits(model: nn.Module, full: dict, micro: dict, tol: float) -> list[tuple[str, str, str]]:

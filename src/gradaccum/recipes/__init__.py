@@ -68,8 +68,14 @@ def _gpt_sample(n: int) -> dict[str, torch.Tensor]:
 class TextData:
     """Random full-length windows of a byte (or token) stream; the last 10% is held out."""
 
-    def __init__(self, ids: torch.Tensor, length: int, seed: int, logits: Callable | None = None,
-                 eval_sequences: int = 32) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ids: torch.Tensor,
+        length: int,
+        seed: int,
+        logits: Callable | None = None,
+        eval_sequences: int = 32,
+    ) -> None:
         cut = int(len(ids) * 0.9)
         self.train, self.held_out = ids[:cut], ids[cut:]
         self.length, self.seed = length, seed
@@ -118,10 +124,16 @@ class DigitsCNN(torch.nn.Module):
         super().__init__()
         nn = torch.nn
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1, stride=2), nn.GroupNorm(8, 64), nn.ReLU(),
-            nn.Conv2d(64, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.ReLU(),
-        )  # fmt: skip
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.GroupNorm(8, 32),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1, stride=2),
+            nn.GroupNorm(8, 64),
+            nn.ReLU(),
+            nn.Conv2d(64, 64, 3, padding=1),
+            nn.GroupNorm(8, 64),
+            nn.ReLU(),
+        )
         self.head = nn.Linear(64 * 4 * 4, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,8 +175,9 @@ class DigitsData:
     def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         per_epoch = self.steps_per_epoch(size)
         epoch, index = divmod(step, per_epoch)
-        perm = torch.randperm(len(self.y), generator=torch.Generator().manual_seed(
-            self.seed * 1_000_003 + epoch))  # fmt: skip
+        perm = torch.randperm(
+            len(self.y), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        )
         chosen = perm[index * size : (index + 1) * size]  # the epoch's last window is ragged
         return self.x[chosen], self.y[chosen]
 
@@ -202,8 +215,9 @@ def hf_recipe(path: str) -> Recipe:
     has_weights = source.is_dir() and any(
         (source / n).exists() for n in ("model.safetensors", "pytorch_model.bin")
     )
-    length = min(128, getattr(config, "n_positions", None) or
-                 getattr(config, "max_position_embeddings", 128))  # fmt: skip
+    length = min(
+        128, getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", 128)
+    )
 
     def build() -> torch.nn.Module:
         auto = transformers.AutoModelForCausalLM

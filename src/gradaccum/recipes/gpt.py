@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradaccum.validate import int_problem
+
 
 @dataclass(kw_only=True)
 class GPTConfig:
@@ -27,9 +29,8 @@ class GPTConfig:
     def __post_init__(self) -> None:
         problems = []
         for name in ("vocab_size", "max_len", "d_model", "n_heads", "n_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"{name} must be an integer >= 1, got {value!r}")
+            if (problem := int_problem(getattr(self, name), name)) is not None:
+                problems.append(problem)
         if not problems and self.d_model % self.n_heads:
             problems.append(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
         if not 0.0 <= self.dropout < 1.0:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from helpers import MLP, make_model, max_rel_err, params
 
 import gradaccum as ga
-from gradaccum.memory import OOMPolicy, inject_oom
+from gradaccum.testing import inject_oom
 
 
 def data(seed, n=32):
@@ -19,22 +19,22 @@ def data(seed, n=32):
 
 
 class Recorder:
-    """A fault hook that fails above a threshold it can change, and a loss_fn that records
-    which samples and micro-batch sizes the successful attempt of each window ran."""
+    """A loss_fn on a device that fits ``fits`` samples (a threshold it can change) and
+    records which samples and micro-batch sizes the successful attempt of each window ran."""
 
     def __init__(self, fits):
         self.fits = fits
         self.attempt = []  # sample ids of the current attempt
         self.sizes = []
 
-    def hook(self, size):
+    def loss_fn(self, model, mb):
         try:
-            inject_oom(self.fits)(size)
+            return inject_oom(self.record, self.fits)(model, mb)
         except torch.OutOfMemoryError:
             self.attempt, self.sizes = [], []  # that attempt is dropped whole
             raise
 
-    def loss_fn(self, model, mb):
+    def record(self, model, mb):
         self.attempt += mb["idx"].tolist()
         self.sizes.append(len(mb["idx"]))
         return ga.sample_mean(F.mse_loss(model(mb["x"]), mb["y"], reduction="none"))
@@ -48,8 +48,7 @@ def run(recorder, windows, grow_after=50, **kw):
     acc = ga.Accumulator(
         model,
         torch.optim.AdamW(model.parameters(), lr=1e-2),
-        fault_hook=recorder.hook if recorder else None,
-        grow_after=grow_after,
+        oom=ga.OOMReplay(grow_after=grow_after),
         **kw,
     )
     results, seen, sizes = [], [], []
@@ -86,7 +85,7 @@ def test_the_micro_batch_grows_back_after_clean_windows_never_above_the_given_si
     windows = [data(s) for s in range(6)]
     model = make_model(MLP)
     acc = ga.Accumulator(
-        model, torch.optim.SGD(model.parameters(), lr=0.01), fault_hook=rec.hook, grow_after=2
+        model, torch.optim.SGD(model.parameters(), lr=0.01), oom=ga.OOMReplay(grow_after=2)
     )
     sizes = []
     for i, w in enumerate(windows):
@@ -103,20 +102,13 @@ def test_the_micro_batch_grows_back_after_clean_windows_never_above_the_given_si
 
 def test_what_cannot_be_replayed_still_raises():
     model = make_model(MLP)
-    one = ga.Accumulator(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), fault_hook=inject_oom(0)
-    )
+    one = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), oom=ga.OOMReplay())
     rec = Recorder(fits=0)
     with pytest.raises(torch.OutOfMemoryError):  # even one sample does not fit
         one.step(ga.split(data(0, n=4), 1), rec.loss_fn)
-    off = ga.Accumulator(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        fault_hook=inject_oom(2),
-        oom_replay=False,
-    )
+    off = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), oom=None)
     with pytest.raises(torch.OutOfMemoryError):
-        off.step(ga.split(data(0), 8), rec.loss_fn)
+        off.step(ga.split(data(0), 8), Recorder(fits=2).loss_fn)
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -126,13 +118,13 @@ def test_the_cap_survives_a_checkpoint(tmp_path):
     assert acc.oom.cap == 4
     torch.save(acc.state_dict(), tmp_path / "c.pt")
     other = make_model(MLP, seed=5)
-    acc2 = ga.Accumulator(other, torch.optim.AdamW(other.parameters(), lr=1e-2))
+    acc2 = ga.Accumulator(other, torch.optim.AdamW(other.parameters(), lr=1e-2), oom=ga.OOMReplay())
     acc2.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True))
     assert acc2.oom.cap == 4 and acc2.state.oom_replays == 1
 
 
 def test_policy_arguments():
     with pytest.raises(ValueError, match="grow_after must be an integer >= 1, got 0"):
-        OOMPolicy(grow_after=0)
+        ga.OOMReplay(grow_after=0)
     with pytest.raises(ValueError, match="max_fitting_size must be an integer, got 2.5"):
-        inject_oom(2.5)
+        inject_oom(Recorder(fits=1).record, 2.5)

@@ -3,6 +3,8 @@ a single-process full-batch reference (tests/helpers.py), never against gradaccu
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import torch
@@ -87,8 +89,12 @@ def train(rank: int, world: int, kind: str, out: str) -> None:
             result = acc.step(my_micro_batches(step, sizes, rank), lm_loss)
             assert result.stepped, result
             losses.append(result.loss)
-        results[name] = {"params": full_params(model), "grads": handed, "losses": losses,
-                         "state": acc.state}  # fmt: skip
+        results[name] = {
+            "params": full_params(model),
+            "grads": handed,
+            "losses": losses,
+            "state": acc.state,
+        }
     if rank == 0:
         torch.save(results, Path(out) / f"{kind}.pt")
 
@@ -130,8 +136,10 @@ def count(rank: int, world: int, kind: str, mode: str, n: int, out: str) -> None
         acc.step(split_sizes(batch, [2] * n), lm_loss)
     if rank == 0:
         reductions = calls[0] if kind == "ddp" else counter.calls
-        torch.save({"reductions": reductions, "steps": acc.state.optimizer_steps},
-                   Path(out) / f"count-{kind}-{mode}-{n}.pt")  # fmt: skip
+        torch.save(
+            {"reductions": reductions, "steps": acc.state.optimizer_steps},
+            Path(out) / f"count-{kind}-{mode}-{n}.pt",
+        )
 
 
 def ddp_grads_across_ranks(rank: int, world: int, out: str) -> None:
@@ -172,14 +180,22 @@ def ddp_grads_across_ranks(rank: int, world: int, out: str) -> None:
     except RuntimeError as err:
         errors.append(str(err))
     try:
-        ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_scale=True,
-                       sync="micro")  # fmt: skip
+        ga.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), noise=NoiseScale(), sync="micro"
+        )
     except ValueError as err:
         errors.append(str(err))
     if rank == 0:
-        torch.save({"before": before, "after": after, "stepped": result.stepped,
-                    "errors": errors, "in_window": acc.in_window},
-                   Path(out) / "spread.pt")  # fmt: skip
+        torch.save(
+            {
+                "before": before,
+                "after": after,
+                "stepped": result.stepped,
+                "errors": errors,
+                "in_window": acc.in_window,
+            },
+            Path(out) / "spread.pt",
+        )
 
 
 def noise_scale(rank: int, world: int, out: str) -> None:
@@ -194,8 +210,9 @@ def noise_scale(rank: int, world: int, out: str) -> None:
     with torch.no_grad():
         model.weight.copy_((w_star + delta)[None])
     model = DistributedDataParallel(model)
-    acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_scale=True,
-                         noise_ema=0.99)  # fmt: skip
+    acc = ga.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), noise=NoiseScale(ema=0.99)
+    )
 
     def loss_fn(model, mb):
         x, y = mb
@@ -211,5 +228,49 @@ def noise_scale(rank: int, world: int, out: str) -> None:
             y = x @ w_star + s * torch.randn(64, generator=g)
             result = acc.step(ga.split((x, y), micro), loss_fn)
         found[micro] = (result.noise_scale, acc.noise.estimates()[0])
-    torch.save({"found": found, "analytic": d + 1 + d * s**2 / delta_norm**2,
-                "true_g2": delta_norm**2}, Path(out) / f"noise-{rank}.pt")  # fmt: skip
+    torch.save(
+        {"found": found, "analytic": d + 1 + d * s**2 / delta_norm**2, "true_g2": delta_norm**2},
+        Path(out) / f"noise-{rank}.pt",
+    )
+
+
+def forward_outside_and_padding(rank: int, world: int, out: str) -> None:
+    """Two regressions under DDP. A loss whose forward ran outside ``micro_batch()`` and whose
+    backward runs inside must be refused, identically on both ranks, before any collective
+    (it once ran one reduction and left the ranks' gradients different). And the micro-batch
+    a rank pads with is not kept past its window: only a one-sample copy is."""
+    model = wrap(make_model(TinyLM), "ddp")
+    acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    micro = split_sizes(padded_lm_batch(seed=40 + rank, n=6), [3, 3])
+    errors = []
+    loss_sum, count = lm_loss(model, micro[0])  # forward outside the context
+    try:
+        with acc.micro_batch(last=True):
+            acc.backward(loss_sum, count)
+    except RuntimeError as err:
+        errors.append(str(err))
+    dropped = not acc.in_window and all(p.grad is None for p in model.parameters())
+    # The same window done right still trains, on both ranks alike.
+    result = acc.step(micro, lm_loss)
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+
+    held = split_sizes(padded_lm_batch(seed=50 + rank, n=4), [2, 2])
+    ids = weakref.ref(held[-1]["input_ids"])  # the micro-batch a later window would pad with
+    acc.step(held, lm_loss)
+    del held
+    gc.collect()
+    pad = acc.sync._pad["input_ids"]
+    if rank == 0:
+        torch.save(
+            {
+                "errors": errors,
+                "dropped": dropped,
+                "stepped": result.stepped,
+                "spread": float((gathered[0] - gathered[1]).abs().max()),
+                "released": ids() is None,
+                "pad_shape": list(pad.shape),
+            },
+            Path(out) / "outside.pt",
+        )

@@ -44,9 +44,12 @@ def launch(fn: Callable, *args, world: int = 2, timeout: float = 60.0) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children at spawn
     try:
         ctx = mp.start_processes(
-            _entry, args=(fn, world, free_port(), args), nprocs=world, join=False,
+            _entry,
+            args=(fn, world, free_port(), args),
+            nprocs=world,
+            join=False,
             start_method="spawn",
-        )  # fmt: skip
+        )
     finally:
         if before is None:
             os.environ.pop("OMP_NUM_THREADS")

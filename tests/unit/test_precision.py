@@ -53,7 +53,9 @@ def accumulate(micro, accumulate_dtype):
     model = bf16_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     handed = capture_step_grads(optimizer, model)
-    acc = ga.Accumulator(model, optimizer, accumulate_dtype=accumulate_dtype)
+    acc = ga.Accumulator(
+        model, optimizer, precision=ga.Precision(accumulate_dtype=accumulate_dtype)
+    )
     for mb in micro:
         with acc.micro_batch():
             acc.backward(*bf16_loss(model, mb))
@@ -98,12 +100,19 @@ def test_fp32_buffers_keep_a_32_micro_batch_bf16_window_exact():
 
 def test_accumulate_dtype_defaults_follow_the_parameters():
     fp32 = make_model(MLP)
-    assert ga.Accumulator(fp32, torch.optim.SGD(fp32.parameters(), lr=0.1)).accumulate_dtype is None
+    assert (
+        ga.Accumulator(fp32, torch.optim.SGD(fp32.parameters(), lr=0.1)).precision.accumulate_dtype
+        is None
+    )
     bf16 = bf16_mlp()
     acc = ga.Accumulator(bf16, torch.optim.SGD(bf16.parameters(), lr=0.1))
-    assert acc.accumulate_dtype == torch.float32
-    acc = ga.Accumulator(bf16, torch.optim.SGD(bf16.parameters(), lr=0.1), accumulate_dtype=None)
-    assert acc.accumulate_dtype is None
+    assert acc.precision.accumulate_dtype == torch.float32
+    acc = ga.Accumulator(
+        bf16,
+        torch.optim.SGD(bf16.parameters(), lr=0.1),
+        precision=ga.Precision(accumulate_dtype=None),
+    )
+    assert acc.precision.accumulate_dtype is None
 
 
 def test_buffers_are_dropped_with_a_skipped_window():
@@ -159,7 +168,9 @@ def fp16_setup(init_scale=2.0**10, sgd=False, precision="fp16"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if precision == "fp16" else None
-    acc = ga.Accumulator(model, optimizer, scheduler=scheduler, precision=precision, scaler=scaler)
+    acc = ga.Accumulator(
+        model, optimizer, scheduler=scheduler, precision=ga.Precision(precision, scaler=scaler)
+    )
     return model, optimizer, scheduler, acc
 
 
@@ -185,12 +196,12 @@ def test_fp16_overflow_skips_the_window_and_lowers_the_scale():
     assert acc.step(wins[0], loss_fn).stepped
     before = params(model)
     opt_before = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
-    scale, epoch = acc.scaler.get_scale(), scheduler.last_epoch
+    scale, epoch = acc.precision.scaler.get_scale(), scheduler.last_epoch
 
     result = acc.step(wins[1], poison_last(loss_fn))
 
     assert result.skipped == "fp16 overflow" and not result.stepped
-    assert acc.scaler.get_scale() == scale * 0.5
+    assert acc.precision.scaler.get_scale() == scale * 0.5
     assert scheduler.last_epoch == epoch
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     opt_after = optimizer.state_dict()["state"][0]
@@ -236,17 +247,17 @@ def test_resume_restores_the_loss_scale_exactly(tmp_path):
     model, _, _, acc = fp16_setup()
     acc.step(wins[0], loss_fn)
     acc.step(wins[1], poison_last(loss_fn))  # scale now differs from the default
-    saved_scale = acc.scaler.get_scale()
+    saved_scale = acc.precision.scaler.get_scale()
     torch.save(acc.state_dict(), tmp_path / "ckpt.pt")
     acc.step(wins[2], loss_fn)
 
     resumed_model, _, _, resumed = fp16_setup(init_scale=2.0**16)
     resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))
-    assert resumed.scaler.get_scale() == saved_scale != 2.0**16
-    assert resumed.scaler.state_dict() == torch.load(tmp_path / "ckpt.pt")["scaler"]
+    assert resumed.precision.scaler.get_scale() == saved_scale != 2.0**16
+    assert resumed.precision.scaler.state_dict() == torch.load(tmp_path / "ckpt.pt")["scaler"]
     resumed.step(wins[2], loss_fn)
     assert all(torch.equal(p, params(model)[n]) for n, p in resumed_model.named_parameters())
-    assert resumed.scaler.get_scale() == acc.scaler.get_scale()
+    assert resumed.precision.scaler.get_scale() == acc.precision.scaler.get_scale()
 
 
 def test_precision_arguments_are_checked():
@@ -257,11 +268,13 @@ def test_precision_arguments_are_checked():
     ):
         ga.Accumulator(model, opt, precision="fp8")
     with pytest.raises(ValueError, match="accumulate_dtype must be .* got torch.int32"):
-        ga.Accumulator(model, opt, accumulate_dtype=torch.int32)
+        ga.Accumulator(model, opt, precision=ga.Precision(accumulate_dtype=torch.int32))
     with pytest.raises(ValueError, match="accumulate_dtype=torch.float64 does not apply"):
-        ga.Accumulator(model, opt, precision="fp16", accumulate_dtype=torch.float64)
+        ga.Accumulator(model, opt, precision=ga.Precision("fp16", accumulate_dtype=torch.float64))
     with pytest.raises(ValueError, match="GradScaler was given but precision is 'bf16'"):
-        ga.Accumulator(model, opt, precision="bf16", scaler=torch.amp.GradScaler("cpu"))
+        ga.Accumulator(
+            model, opt, precision=ga.Precision("bf16", scaler=torch.amp.GradScaler("cpu"))
+        )
     half = make_model(MLP).half()
     with pytest.raises(ValueError, match="precision='fp16' needs fp32 parameters"):
         ga.Accumulator(half, torch.optim.SGD(half.parameters(), lr=0.1), precision="fp16")
@@ -277,7 +290,9 @@ def test_fp64_buffers_are_allowed_and_used():
     x, y = regression_data()
     model = make_model(lambda: MLP(d_in=16, hidden=64, d_out=4))
     acc = ga.Accumulator(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate_dtype=torch.float64
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision=ga.Precision(accumulate_dtype=torch.float64),
     )
 
     def loss_fn(model, mb):

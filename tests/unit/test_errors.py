@@ -181,10 +181,10 @@ def test_manual_mode_misuse(setup):
 def test_counts_on_an_accelerator_are_checked_at_the_window_end():
     """Counts on a GPU are summed and checked once per window (one host sync). No GPU here, so
     the check itself is called on a window holding such counts, as end_window would."""
-    from gradaccum.engine import Accumulator, _Window
+    from gradaccum.loss import tensor_count_total
 
-    window = _Window(tensor_counts=[(0, torch.tensor(5)), (1, torch.tensor(7))])
-    assert Accumulator._tensor_count_total(window) == 12
-    window.tensor_counts.append((2, torch.tensor(-2.0)))
+    counts = [(0, torch.tensor(5)), (1, torch.tensor(7))]
+    assert tensor_count_total(counts) == 12
+    counts.append((2, torch.tensor(-2.0)))
     with pytest.raises(ValueError, match=r"got -2 from micro-batch 2"):
-        Accumulator._tensor_count_total(window)
+        tensor_count_total(counts)

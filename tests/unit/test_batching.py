@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import gradaccum as ga
+from gradaccum.batching import batch_size
 
 
 def test_split_tensor_keeps_every_sample_once():
@@ -32,7 +33,7 @@ def test_split_containers(micro):
     }
     for name, batch in batches.items():
         parts = ga.split(batch, micro)
-        assert sum(ga.batch_size(p) for p in parts) == n, name
+        assert sum(batch_size(p) for p in parts) == n, name
         assert type(parts[0]) is type(batch), name
         labels = [
             p["pair"][1] if name == "nested" else (p["y"] if isinstance(p, dict) else p[1])

@@ -81,7 +81,7 @@ def test_ddp_gradients_differ_before_the_last_micro_batch_and_match_after(tmp_pa
     assert "without a micro-batch marked last=True" in no_last
     assert "after the one marked last=True" in after_last
     assert not spread["in_window"]  # both misuses dropped their window
-    assert "noise_scale=True with sync='micro'" in noise and "DDP" in noise
+    assert "noise=NoiseScale(...) with sync='micro'" in noise and "DDP" in noise
 
 
 def test_noise_scale_under_ddp_matches_the_closed_form(tmp_path):
@@ -91,7 +91,21 @@ def test_noise_scale_under_ddp_matches_the_closed_form(tmp_path):
     for rank in range(2):
         got = torch.load(tmp_path / f"noise-{rank}.pt", weights_only=True)
         for micro, (b_simple, g2) in got["found"].items():
-            print(f"rank {rank}, micro {micro}: B_simple {b_simple:.1f}, analytic "
-                  f"{got['analytic']:.1f}")  # fmt: skip
+            print(
+                f"rank {rank}, micro {micro}: B_simple {b_simple:.1f}, analytic "
+                f"{got['analytic']:.1f}"
+            )
             assert b_simple == pytest.approx(got["analytic"], rel=0.15), micro
             assert g2 == pytest.approx(got["true_g2"], rel=0.15), micro
+
+
+def test_ddp_forward_outside_the_context_is_refused_and_the_pad_source_released(tmp_path):
+    launch(workers.forward_outside_and_padding, str(tmp_path))
+    got = torch.load(tmp_path / "outside.pt", weights_only=True)
+    assert len(got["errors"]) == 1, got
+    assert "ran inside `with acc.micro_batch(...)`" in got["errors"][0]
+    assert "leave the ranks' gradients different" in got["errors"][0]
+    assert got["dropped"]  # the refused window left no gradient behind
+    assert got["stepped"] and got["spread"] == 0.0  # and the ranks stay identical
+    assert got["released"]  # the micro-batch is gone once its window ended
+    assert got["pad_shape"][0] == 1  # only one sample is kept to pad later windows

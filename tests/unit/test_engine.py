@@ -219,3 +219,88 @@ def test_an_exception_mid_window_leaves_parameters_and_no_gradient():
     assert same(params(model), start)
     assert all(p.grad is None for p in model.parameters()) and not acc.in_window
     assert acc.step(ga.split(regression_batch(seed=0), 3), mlp_loss).stepped
+
+
+# -- one arithmetic on every path (regressions of a pre-division that only step() took) ------
+
+
+def _bf16_or_fp32_loss(dtype):
+    def loss_fn(model, mb):
+        loss_sum, count = mlp_loss(model, mb)
+        return loss_sum.to(dtype), count
+
+    return loss_fn
+
+
+def _fp64_reference(batch):
+    model = make_model(MLP).double()
+    x, y = batch
+    return reference_grads(model, (x.double(), y.double()), TASKS["mlp"][3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_step_and_manual_mode_hand_the_optimizer_bitwise_the_same_gradient(dtype):
+    """12 equal micro-batches: a loss_sum in bf16 once made step() pre-divide by bf16(1/12)
+    (12 x that = 1.00195) and skip the final division, a 0.2% bias manual mode did not have."""
+    batch = regression_batch(seed=7, n=48)
+    micro = ga.split(batch, 4)
+    loss_fn = _bf16_or_fp32_loss(dtype)
+    grads = {}
+    for path in ("step", "manual"):
+        model = make_model(MLP)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        seen = capture_step_grads(optimizer, model)
+        acc = ga.Accumulator(model, optimizer)
+        if path == "step":
+            acc.step(micro, loss_fn)
+        else:
+            for i, mb in enumerate(micro):
+                with acc.micro_batch(last=i == len(micro) - 1):
+                    acc.backward(*loss_fn(model, mb))
+            acc.end_window()
+        grads[path] = seen[0]
+    assert same(grads["step"], grads["manual"])
+    expected = {n: g.float() for n, g in _fp64_reference(batch).items()}
+    err = max_rel_err(grads["step"], expected)
+    print(f"{dtype} loss_sum: step() against the fp64 full batch {err:.2e}")
+    assert err <= 1e-5  # fp32 rounding; the bf16 factor's bias was 2e-3
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("path", ["step", "manual"])
+def test_accumulated_gradient_is_the_raw_sum_on_every_path(path, precision):
+    """After k micro-batches, the sum of their gradients: not divided by anything, on either
+    path, with or without fp16 loss scaling (equal micro-batches once made step() return the
+    sum already divided by first-count x N)."""
+    batch = regression_batch(seed=3, n=24)
+    micro = ga.split(batch, 6)
+    expected = []  # the sum of the first k micro-batches' gradients, by torch alone
+    for k in range(1, len(micro)):
+        model = make_model(MLP)
+        total = 0.0
+        for mb in micro[:k]:  # one autocast region each, as the Accumulator runs them
+            with torch.autocast("cpu", dtype=torch.float16, enabled=precision == "fp16"):
+                total = total + mlp_loss(model, mb)[0]
+        total.backward()
+        expected.append({n: p.grad for n, p in model.named_parameters()})
+
+    model = make_model(MLP)
+    acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision)
+    seen = []
+
+    def loss_fn(model, mb):  # before micro-batch k's forward: the sum of the first k
+        so_far = acc.accumulated_gradient()
+        if so_far:
+            seen.append({n: g.clone() for n, g in so_far.items()})
+        return mlp_loss(model, mb)
+
+    if path == "step":
+        acc.step(micro, loss_fn)
+    else:
+        for mb in micro:
+            with acc.micro_batch():
+                acc.backward(*loss_fn(model, mb))
+        acc.end_window()
+    errors = [max_rel_err(got, want) for got, want in zip(seen, expected, strict=True)]
+    print(f"{path} {precision}: accumulated_gradient() against the summed gradients {errors}")
+    assert max(errors) <= 1e-5

@@ -14,16 +14,36 @@ from helpers import max_rel_err
 from launch import free_port
 
 # 45 images per step: rank 0 trains 23 (micro-batches of 16 + 7), rank 1 trains 22 (16 + 6).
-ARGS = ["train", "--recipe", "digits", "--steps", "6", "--effective-batch", "45",
-        "--micro-batch", "16", "--eval-every", "3"]  # fmt: skip
+ARGS = [
+    "train",
+    "--recipe",
+    "digits",
+    "--steps",
+    "6",
+    "--effective-batch",
+    "45",
+    "--micro-batch",
+    "16",
+    "--eval-every",
+    "3",
+]
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def torchrun() -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port())]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+    ]
 
 
 def run(cmd: list[str], cwd) -> subprocess.CompletedProcess:
@@ -58,11 +78,29 @@ def test_torchrun_two_processes_train_the_global_batch_into_one_run_folder(tmp_p
 
 
 def test_sigterm_under_torchrun_stops_every_rank_at_one_checkpointed_window(tmp_path):
-    args = ["train", "--recipe", "digits", "--steps", "400", "--effective-batch", "64",
-            "--micro-batch", "16", "--eval-every", "500", "--checkpoint-every", "500"]  # fmt: skip
-    proc = subprocess.Popen([*torchrun(), "-m", "gradaccum", *args, "--out", "run"],
-                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    args = [
+        "train",
+        "--recipe",
+        "digits",
+        "--steps",
+        "400",
+        "--effective-batch",
+        "64",
+        "--micro-batch",
+        "16",
+        "--eval-every",
+        "500",
+        "--checkpoint-every",
+        "500",
+    ]
+    proc = subprocess.Popen(
+        [*torchrun(), "-m", "gradaccum", *args, "--out", "run"],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 45
     while time.time() < deadline and not (

@@ -14,7 +14,7 @@ import torch
 
 from gradaccum.trainer import TrainConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "2"}
 
 

@@ -1,0 +1,56 @@
+"""The processes of a torchrun job, for `gradaccum train`: join the group, agree, leave.
+
+Gradient communication itself is ``gradaccum.sync``; these are the few collective decisions
+the command line makes around training (rank 0 picks the run folder and the plan, a signal
+on one rank stops all of them).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from gradaccum.sync import collective_device
+
+__all__ = ["any_rank", "broadcast", "init_from_env", "is_main", "shutdown"]
+
+
+def init_from_env() -> tuple[int, int]:
+    """Join the process group torchrun describes in the environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT, LOCAL_RANK): nccl on CUDA, gloo on CPU. Returns ``(rank,
+    world)``; ``(0, 1)`` when not launched by torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def is_main() -> bool:
+    """Rank 0 of a process group, or a process outside one: the one that speaks."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast(value, src: int = 0):
+    """Rank ``src``'s value on every rank (a small picklable object between the job's own
+    processes: a path, a verdict, a plan)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on any (e.g. a signal that reached one rank)."""
+    t = torch.tensor([int(flag)], device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
