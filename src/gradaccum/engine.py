@@ -190,8 +190,9 @@ class Accumulator:
             window.device_counts.append((index, count))
         else:
             window.count += count
-        detached = loss_sum.detach().double()
-        window.loss = detached if window.loss is None else window.loss + detached.to(window.loss)
+        if window.loss is None:
+            window.loss = torch.zeros((), dtype=torch.float64, device=loss_sum.device)
+        window.loss.add_(loss_sum.detach())  # summed on the loss's device: no host sync
         # A reduced gradient is not this rank's prefix: the window's global mean is added at
         # end_window instead.
         if self.noise is not None and not self.sync.communicates(window.last):

@@ -41,7 +41,7 @@ def check_arguments(
         kinds.append(f"scheduler must have a step() method, got {type(scheduler).__name__}")
     for name, (value, cls) in policies.items():
         if value is not None and not isinstance(value, cls):
-            kinds.append(f"{name} must be a {cls.__name__} or None, got {value!r}")
+            kinds.append(f"{name} must be {cls.__name__}(...) or None, got {value!r}")
     values = []
     if max_grad_norm is not None and (
         isinstance(max_grad_norm, bool)

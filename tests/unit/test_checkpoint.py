@@ -105,3 +105,42 @@ def test_a_foreign_or_mismatched_checkpoint_is_refused(tmp_path):
         ValueError, match="checkpoint has scheduler state but this Accumulator has none"
     ):
         no_sched.load_state_dict(acc.state_dict())
+
+
+def _draws():
+    return (torch.rand(3), random.random(), float(np.random.rand()))
+
+
+def _lm_planning_setup(device):
+    model = make_model(lambda: TinyLM(dropout=0.3), 0).to(device)
+    batch = {k: v.to(device) for k, v in padded_lm_batch(seed=9, n=8).items()}
+    return model, torch.optim.AdamW(model.parameters()), batch
+
+
+@pytest.mark.parametrize("what", ["plan", "check"])
+def test_plan_and_check_leave_every_host_generator_as_it_was(what):
+    """Dropout in their training steps draws from torch's generator; loss_fn here also draws
+    from Python's and NumPy's. Afterwards all three give the draws they would have given."""
+    model, optimizer, batch = _lm_planning_setup("cpu")
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    expected = _draws()
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    if what == "plan":
+        ga.plan(model, optimizer, batch, lm_loss_with_host_randomness, 8, "4GiB")
+    else:
+        ga.check(model, batch, lm_loss_with_host_randomness, micro_size=4, tolerance=1e-2)
+    got = _draws()
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the CUDA generator")
+@pytest.mark.parametrize("what", ["plan", "check"])
+def test_plan_and_check_leave_the_cuda_generator_untouched(what):
+    model, optimizer, batch = _lm_planning_setup("cuda")
+    before = torch.cuda.get_rng_state_all()
+    if what == "plan":
+        ga.plan(model, optimizer, batch, LM_LOSS, 8, "4GiB", meter="tensors")
+    else:
+        ga.check(model, batch, LM_LOSS, micro_size=4, tolerance=1e-2)
+    after = torch.cuda.get_rng_state_all()
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

@@ -303,3 +303,13 @@ def test_fp64_buffers_are_allowed_and_used():
         acc.backward(*loss_fn(model, (x, y)))
     assert all(g.dtype == torch.float64 for g in acc.accumulated_gradient().values())
     assert math.isfinite(acc.end_window().loss)
+
+
+def test_a_precision_object_serves_one_accumulator():
+    model = make_model(MLP)
+    precision = ga.Precision("bf16")
+    ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision)
+    with pytest.raises(ValueError, match="already serves an Accumulator; give each its own"):
+        ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision)
+    with pytest.raises(TypeError, match=r"oom must be OOMReplay\(...\) or None, got True"):
+        ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), oom=True)
