@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The main job: plan the micro-batch for a 512MB budget, train the byte-level GPT on the
-# Python standard library's source (about 2.5 minutes on 2 cores), write runs/gpt-TIME/.
+# Python standard library's source, write runs/gpt-TIME/.
 demo: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m gradaccum train
 

@@ -187,8 +187,8 @@ def plan(
     ``budget``: bytes, or a string such as "2GiB" or "1500MB"; on CUDA it bounds the
     allocator's peak, on CPU the resident memory of training: parameters, buffers and
     optimizer state, plus what the process's RSS grows by while it trains. ``margin``: the
-    fraction of the budget kept free for what the measurement cannot see: on CPU, eight
-    fresh runs of the same training peaked 351-394 MiB (glibc's heap layout varies from
+    fraction of the budget kept free for what the measurement cannot see: on CPU, fresh
+    runs of the same training peak several percent apart (glibc's heap layout varies from
     process to process), so the default keeps 15% free. ``checkpointing``: "off", "on"
     (checkpoint the model's repeated blocks) or "auto" (only if nothing fits without).
     ``probe_sizes``: micro-batch sizes to measure (default 1, 2, 4, 8, capped by the

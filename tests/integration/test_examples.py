@@ -1,9 +1,13 @@
-"""The README's commands stay true: the demo and the quickstart run in fresh processes."""
+"""The README stays true: its quickstart runs in a fresh process, and it shows the Accumulator's
+signature as the code has it."""
 
+import inspect
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import gradaccum as ga
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,3 +40,40 @@ def test_readme_quickstart_is_the_example_file_and_runs():
     out = run("quickstart.py")
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 10 and losses[-1] < losses[0]
+
+
+def signature_text(fn) -> str:
+    """``fn``'s parameters after ``self`` as the README writes them: positional ones by name,
+    then ``*``, then keyword-only ones as name=default, strings in double quotes."""
+    parts, star = [], False
+    for p in list(inspect.signature(fn).parameters.values())[1:]:
+        if p.kind is p.VAR_POSITIONAL:
+            parts.append(f"*{p.name}")
+            star = True
+            continue
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        if p.kind is p.VAR_KEYWORD:
+            parts.append(f"**{p.name}")
+        elif p.default is p.empty:
+            parts.append(p.name)
+        else:
+            default = p.default
+            shown = f'"{default}"' if isinstance(default, str) else repr(default)
+            parts.append(f"{p.name}={shown}")
+    return ", ".join(parts)
+
+
+def squeeze(text: str) -> str:
+    """Whitespace-insensitive: runs of whitespace become one space, none after "("."""
+    return re.sub(r"\s+", " ", text).replace("( ", "(")
+
+
+def test_readme_shows_the_accumulators_signature():
+    params = signature_text(ga.Accumulator.__init__)
+    assert params.startswith("model, optimizer, *, "), params
+    expected = f"acc = ga.Accumulator({params})"
+    for page in ("README.md", "docs/api.md"):
+        text = squeeze((ROOT / page).read_text())
+        assert expected in text, f"{page} does not show the Accumulator's signature: {expected}"

@@ -272,17 +272,23 @@ def test_a_checkpoint_from_another_model_is_refused(tmp_path):
     assert "this run builds recipe gpt" in proc.stderr
 
 
-def test_help_and_readme_list_every_command_and_option():
-    readme = (ROOT / "README.md").read_text()
+def test_help_and_docs_cli_md_list_every_command_and_option():
+    reference = (ROOT / "docs" / "cli.md").read_text()
     top = cli("--help").stdout
     assert "train" in top and "plan" in top
     text = " ".join(cli("train", "--help").stdout.split())
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         assert flag in text, flag
-        assert f"`{flag}`" in readme, f"README does not document {flag}"
+        assert f"`{flag}`" in reference, f"docs/cli.md does not document {flag}"
         first_words = " ".join(f.metadata["help"].split()[:4])
         assert first_words in text, (flag, first_words)
+    plan_help = cli("plan", "--help").stdout.split()
+    plan_flags = {w.strip("[]|,") for w in plan_help if w.lstrip("[").startswith("--")}
+    plan_flags.discard("--help")
+    assert {"--budget", "--effective-batch"} <= plan_flags, plan_flags
+    for flag in sorted(plan_flags):
+        assert f"`{flag}`" in reference, f"docs/cli.md does not document gradaccum plan {flag}"
 
 
 def test_epochs_precision_and_a_planned_micro_batch(tmp_path):

@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="train a built-in recipe or a local Hugging Face model with an exact large batch",
         description="Plan the micro-batch for a memory budget, then train with one exact "
         "optimizer step per effective batch. With no options: a byte-level GPT on the Python "
-        "standard library's own source (about 2 minutes on 2 CPU cores).",
+        "standard library's own source.",
     )
     options.add_arguments(parser, TrainConfig)
     parser.set_defaults(run=run)
