@@ -104,10 +104,12 @@ def main() -> None:
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "gradaccum's part: a norm over the gradients per window (the non-finite guard and "
-        "`grad_norm`), the division when counts differ, and per micro-batch the count, the "
-        "checks and the loss sum. Accelerate's is mostly per micro-batch (its `accumulate` "
-        "context and `backward`), Fabric's per micro-batch and per step (its wrappers).",
+        "gradaccum's part: per window a norm over the gradients (the non-finite guard and "
+        "`grad_norm`) and one division by the window's count (the hand loop folds its 1/N "
+        "into each loss instead, which only works when the count is known in advance), and "
+        "per micro-batch the count, the checks and the loss sum. Accelerate's is mostly per "
+        "micro-batch (its `accumulate` context and `backward`), Fabric's per micro-batch and "
+        "per step (its wrappers).",
     ]
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "overhead_added.md").write_text("\n".join(lines) + "\n")

@@ -226,3 +226,15 @@ def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float
 
 def params(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def deep_lm_setup(dropout=0.0, seq=64, layers=3, d=32):
+    model = make_model(lambda: TinyLM(d=d, layers=layers, max_len=seq, dropout=dropout))
+    # TinyLM's 32-token vocabulary keeps the logits small, so blocks dominate activations
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 32, (16, seq), generator=g)
+
+    def loss_fn(model, mb):
+        return ga.causal_lm_loss(model(mb["input_ids"]), mb["labels"])
+
+    return model, {"input_ids": ids, "labels": ids.clone()}, loss_fn
