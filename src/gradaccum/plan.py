@@ -238,7 +238,7 @@ def plan(
         probe_sizes = [s for s in (1, 2, 4, 8) if s <= max(2, per_rank)]
     else:
         probe_sizes = sorted(set(probe_sizes))
-        bad = [s for s in probe_sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+        bad = [s for s in probe_sizes if int_problem(s, "a probe size") is not None]
         if bad or len(probe_sizes) < 2:
             raise ValueError(
                 f"probe_sizes must be two or more different integers >= 1, got {list(probe_sizes)}"
