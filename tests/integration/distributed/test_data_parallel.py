@@ -99,9 +99,10 @@ def test_noise_scale_under_ddp_matches_the_closed_form(tmp_path):
             assert g2 == pytest.approx(got["true_g2"], rel=0.15), micro
 
 
-def test_ddp_forward_outside_the_context_is_refused_and_the_pad_source_released(tmp_path):
-    launch(workers.forward_outside_and_padding, str(tmp_path))
-    got = torch.load(tmp_path / "outside.pt", weights_only=True)
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_a_forward_outside_the_context_is_refused_and_the_pad_source_released(tmp_path, kind):
+    launch(workers.forward_outside_and_padding, kind, str(tmp_path))
+    got = torch.load(tmp_path / f"outside-{kind}.pt", weights_only=True)
     assert len(got["errors"]) == 1, got
     assert "ran inside `with acc.micro_batch(...)`" in got["errors"][0]
     assert "leave the ranks' gradients different" in got["errors"][0]

@@ -234,12 +234,12 @@ def noise_scale(rank: int, world: int, out: str) -> None:
     )
 
 
-def forward_outside_and_padding(rank: int, world: int, out: str) -> None:
-    """Two regressions under DDP. A loss whose forward ran outside ``micro_batch()`` and whose
+def forward_outside_and_padding(rank: int, world: int, kind: str, out: str) -> None:
+    """Two regressions under DDP and FSDP2. A loss whose forward ran outside ``micro_batch()`` and whose
     backward runs inside must be refused, identically on both ranks, before any collective
     (it once ran one reduction and left the ranks' gradients different). And the micro-batch
     a rank pads with is not kept past its window: only a one-sample copy is."""
-    model = wrap(make_model(TinyLM), "ddp")
+    model = wrap(make_model(TinyLM), kind)
     acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     micro = split_sizes(padded_lm_batch(seed=40 + rank, n=6), [3, 3])
     errors = []
@@ -252,7 +252,7 @@ def forward_outside_and_padding(rank: int, world: int, out: str) -> None:
     dropped = not acc.in_window and all(p.grad is None for p in model.parameters())
     # The same window done right still trains, on both ranks alike.
     result = acc.step(micro, lm_loss)
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    flat = torch.cat([p.detach().flatten() for p in full_params(model).values()])
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
 
@@ -272,5 +272,5 @@ def forward_outside_and_padding(rank: int, world: int, out: str) -> None:
                 "released": ids() is None,
                 "pad_shape": list(pad.shape),
             },
-            Path(out) / "outside.pt",
+            Path(out) / f"outside-{kind}.pt",
         )
