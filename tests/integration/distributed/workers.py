@@ -237,8 +237,9 @@ def noise_scale(rank: int, world: int, out: str) -> None:
 def forward_outside_and_padding(rank: int, world: int, kind: str, out: str) -> None:
     """Two regressions under DDP and FSDP2. A loss whose forward ran outside
     ``micro_batch()`` and whose backward runs inside must be refused, identically on both
-    ranks, before any collective (it once ran one reduction and left the ranks' gradients different). And the micro-batch
-    a rank pads with is not kept past its window: only a one-sample copy is."""
+    ranks, before any collective (it once ran one reduction and left the ranks' gradients
+    different). And the micro-batch a rank pads with is not kept past its window: only a
+    one-sample copy is."""
     model = wrap(make_model(TinyLM), kind)
     acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     micro = split_sizes(padded_lm_batch(seed=40 + rank, n=6), [3, 3])
