@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import threading
 
 import torch
 
@@ -51,39 +53,49 @@ def measure(
     return memory.peak()
 
 
-def fresh_process_verifier(
-    recipe: str, precision: str = "fp32", seed: int = 0, checkpointing: bool = False
-):
+def fresh_process_verifier(recipe: str, precision: str = "fp32", seed: int = 0):
     """A ``verify`` for ``plan()``: measure a planned size where training will run, in a new
-    process from its first step."""
+    process from its first step, with the plan's activation checkpointing. The child gets the
+    read end of a pipe whose write end only this process holds: if this process dies (SIGTERM,
+    SIGKILL, a crash), the child reads end-of-file and exits instead of running on alone."""
 
-    def verify(micro: int, micro_batches: int) -> int:
+    def verify(micro: int, micro_batches: int, checkpointing: bool) -> int:
+        read, write = os.pipe()
         cmd = [
-            sys.executable,
-            "-m",
-            "gradaccum.measure",
-            "--recipe",
-            recipe,
-            "--micro",
-            str(micro),
-            "--micro-batches",
-            str(micro_batches),
-            "--precision",
-            precision,
-            "--seed",
-            str(seed),
-        ]
+            sys.executable, "-m", "gradaccum.measure", "--recipe", recipe,
+            "--micro", str(micro), "--micro-batches", str(micro_batches),
+            "--precision", precision, "--seed", str(seed), "--parent-pipe", str(read),
+        ]  # fmt: skip
         if checkpointing:
             cmd.append("--checkpointing")
+        with_ckpt = " with activation checkpointing" if checkpointing else ""
         print(
-            f"measuring micro-batch {micro} x {micro_batches} in a fresh process", file=sys.stderr
+            f"measuring micro-batch {micro} x {micro_batches}{with_ckpt} in a fresh process",
+            file=sys.stderr,
         )
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, check=False, pass_fds=(read,)
+            )
+        finally:
+            os.close(read)
+            os.close(write)
         if proc.returncode != 0:
             raise RuntimeError(f"measuring micro-batch {micro} failed:\n{proc.stderr[-2000:]}")
         return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak"])
 
     return verify
+
+
+def _exit_with_parent(fd: int) -> None:
+    """Exit as soon as the pipe from the parent closes (the parent is gone)."""
+
+    def watch() -> None:
+        while os.read(fd, 1):
+            pass
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parent-pipe", type=int, default=None)
     a = ap.parse_args(argv)
+    if a.parent_pipe is not None:
+        _exit_with_parent(a.parent_pipe)
     peak = measure(
         a.recipe, a.micro, a.micro_batches, a.windows, a.precision, a.checkpointing, a.seed
     )

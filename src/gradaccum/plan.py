@@ -177,7 +177,7 @@ def plan(
     checkpointing: str = "off",
     precision: str = "fp32",
     accumulate_dtype: Any = "auto",
-    verify: Callable[[int, int], int] | None = None,
+    verify: Callable[[int, int, bool], int] | None = None,
     meter: str = "auto",
 ) -> Plan:
     """Plan the micro-batch for ``effective_batch`` samples (over all ranks) in ``budget``.
@@ -194,7 +194,8 @@ def plan(
     ``probe_sizes``: micro-batch sizes to measure (default 1, 2, 4, 8, capped by the
     per-rank batch). After the fit, a window at the planned size is measured too, and the
     size steps down until it fits:
-    in this process by default, or by ``verify(micro_size, micro_batches) -> peak bytes``,
+    in this process by default, or by ``verify(micro_size, micro_batches, checkpointing) ->
+    peak bytes``,
     which ``gradaccum plan`` points at a fresh process (where training will run, and where
     CPU memory is not shaped by the probes before it). ``meter``: "auto" (CUDA's allocator
     on a GPU, resident memory on CPU), "rss", or "tensors" (live tensor bytes: deterministic,
@@ -320,7 +321,7 @@ def _verify(
     per_rank: int,
     largest: int,
     usable: float,
-    verify: Callable[[int, int], int] | None,
+    verify: Callable[[int, int, bool], int] | None,
 ):
     """Measure a window at the planned size itself; step down while it does not fit.
 
@@ -331,7 +332,7 @@ def _verify(
         n = min(math.ceil(per_rank / micro), 8)
         act = int(m.activation_fit(micro))
         if verify is not None:
-            peak = int(verify(micro, n)) - m.static - m.overhead
+            peak = int(verify(micro, n, bool(m.blocks))) - m.static - m.overhead
             kind = "verify, fresh process"
         else:
             # The planned window, twice, keeping the larger peak: on CPU, RSS grows over

@@ -35,16 +35,14 @@ from gradaccum.measure import fresh_process_verifier
 from gradaccum.memory import TrainingMemory, format_bytes, parse_bytes
 from gradaccum.noise import NoiseScale, advice
 from gradaccum.oom import OOMReplay
-from gradaccum.plan import plan
+from gradaccum.plan import CHECKPOINTING, plan
 from gradaccum.precision import PRECISIONS
 from gradaccum.recipes import RECIPES, Recipe, get_recipe, hf_recipe
 from gradaccum.recompute import enable_checkpointing
+from gradaccum.runfolder import CHECKPOINT, CONFIG, METRICS, PLAN, RESUMES, RunFolder
 from gradaccum.validate import int_problem
 
 __all__ = ["Interrupted", "TrainConfig", "train"]
-
-CHECKPOINT = "checkpoint.pt"
-CHECKPOINT_FORMAT = "gradaccum.run/1"
 
 
 @dataclass(kw_only=True)
@@ -76,6 +74,14 @@ class TrainConfig:
     budget: str = field(
         default="512MB",
         metadata={"help": "memory budget for planning the micro-batch: bytes or 2GiB, 1500MB, ..."},
+    )
+    checkpointing: str = field(
+        default="off",
+        metadata={
+            "help": "activation checkpointing of the model's repeated blocks: off, on, or auto "
+            "(only when the plan finds nothing fits without)",
+            "choices": list(CHECKPOINTING),
+        },
     )
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW)"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
@@ -180,9 +186,12 @@ class TrainConfig:
             if (
                 isinstance(self.epochs, bool)
                 or not isinstance(self.epochs, (int, float))
-                or (self.epochs <= 0)
+                or not (math.isfinite(self.epochs) and self.epochs > 0)
             ):
-                out.append(f"epochs must be a positive number, got {self.epochs!r}")
+                out.append(f"epochs must be a positive finite number, got {self.epochs!r}")
+        if self.checkpointing not in CHECKPOINTING:
+            allowed = ", ".join(CHECKPOINTING)
+            out.append(f"checkpointing must be one of {allowed}, got {self.checkpointing!r}")
         if self.precision not in PRECISIONS:
             out.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.hf_model is None and self.recipe not in RECIPES:
@@ -191,14 +200,43 @@ class TrainConfig:
 
 
 class Interrupted(Exception):  # noqa: N818 - it is a stop, not an error
-    """Training stopped on SIGINT/SIGTERM after checkpointing at a window boundary."""
+    """Training stopped on a signal (SIGINT, SIGTERM, SIGHUP) or a closed output pipe, after
+    checkpointing at a window boundary."""
 
     def __init__(self, step: int, out: Path, signum: int) -> None:
+        why = "its output pipe closing" if signum == signal.SIGPIPE else signal.Signals(signum).name
         super().__init__(
-            f"stopped by {signal.Signals(signum).name} at step {step}; checkpoint saved; "
+            f"stopped by {why} at step {step}; checkpoint saved; "
             f"continue with: gradaccum train --resume {out}"
         )
         self.step, self.out, self.signum = step, out, signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# What a resumed run may change: how long it trains and how it reports. Everything else
+# defines the run and must stay as it was (a different run belongs in its own folder).
+RESUMABLE = ("steps", "epochs", "eval_every", "checkpoint_every", "noise_scale")
+
+
+class _Output:
+    """The log, surviving a closed pipe (``gradaccum train | head``): the first write that
+    finds the reader gone stops training at the next window boundary, as SIGPIPE would, and
+    later writes go nowhere."""
+
+    def __init__(self, log, stop: list[int]) -> None:
+        self.log, self.stop, self.closed = log, stop, False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        if self.closed:
+            return
+        try:
+            self.log(*args, **kwargs)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            self.closed = True
+            # Point stdout at /dev/null so the interpreter's own flush at exit cannot fail too.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            self.stop.append(signal.SIGPIPE)
 
 
 def _schedule(total: int, warmup: int):
@@ -238,12 +276,6 @@ def _check_signature(saved: dict[str, Any], mine: dict[str, Any], path: Path) ->
         )
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)  # a crash mid-write never leaves a half checkpoint
-
-
 def _progress(total: int, initial: int):
     from tqdm import tqdm  # imported here: only a terminal needs it
 
@@ -254,41 +286,81 @@ def _progress(total: int, initial: int):
     return tqdm(total=total, initial=initial, unit="step", ncols=columns)
 
 
+@dataclass
+class _Run:
+    """Everything built for a run, for the loop and the report."""
+
+    cfg: TrainConfig
+    folder: RunFolder
+    rank: int
+    world: int
+    recipe: Recipe
+    model: torch.nn.Module
+    device: torch.device
+    data: Any
+    optimizer: torch.optim.Optimizer
+    acc: Accumulator
+    micro: int
+    checkpointing: bool
+    signature: dict[str, Any]
+    start: int
+    total: int
+    per_epoch: int
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
 def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     """Run (or resume) a training run; returns the summary. Raises ``Interrupted`` after
-    checkpointing when SIGINT/SIGTERM arrives, ValueError on bad configuration."""
+    checkpointing on SIGINT/SIGTERM/SIGHUP or a closed output pipe, ValueError on bad
+    configuration or an unusable run folder (one line each)."""
     problems = cfg.problems()
     if problems:
         raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    stop: list[int] = []
     # Under torchrun every process runs this function; rank 0 alone plans, writes the run
     # folder and reports. The effective batch is global: each rank trains its shard of it.
     rank, world = launch.init_from_env()
+    log = _Output(log, stop) if rank == 0 else _quiet
+    run = _build(cfg, rank, world, log)
+    try:
+        began = time.perf_counter()
+        _loop(run, log, stop)
+        if not run.main:
+            return {"rank": rank}
+        return _report(run, log, time.perf_counter() - began)
+    finally:
+        run.folder.release()
+
+
+def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
+    """The run folder decided and locked, the model, data and optimizer, the micro-batch
+    (from the checkpoint, the saved plan, the flag, or a new plan) and the Accumulator."""
     main = rank == 0
     if world > cfg.effective_batch:
         raise ValueError(
             f"effective_batch {cfg.effective_batch} cannot be split across {world} "
             "processes: each needs at least one sample"
         )
-    if not main:
-        log = _quiet
     recipe = hf_recipe(cfg.hf_model) if cfg.hf_model else get_recipe(cfg.recipe)
     name = "hf" if cfg.hf_model else cfg.recipe
-    out = Path(cfg.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    checkpoint_path = out / CHECKPOINT
-    resuming = checkpoint_path.exists() and cfg.resume is not None
+    folder = RunFolder(cfg.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    resuming = cfg.resume is not None
     problem = None
-    if not resuming and out.exists() and any(out.iterdir()):
-        problem = (
-            f"run folder {out} already holds a run; continue it with --resume {out} or "
-            "choose another --out"
-        )
+    if main:
+        try:
+            folder.check_usable(resume=resuming)
+            if resuming:
+                _check_unchanged(folder.read_json(CONFIG), cfg, folder.path)
+            folder.create()
+        except ValueError as err:
+            problem = str(err)
     if world > 1:  # rank 0's folder and verdict, so no rank races another's mkdir
-        out, resuming, problem = launch.broadcast((out, resuming, problem))
-        checkpoint_path = out / CHECKPOINT
+        folder, problem = launch.broadcast((RunFolder(folder.path), problem))
     if problem:
         raise ValueError(problem)
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(cfg.seed)
     model = recipe.build_model()
@@ -302,51 +374,24 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     total = cfg.steps if cfg.epochs is None else math.ceil(cfg.epochs * per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(total, cfg.warmup_steps))
     signature = _signature(recipe, model)
-
-    saved = None
-    if resuming:
-        saved = torch.load(checkpoint_path, weights_only=True, map_location=device)
-        if saved.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{checkpoint_path} is not a gradaccum run checkpoint")
-        _check_signature(saved["signature"], signature, checkpoint_path)
-        micro, plan_info = (
-            saved["micro_batch"],
-            {"micro_size": saved["micro_batch"], "source": "resumed"},
+    saved = folder.load_checkpoint(device) if resuming else None
+    start = 0 if saved is None else saved["step"]
+    if saved is not None:
+        _check_signature(saved["signature"], signature, folder.path / CHECKPOINT)
+    if start > total:
+        raise ValueError(
+            f"--resume {folder.path}: the run has already trained {start} steps; give --steps "
+            f"(or --epochs) of at least {start}"
         )
-        log(f"resuming {out} at step {saved['step']} of {total} (micro-batch {micro})")
-    elif cfg.micro_batch is not None:
-        micro, plan_info = cfg.micro_batch, {"micro_size": cfg.micro_batch, "source": "given"}
-    else:
-        per_rank = math.ceil(cfg.effective_batch / world)
-        plan_info = None
-        if main:  # one plan for all ranks (same model, same hardware), for one rank's share
-            log(
-                f"planning the micro-batch for an effective batch of {per_rank} per process in "
-                f"{cfg.budget} ({recipe.summary})"
-            )
-            verify = None
-            if not cfg.hf_model and device.type == "cpu":
-                verify = fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed)
-            planned = plan(
-                model,
-                optimizer,
-                recipe.sample_batch(8),
-                recipe.loss_fn,
-                effective_batch=per_rank,
-                budget=cfg.budget,
-                precision=cfg.precision,
-                verify=verify,
-            )
-            log(planned.summary())
-            plan_info = {**planned.to_dict(), "source": "planned"}
-        if world > 1:
-            plan_info = launch.broadcast(plan_info)
-        if plan_info["checkpointing"]:
-            enable_checkpointing(model)
-        micro = plan_info["micro_size"]
-    if main:
-        (out / "plan.json").write_text(json.dumps(plan_info, indent=2, default=str))
-        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    if main and resuming:
+        _record_resume(folder, cfg, start)
+    elif main:
+        folder.write_json(CONFIG, dataclasses.asdict(cfg))  # first: a crash is resumable
+    micro, checkpointing = _micro_batch(
+        cfg, folder, saved, model, optimizer, recipe, device, world, log
+    )
+    if resuming:
+        log(f"resuming {folder.path} at step {start} of {total} (micro-batch {micro})")
 
     train_model = model
     if world > 1:
@@ -364,97 +409,211 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         oom=OOMReplay() if world == 1 else None,
         noise=NoiseScale() if cfg.noise_scale else None,
     )
-    start = 0
     if saved is not None:
         acc.load_state_dict(saved["accumulator"])
-        start = saved["step"]
-    windows = math.ceil(math.ceil(cfg.effective_batch / world) / micro)
-    across = f" on each of {world} processes" if world > 1 else ""
-    log(
-        f"training {total} steps: effective batch {cfg.effective_batch} = {windows} "
-        f"micro-batches of up to {micro}{across}, {per_epoch} steps per epoch, run folder {out}"
+    return _Run(
+        cfg,
+        folder,
+        rank,
+        world,
+        recipe,
+        model,
+        device,
+        data,
+        optimizer,
+        acc,
+        micro,
+        checkpointing,
+        signature,
+        start,
+        total,
+        per_epoch,
     )
 
-    def checkpoint(step: int) -> None:
-        if not main:
-            return
-        _atomic_save(
-            {
-                "format": CHECKPOINT_FORMAT,
-                "step": step,
-                "micro_batch": micro,
-                "signature": signature,
-                "accumulator": acc.state_dict(),
-            },
-            checkpoint_path,
+
+def _check_unchanged(saved: dict[str, Any], cfg: TrainConfig, path: Path) -> None:
+    """A resumed run may train longer or report differently; anything else would make it a
+    different run recorded as this one. Refuse, naming each change."""
+    mine = dataclasses.asdict(cfg)
+    changed = [
+        f"{k} {saved[k]!r} -> {mine[k]!r}"
+        for k in mine
+        if k not in (*RESUMABLE, "out", "resume", "config") and k in saved and saved[k] != mine[k]
+    ]
+    if changed:
+        allowed = ", ".join("--" + k.replace("_", "-") for k in RESUMABLE)
+        raise ValueError(
+            f"--resume {path}: a resumed run keeps its configuration but for {allowed}; this "
+            f"would change {'; '.join(changed)}. Start a new run with --out for that"
         )
 
-    stop: list[int] = []
-    previous = {}
 
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.append(signum)  # finish the window; the checkpoint falls on its boundary
+def _record_resume(folder: RunFolder, cfg: TrainConfig, start: int) -> None:
+    """config.json becomes what the run now trains with; resumes.jsonl says what changed."""
+    saved = folder.read_json(CONFIG)
+    mine = dataclasses.asdict(cfg)
+    changed = {k: [saved.get(k), mine[k]] for k in RESUMABLE if saved.get(k) != mine[k]}
+    folder.append_line(RESUMES, {"step": start, "changed": changed})
+    folder.write_json(CONFIG, {**saved, **{k: mine[k] for k in RESUMABLE}})
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, on_signal)
-    memory = TrainingMemory(model, device)
-    bar = _progress(total, start) if main else None
-    metrics_file = (out / "metrics.jsonl").open("a") if main else open(os.devnull, "w")
-    began = time.perf_counter()
-    items = 0
-    last_eval: dict[str, float] = {}
+
+def _micro_batch(cfg, folder, saved, model, optimizer, recipe, device, world, log):
+    """The micro-batch size and whether blocks recompute their activations: the checkpoint's,
+    else the saved plan's (a run that stopped before its first checkpoint), else a new plan
+    (or the flag's size). Whatever the source, checkpointing is applied here, so a resumed
+    run trains as it was planned."""
+    if saved is not None:
+        info = {"micro_size": saved["micro_batch"], "checkpointing": saved["checkpointing"]}
+    elif cfg.resume is not None and (folder.path / PLAN).is_file():
+        info = folder.read_json(PLAN)
+    else:
+        info = _plan_info(cfg, model, optimizer, recipe, device, world, log)
+        if world == 1 or launch.is_main():
+            folder.write_json(PLAN, info)
+    if info["checkpointing"]:
+        enable_checkpointing(model)
+    return info["micro_size"], bool(info["checkpointing"])
+
+
+def _plan_info(cfg, model, optimizer, recipe, device, world, log) -> dict[str, Any]:
+    if cfg.micro_batch is not None:
+        return {
+            "micro_size": cfg.micro_batch,
+            "source": "given",
+            "checkpointing": cfg.checkpointing == "on",
+        }
+    per_rank = math.ceil(cfg.effective_batch / world)
+    info = None
+    if world == 1 or launch.is_main():  # one plan for all ranks (same model and hardware)
+        log(
+            f"planning the micro-batch for an effective batch of {per_rank} per process in "
+            f"{cfg.budget} ({recipe.summary})"
+        )
+        verify = None
+        if not cfg.hf_model and device.type == "cpu":
+            verify = fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed)
+        planned = plan(
+            model,
+            optimizer,
+            recipe.sample_batch(8),
+            recipe.loss_fn,
+            effective_batch=per_rank,
+            budget=cfg.budget,
+            precision=cfg.precision,
+            checkpointing=cfg.checkpointing,
+            verify=verify,
+        )
+        log(planned.summary())
+        info = {**planned.to_dict(), "source": "planned"}
+    if world > 1:
+        info = launch.broadcast(info)
+    return info
+
+
+def _loop(run: _Run, log, stop: list[int]) -> None:
+    """Window by window from the run's start: a metrics line per step, a checkpoint every
+    checkpoint_every steps, at the end, and at the boundary after a stop was asked for."""
+    cfg, folder = run.cfg, run.folder
+    windows = math.ceil(math.ceil(cfg.effective_batch / run.world) / run.micro)
+    across = f" on each of {run.world} processes" if run.world > 1 else ""
+    log(
+        f"training {run.total} steps: effective batch {cfg.effective_batch} = {windows} "
+        f"micro-batches of up to {run.micro}{across}, {run.per_epoch} steps per epoch, "
+        f"run folder {folder.path}"
+    )
+    previous = {s: signal.signal(s, lambda signum, _: stop.append(signum)) for s in STOP_SIGNALS}
+    memory = TrainingMemory(run.model, run.device)
+    bar = _progress(run.total, run.start) if run.main else None
+    metrics = folder.open_metrics(run.start) if run.main else open(os.devnull, "w")
+    began, items, last = time.perf_counter(), 0, run.start
     try:
-        for step in range(start, total):
+        for step in range(run.start, run.total):
             t0 = time.perf_counter()
-            batch = data.batch(step, cfg.effective_batch)
-            if world > 1:
-                batch = shard(batch, rank, world)
-            if device.type == "cuda":
-                batch = to_device(batch, device)
-            result = acc.step(split(batch, micro), recipe.loss_fn)
-            seconds = time.perf_counter() - t0
+            batch = run.data.batch(step, cfg.effective_batch)
+            if run.world > 1:
+                batch = shard(batch, run.rank, run.world)
+            if run.device.type == "cuda":
+                batch = to_device(batch, run.device)
+            result = run.acc.step(split(batch, run.micro), run.recipe.loss_fn)
             items += result.count
             line = {
                 "step": step + 1,
                 "loss": result.loss,
-                "lr": optimizer.param_groups[0]["lr"],
+                "lr": run.optimizer.param_groups[0]["lr"],
                 "grad_norm": result.grad_norm,
                 "count": result.count,
-                "seconds": seconds,
+                "seconds": time.perf_counter() - t0,
                 "peak_memory": memory.peak(),
                 "skipped": result.skipped,
                 "oom_replays": result.oom_replays,
                 "noise_scale": result.noise_scale,
             }
-            if main and ((step + 1) % cfg.eval_every == 0 or step + 1 == total):
-                last_eval = data.evaluate(model, micro)
-                line.update({f"eval_{k}": v for k, v in last_eval.items()})
-            metrics_file.write(json.dumps(line) + "\n")
-            metrics_file.flush()
+            if run.main and ((step + 1) % cfg.eval_every == 0 or step + 1 == run.total):
+                evaluated = run.data.evaluate(run.model, run.micro)
+                line.update({f"eval_{k}": v for k, v in evaluated.items()})
+            _write_line(metrics, line, folder, last)
             rate = items / max(time.perf_counter() - began, 1e-9)
-            _report(bar, log, line, rate, total)
-            if world > 1 and launch.any_rank(bool(stop)) and not stop:
+            _report_step(bar, log, line, rate, run.total)
+            if run.world > 1 and launch.any_rank(bool(stop)) and not stop:
                 stop.append(signal.SIGTERM)  # another rank was signalled: stop together
+            if stop or (step + 1) % cfg.checkpoint_every == 0 or step + 1 == run.total:
+                _checkpoint(run, step + 1, last)
+                last = step + 1
             if stop:
-                checkpoint(step + 1)
-                raise Interrupted(step + 1, out, stop[0])
-            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == total:
-                checkpoint(step + 1)
+                raise Interrupted(step + 1, folder.path, stop[0])
     finally:
-        metrics_file.close()
+        metrics.close()
         if bar is not None:
             bar.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
-    if not main:
-        return {"rank": rank}
-    if start >= total:
-        log(f"{out} already trained {start} steps of {total}; nothing to do")
+
+def _write_line(metrics, line: dict[str, Any], folder: RunFolder, last: int) -> None:
+    try:
+        metrics.write(json.dumps(line) + "\n")
+        metrics.flush()
+    except OSError as err:
+        what = f"cannot write {folder.path / METRICS}: {err.strerror or err}"
+        raise ValueError(_stopped(folder, what, last)) from None
+
+
+def _checkpoint(run: _Run, step: int, last: int) -> None:
+    if not run.main:
+        return
+    state = {
+        "step": step,
+        "micro_batch": run.micro,
+        "checkpointing": run.checkpointing,
+        "signature": run.signature,
+        "accumulator": run.acc.state_dict(),
+    }
+    try:
+        run.folder.save_checkpoint(state)
+    except ValueError as err:
+        raise ValueError(_stopped(run.folder, str(err), last)) from None
+
+
+def _stopped(folder: RunFolder, what: str, last: int) -> str:
+    kept = f"its last checkpoint (step {last}) is kept" if last else "no checkpoint yet"
+    return (
+        f"{what}; training stopped, {kept}; free the space and continue with: "
+        f"gradaccum train --resume {folder.path}"
+    )
+
+
+def _report(run: _Run, log, seconds: float) -> dict[str, Any]:
+    """summary.json, the plots and the summary table, from metrics.jsonl and the counters."""
+    cfg, acc, out = run.cfg, run.acc, run.folder.path
+    lines = run.folder.metrics()
+    last_eval = {}
+    if lines:
+        last_eval = {k[5:]: v for k, v in lines[-1].items() if k.startswith("eval_")}
+    if run.start >= run.total:
+        log(f"{out} already trained {run.start} steps of {run.total}; nothing to do")
         if not last_eval:
-            last_eval = data.evaluate(model, micro)
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
-    summary = _summarize(lines, acc, last_eval, time.perf_counter() - began, device)
+            last_eval = run.data.evaluate(run.model, run.micro)
+    summary = _summarize(lines, acc, last_eval, seconds, run.device)
     b_simple = None if acc.noise is None else acc.noise.value()
     items_per_sample = acc.state.items / max(acc.state.windows, 1) / cfg.effective_batch
     summary["noise_scale"] = b_simple
@@ -463,7 +622,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         b_simple,
         estimated=acc.noise is not None and acc.noise.updates > 0,
     )
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.folder.write_json("summary.json", summary)
     _plots(out, lines)
     log(_summary_table(summary))
     if cfg.noise_scale:
@@ -475,7 +634,7 @@ def _quiet(*args: Any, **kwargs: Any) -> None:
     """The log of ranks other than 0: rank 0 speaks for the job."""
 
 
-def _report(bar, log, line: dict[str, Any], rate: float, total: int) -> None:
+def _report_step(bar, log, line: dict[str, Any], rate: float, total: int) -> None:
     loss = "skipped" if line["loss"] is None else f"{line['loss']:.3f}"
     text = f"loss {loss}  {rate:,.0f} items/s  mem {format_bytes(line['peak_memory'])}" + (
         f"  held-out {line['eval_loss']:.3f}" if "eval_loss" in line else ""

@@ -266,7 +266,15 @@ def test_a_checkpoint_from_another_model_is_refused(tmp_path):
         "--out",
         run,
     )
+    # A resume that would change the model is refused from the saved configuration...
     proc = cli("train", "--resume", run, "--recipe", "gpt", check=False)
+    assert proc.returncode == 2
+    assert "would change recipe 'digits' -> 'gpt'" in proc.stderr
+    # ...and a checkpoint that another model wrote, from the checkpoint's signature.
+    other = tmp_path / "gpt"
+    cli("train", "--steps", 2, "--effective-batch", 8, "--micro-batch", 4, "--out", other)
+    (other / "checkpoint.pt").write_bytes((run / "checkpoint.pt").read_bytes())
+    proc = cli("train", "--resume", other, check=False)
     assert proc.returncode == 2
     assert "was written for another model: recipe digits" in proc.stderr
     assert "this run builds recipe gpt" in proc.stderr

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -14,7 +15,6 @@ from gradaccum.measure import fresh_process_verifier
 from gradaccum.plan import CHECKPOINTING, Plan, plan
 from gradaccum.precision import PRECISIONS
 from gradaccum.recipes import RECIPES, get_recipe
-from gradaccum.recompute import checkpointing_enabled
 
 
 @dataclass(kw_only=True)
@@ -76,6 +76,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = options.build(PlanConfig, options.given(args, PlanConfig))
+    if cfg.plot and not Path(cfg.plot).resolve().parent.is_dir():
+        raise ValueError(f"--plot {cfg.plot}: folder {Path(cfg.plot).parent} does not exist")
     recipe = get_recipe(cfg.recipe)
     torch.manual_seed(cfg.seed)
     model = recipe.build_model()
@@ -95,9 +97,7 @@ def run(args: argparse.Namespace) -> int:
         margin=cfg.margin,
         checkpointing=cfg.checkpointing,
         precision=cfg.precision,
-        verify=fresh_process_verifier(
-            cfg.recipe, cfg.precision, cfg.seed, checkpointing_enabled(model)
-        ),
+        verify=fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed),
     )
     if cfg.plot:
         draw(result, cfg.plot)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import typing
 from pathlib import Path
@@ -17,6 +16,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 from gradaccum.launch import is_main, shutdown
+from gradaccum.runfolder import CONFIG, RunFolder
 from gradaccum.trainer import Interrupted, TrainConfig, train
 
 _FILE_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"config", "resume"}
@@ -87,10 +87,10 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
     values: dict[str, Any] = {}
     problems: list[str] = []
     if flags.get("resume"):
-        saved = Path(flags["resume"]) / "config.json"
-        if not saved.is_file():
-            raise ValueError(f"--resume {flags['resume']}: no run there (no config.json)")
-        values.update({k: v for k, v in json.loads(saved.read_text()).items() if k in _FILE_KEYS})
+        folder = RunFolder(flags["resume"])
+        folder.check_usable(resume=True)
+        saved = folder.read_json(CONFIG)
+        values.update({k: v for k, v in saved.items() if k in _FILE_KEYS})
         values["out"] = flags["resume"]
     if flags.get("config"):
         from_file = read_config_file(flags["config"])

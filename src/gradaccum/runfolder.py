@@ -1,0 +1,181 @@
+"""The run folder: one training run's files, and every decision about them.
+
+    config.json     the configuration the run trains with (rewritten when a resume changes it)
+    plan.json       the plan (or the micro-batch given), written once, never replaced
+    resumes.jsonl   one line per resume: the step it resumed at and what it changed
+    metrics.jsonl   one line per optimizer step, cut back to the checkpoint's step on resume
+    checkpoint.pt   at window boundaries (torch.load(..., weights_only=True)), written atomically
+    summary.json, loss.png, memory.png    the report at the end
+    .lock           held while a process trains here
+
+A folder is new (missing or empty), a run (it holds config.json), or something else, which
+is refused rather than mixed with. A run resumes from its checkpoint, or from step 0 with its
+saved configuration and plan when it crashed before the first checkpoint. Every file is
+written whole (a temporary file, then a rename), so a crash at any moment leaves the previous
+version; metrics.jsonl, appended line by line, is cut back on resume to the steps the
+checkpoint holds, so no step is ever recorded twice. Every problem is one ValueError naming
+the file and what to do.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CHECKPOINT_FORMAT", "RunFolder"]
+
+CHECKPOINT_FORMAT = "gradaccum.run/1"
+CONFIG, PLAN, RESUMES = "config.json", "plan.json", "resumes.jsonl"
+METRICS, CHECKPOINT, LOCK = "metrics.jsonl", "checkpoint.pt", ".lock"
+
+
+class RunFolder:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock_fd: int | None = None
+
+    def __repr__(self) -> str:
+        return f"RunFolder({str(self.path)!r})"
+
+    # -- deciding what the folder is --------------------------------------------------------
+
+    def holds_run(self) -> bool:
+        return (self.path / CONFIG).is_file()
+
+    def check_usable(self, resume: bool) -> None:
+        """Refuse a path that is not a folder, a run when not resuming, anything else that is
+        not empty, and no run when resuming: each in one line saying what to do."""
+        where = f"--resume {self.path}" if resume else f"run folder {self.path}"
+        if self.path.exists() and not self.path.is_dir():
+            raise ValueError(f"{where} is a file, not a folder; choose a folder for the run")
+        if resume:
+            if not self.holds_run():
+                raise ValueError(f"{where}: no run there (no {CONFIG})")
+            return
+        if self.path.is_dir() and any(self.path.iterdir()):
+            if self.holds_run():
+                raise ValueError(
+                    f"{where} already holds a run; continue it with --resume {self.path} or "
+                    "choose another --out"
+                )
+            names = sorted(p.name for p in self.path.iterdir())
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            raise ValueError(
+                f"{where} holds files that are not a gradaccum run ({shown}); choose an empty "
+                "or new folder"
+            )
+
+    def create(self) -> None:
+        """Make the folder (if new) and take its lock: one training process per folder."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise ValueError(f"cannot create run folder {self.path}: {_reason(err)}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(
+                f"another process is training in {self.path} (it holds {self.path / LOCK}); "
+                "wait for it, or choose another --out"
+            ) from None
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops the lock
+            self._lock_fd = None
+
+    # -- files --------------------------------------------------------------------------------
+
+    def read_json(self, name: str) -> Any:
+        file = self.path / name
+        try:
+            return json.loads(file.read_text())
+        except OSError as err:
+            raise ValueError(f"cannot read {file}: {_reason(err)}") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{file} is not valid JSON ({err.msg} at line {err.lineno}); it was damaged "
+                "outside gradaccum: restore it, or start a new run"
+            ) from None
+
+    def write_json(self, name: str, obj: Any) -> None:
+        self._write(name, lambda tmp: tmp.write_text(json.dumps(obj, indent=2, default=str)))
+
+    def append_line(self, name: str, obj: Any) -> None:
+        file = self.path / name
+        try:
+            with file.open("a") as f:
+                f.write(json.dumps(obj, default=str) + "\n")
+        except OSError as err:
+            raise ValueError(f"cannot write {file}: {_reason(err)}") from None
+
+    def _write(self, name: str, write) -> None:
+        file = self.path / name
+        tmp = file.with_name(file.name + ".tmp")
+        try:
+            write(tmp)
+            os.replace(tmp, file)  # a crash mid-write leaves the previous version whole
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise ValueError(f"cannot write {file}: {_reason(err)}") from None
+
+    # -- checkpoint ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, state: dict[str, Any]) -> None:
+        self._write(CHECKPOINT, lambda tmp: torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp))
+
+    def load_checkpoint(self, device: torch.device) -> dict[str, Any] | None:
+        """The checkpoint, or None when the run stopped before its first one."""
+        file = self.path / CHECKPOINT
+        if not file.exists():
+            return None
+        try:
+            saved = torch.load(file, weights_only=True, map_location=device)
+        except Exception as err:  # noqa: BLE001 - any unreadable file gets the same answer
+            # torch's own message may suggest weights_only=False: never, for a file that
+            # cannot be read safely. Name the file and what to do instead.
+            raise ValueError(
+                f"{file} cannot be read as a gradaccum checkpoint ({type(err).__name__}); it "
+                f"is truncated, damaged or not a checkpoint. Move it away to resume the run from "
+                "step 0 with its saved configuration"
+            ) from None
+        if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{file} is not a gradaccum run checkpoint")
+        return saved
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    def open_metrics(self, through_step: int):
+        """metrics.jsonl cut back to the steps up to ``through_step`` (a crash may have left
+        later steps, or half a line), then opened for appending."""
+        file = self.path / METRICS
+        kept = []
+        if file.exists():
+            for raw in file.read_text().splitlines():
+                try:
+                    line = json.loads(raw)
+                except json.JSONDecodeError:
+                    continue  # the half line a crash can leave
+                if isinstance(line, dict) and line.get("step", 0) <= through_step:
+                    kept.append(raw)
+        self._write(METRICS, lambda tmp: tmp.write_text("".join(x + "\n" for x in kept)))
+        try:
+            return file.open("a")
+        except OSError as err:
+            raise ValueError(f"cannot write {file}: {_reason(err)}") from None
+
+    def metrics(self) -> list[dict[str, Any]]:
+        file = self.path / METRICS
+        return [json.loads(x) for x in file.read_text().splitlines() if x.strip()]
+
+
+def _reason(err: OSError) -> str:
+    return err.strerror or str(err)
