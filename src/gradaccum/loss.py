@@ -10,6 +10,7 @@ bug this contract exists to remove.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +40,12 @@ def window_input(micro_batches: Any, loss_fn: Any, may_be_empty: bool = False) -
         raise TypeError(
             f"step() takes a sequence of micro-batches, got a {type(micro_batches).__name__};"
             " split a batch first with ga.split(batch, micro_size)"
+        )
+    if isinstance(micro_batches, tuple) and all(isinstance(t, torch.Tensor) for t in micro_batches):
+        raise TypeError(
+            f"step() got a tuple of {len(micro_batches)} tensors: a batch such as (inputs, "
+            "labels)? Split it first with ga.split(batch, micro_size); a window whose "
+            "micro-batches are single tensors goes in a list"
         )
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -100,7 +107,7 @@ def check_count(count: Any, index: int) -> int | torch.Tensor:
         if not count.is_cpu:
             return count.detach().reshape(())
         return count_value(count.item(), index)
-    if isinstance(count, bool) or not isinstance(count, (int, float)):
+    if isinstance(count, bool) or not isinstance(count, numbers.Real):  # numpy's too
         raise ValueError(f"count must be a non-negative integer, got {count!r} {where}")
     return count_value(count, index)
 

@@ -62,10 +62,22 @@ def fresh_process_verifier(recipe: str, precision: str = "fp32", seed: int = 0):
     def verify(micro: int, micro_batches: int, checkpointing: bool) -> int:
         read, write = os.pipe()
         cmd = [
-            sys.executable, "-m", "gradaccum.measure", "--recipe", recipe,
-            "--micro", str(micro), "--micro-batches", str(micro_batches),
-            "--precision", precision, "--seed", str(seed), "--parent-pipe", str(read),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "gradaccum.measure",
+            "--recipe",
+            recipe,
+            "--micro",
+            str(micro),
+            "--micro-batches",
+            str(micro_batches),
+            "--precision",
+            precision,
+            "--seed",
+            str(seed),
+            "--parent-pipe",
+            str(read),
+        ]
         if checkpointing:
             cmd.append("--checkpointing")
         with_ckpt = " with activation checkpointing" if checkpointing else ""

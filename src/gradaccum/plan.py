@@ -18,7 +18,7 @@ import copy
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from gradaccum.validate import int_problem
 __all__ = ["Fit", "Plan", "Probe", "plan"]
 
 CHECKPOINTING = ("off", "on", "auto")
+_WARMUP_WINDOWS = 30
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Fit:
     intercept: float
     slope: float
     max_error: float  # largest |residual| / measured over the probes
+    bound: bool = False  # True: not least squares but the lowest line above every probe
 
     def __call__(self, micro_size: float) -> float:
         return self.intercept + self.slope * micro_size
@@ -132,8 +134,12 @@ class Plan:
             f"static {format_bytes(self.static_bytes)} (parameters, buffers, optimizer state) + "
             f"first-step overhead {format_bytes(self.overhead_bytes)} + "
             f"{format_bytes(self.peak_fit.intercept)} + "
-            f"{format_bytes(self.bytes_per_sample)} per sample; fit error "
-            f"{self.peak_fit.max_error:.1%}",
+            f"{format_bytes(self.bytes_per_sample)} per sample; "
+            + (
+                "a bound above every probe"
+                if self.peak_fit.bound
+                else f"fit error {self.peak_fit.max_error:.1%}"
+            ),
             f"activations saved for backward: {format_bytes(self.activation_fit.slope)} per "
             f"sample (fit error {self.activation_fit.max_error:.1%}); planned in "
             f"{self.seconds:.1f} s",
@@ -158,7 +164,10 @@ class Plan:
 
 
 def _fit(xs: Sequence[float], ys: Sequence[float]) -> Fit:
-    intercept, slope = fit_line(xs, ys)
+    return _fit_with(xs, ys, *fit_line(xs, ys))
+
+
+def _fit_with(xs: Sequence[float], ys: Sequence[float], intercept: float, slope: float) -> Fit:
     errors = [abs(intercept + slope * x - y) / y for x, y in zip(xs, ys, strict=True) if y > 0]
     return Fit(intercept=intercept, slope=slope, max_error=max(errors, default=0.0))
 
@@ -281,11 +290,14 @@ def plan(
             largest, micro, verified = _verify(prober, m, per_rank, largest, usable, verify)
         finally:
             _restore(model, optimizer, saved)
+    measured_peak = m.static + m.overhead + verified.peak_bytes
+    if measured_peak > usable:  # even one sample per micro-batch, measured, does not fit
+        raise ValueError(_too_small(model, budget_bytes, margin, bool(m.blocks), measured_peak))
 
     windows = math.ceil(per_rank / micro)
     last = per_rank - (windows - 1) * micro
-    notes = []
-    if m.peak_fit.max_error > 0.05:
+    notes = list(m.notes)
+    if m.peak_fit.max_error > 0.05 and not m.peak_fit.bound:
         notes.append(
             f"note: the memory fit is off by up to {m.peak_fit.max_error:.0%} on the probes; "
             "the planned size was measured directly"
@@ -299,7 +311,7 @@ def plan(
         last_micro_size=last,
         budget=budget_bytes,
         margin=float(margin),
-        predicted_peak=m.static + m.overhead + verified.peak_bytes,
+        predicted_peak=measured_peak,
         static_bytes=m.static,
         overhead_bytes=m.overhead,
         bytes_per_sample=m.peak_fit.slope,
@@ -337,7 +349,7 @@ def _verify(
         else:
             # The planned window, twice, keeping the larger peak: on CPU, RSS grows over
             # the first windows as malloc's free lists fragment.
-            peak, act = max(prober.window(micro, micro_batches=n) for _ in range(2))
+            peak, act = max(prober.window(micro, micro_batches=n)[:2] for _ in range(2))
             kind = "verify"
         verified = Probe(micro, peak, act, m.peak_fit(micro), kind=kind)
         over = m.static + m.overhead + peak - usable
@@ -379,6 +391,7 @@ class _Measured:
     activation_fit: Fit
     probes: tuple[Probe, ...]
     blocks: tuple[str, ...]
+    notes: tuple[str, ...] = ()
 
     def need(self, micro_size: int) -> float:
         """Predicted peak for ``micro_size`` (0: the part that does not grow with it)."""
@@ -398,10 +411,10 @@ class _Prober:
             model, optimizer, precision=Precision(precision, accumulate_dtype=accumulate_dtype)
         )
 
-    def window(self, size: int, micro_batches: int = 2) -> tuple[int, int]:
+    def window(self, size: int, micro_batches: int = 2) -> tuple[int, int, bool]:
         """Peak memory of a window of micro-batches of ``size`` above its start, and the
-        activation bytes one micro-batch saves for backward. From the second micro-batch on,
-        the first one's gradients are held, as in training."""
+        activation bytes one micro-batch saves for backward, and whether the optimizer stepped.
+        From the second micro-batch on, the first one's gradients are held, as in training."""
         micro = take(self.sample_batch, size)
         self.meter.start()
         try:
@@ -413,15 +426,26 @@ class _Prober:
                     else:
                         loss_sum, count = self.loss_fn(self.model, micro)
                     self.acc.backward(loss_sum, count)
-            self.acc.end_window()
+            stepped = self.acc.end_window().stepped
         except BaseException:
             self.meter.stop()
             raise
-        return self.meter.peak(), act[0]
+        return self.meter.peak(), act[0], stepped
 
     def measure(self, probe_sizes: Sequence[int]) -> _Measured:
         state_before = tensor_bytes(self.optimizer.state_dict()["state"])
-        warm_peak, _ = self.window(probe_sizes[0])  # optimizer state, lazy allocations
+        # The warm-up allocates the optimizer state and lazy buffers. Under fp16 its first
+        # windows may overflow and skip the step (GradScaler lowers its scale each time):
+        # warm up until a real step has allocated the state, or the static term leaves it out.
+        for _ in range(_WARMUP_WINDOWS):
+            warm_peak, _, stepped = self.window(probe_sizes[0])
+            if stepped:
+                break
+        else:
+            raise ValueError(
+                f"the optimizer never stepped in {_WARMUP_WINDOWS} warm-up windows (every one "
+                "was skipped: a non-finite gradient); the model cannot be planned like this"
+            )
         state_after = tensor_bytes(self.optimizer.state_dict()["state"])
         static = (
             tensor_bytes(list(self.model.parameters()))
@@ -431,7 +455,7 @@ class _Prober:
         measured: list[tuple[int, int, int]] = []
         for size in probe_sizes:
             try:
-                measured.append((size, *self.window(size)))
+                measured.append((size, *self.window(size)[:2]))
             except torch.OutOfMemoryError:
                 self.acc.abort_window()
                 break  # a real device ran out: larger probes would too
@@ -443,9 +467,24 @@ class _Prober:
         xs = [m[0] for m in measured]
         peak_fit = _fit(xs, [m[1] for m in measured])
         act_fit = _fit(xs, [m[2] for m in measured])
+        notes = []
+        if peak_fit.slope < act_fit.slope:
+            # Peak memory grows at least by what a sample saves for backward. Below that (a
+            # small model on CPU, where the allocator's page reuse is noise at this size),
+            # take the activations' slope and the lowest line above every measured peak.
+            slope = act_fit.slope
+            peaks = [m[1] for m in measured]
+            intercept = max(y - slope * x for x, y in zip(xs, peaks, strict=True))
+            peak_fit = replace(_fit_with(xs, peaks, intercept, slope), bound=True)
+            notes.append(
+                "note: peak memory did not grow measurably with the micro-batch (allocator "
+                "noise at this size); per-sample bytes are the saved activations'"
+            )
         # What the first step of a fresh process allocates beyond its share (thread pools,
         # kernel workspaces): in a training run it is paid once, at the top of the peak.
         first = peak_fit(probe_sizes[0])
         overhead = max(0, int(warm_peak - (state_after - state_before) - first))
         probes = tuple(Probe(s, pk, a, peak_fit(s)) for s, pk, a in measured)
-        return _Measured(static, overhead, peak_fit, act_fit, probes, tuple(self.blocks))
+        return _Measured(
+            static, overhead, peak_fit, act_fit, probes, tuple(self.blocks), tuple(notes)
+        )

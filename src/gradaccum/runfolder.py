@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,7 @@ class RunFolder:
         try:
             write(tmp)
             os.replace(tmp, file)  # a crash mid-write leaves the previous version whole
-        except OSError as err:
+        except (OSError, RuntimeError) as err:  # torch.save's writer raises RuntimeError
             tmp.unlink(missing_ok=True)
             raise ValueError(f"cannot write {file}: {_reason(err)}") from None
 
@@ -138,7 +139,9 @@ class RunFolder:
         if not file.exists():
             return None
         try:
-            saved = torch.load(file, weights_only=True, map_location=device)
+            with warnings.catch_warnings():  # a damaged file's warnings would add lines
+                warnings.simplefilter("ignore")
+                saved = torch.load(file, weights_only=True, map_location=device)
         except Exception as err:  # noqa: BLE001 - any unreadable file gets the same answer
             # torch's own message may suggest weights_only=False: never, for a file that
             # cannot be read safely. Name the file and what to do instead.
@@ -177,5 +180,9 @@ class RunFolder:
         return [json.loads(x) for x in file.read_text().splitlines() if x.strip()]
 
 
-def _reason(err: OSError) -> str:
-    return err.strerror or str(err)
+def _reason(err: Exception) -> str:
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    # torch.save's zip writer loses the system's reason ("unexpected pos ..."): a write that
+    # stops short is a full disk or a file size limit.
+    return "the write stopped short (is the disk full, or a file size limit reached?)"

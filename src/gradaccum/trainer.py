@@ -40,7 +40,7 @@ from gradaccum.precision import PRECISIONS
 from gradaccum.recipes import RECIPES, Recipe, get_recipe, hf_recipe
 from gradaccum.recompute import enable_checkpointing
 from gradaccum.runfolder import CHECKPOINT, CONFIG, METRICS, PLAN, RESUMES, RunFolder
-from gradaccum.validate import int_problem
+from gradaccum.validate import int_problem, invalid_configuration
 
 __all__ = ["Interrupted", "TrainConfig", "train"]
 
@@ -318,7 +318,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     configuration or an unusable run folder (one line each)."""
     problems = cfg.problems()
     if problems:
-        raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
+        raise ValueError(invalid_configuration(problems))
     stop: list[int] = []
     # Under torchrun every process runs this function; rank 0 alone plans, writes the run
     # folder and reports. The effective batch is global: each rank trains its shard of it.

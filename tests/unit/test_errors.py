@@ -188,3 +188,26 @@ def test_counts_on_an_accelerator_are_checked_at_the_window_end():
     counts.append((2, torch.tensor(-2.0)))
     with pytest.raises(ValueError, match=r"got -2 from micro-batch 2"):
         tensor_count_total(counts)
+
+
+def test_numpy_counts_are_numbers_and_a_batch_is_not_a_window():
+    """np.int64(8) was refused while 8.0 was accepted; a (x, y) batch handed to step() ended
+    in torch's error from inside the loss."""
+    np = pytest.importorskip("numpy")
+    batch = regression_batch(seed=2, n=8)
+
+    def numpy_count(model, mb):
+        loss_sum, count = mlp_loss(model, mb)
+        return loss_sum, np.int64(count)
+
+    results = []
+    for loss_fn in (mlp_loss, numpy_count):
+        model = make_model(MLP)
+        acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        results.append(acc.step(ga.split(batch, 4), loss_fn))
+    assert results[0].count == results[1].count == 8
+    assert results[0].grad_norm == results[1].grad_norm
+    model = make_model(MLP)
+    acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"got a tuple of 2 tensors: a batch such as \(inputs"):
+        acc.step(batch, mlp_loss)

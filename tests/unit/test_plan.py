@@ -176,3 +176,45 @@ def test_peak_does_not_grow_with_the_number_of_micro_batches():
     assert peaks[8] <= 1.05 * peaks[1]
     # Beyond the one held gradient nothing grows but each micro-batch's 8-byte count.
     assert 0 <= peaks[16] - peaks[2] <= 16 * 8
+
+
+def test_fp16_plans_count_the_optimizer_state_even_when_warm_up_overflows():
+    """The gpt recipe's first fp16 windows overflow (GradScaler starts at 65536), so no
+    optimizer step ran in a one-window warm-up and AdamW's state was left out of the static
+    bytes (3.4 MB against fp32's 10.1 MB)."""
+    recipe = get_recipe("gpt")
+    static = {}
+    for precision in ("fp32", "fp16"):
+        torch.manual_seed(0)
+        model = recipe.build_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        planned = ga.plan(
+            model,
+            optimizer,
+            recipe.sample_batch(8),
+            recipe.loss_fn,
+            effective_batch=16,
+            budget="4GiB",
+            precision=precision,
+            probe_sizes=[1, 2],
+        )
+        static[precision] = planned.static_bytes
+    assert abs(static["fp16"] - static["fp32"]) <= 0.01 * static["fp32"], static
+
+
+def test_a_model_too_small_to_measure_gets_a_positive_per_sample_bound():
+    """On CPU a tiny model's resident memory does not grow measurably with the micro-batch;
+    the least-squares line once came out negative ("-456 KiB per sample; fit error 700%")."""
+    pytest.importorskip("sklearn")
+    recipe = get_recipe("digits")
+    torch.manual_seed(0)
+    model = recipe.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    planned = ga.plan(
+        model, optimizer, recipe.sample_batch(8), recipe.loss_fn, effective_batch=64, budget="200MB"
+    )
+    assert planned.bytes_per_sample >= planned.activation_fit.slope > 0
+    if planned.peak_fit.bound:  # the activations' slope, the line above every probe
+        for probe in planned.probes[:-1]:
+            assert planned.peak_fit(probe.micro_size) >= probe.peak_bytes
+    assert " -" not in planned.summary().split("per sample")[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from gradaccum import __version__
@@ -18,6 +19,9 @@ def parser() -> argparse.ArgumentParser:
         "the memory you have.",
     )
     root.add_argument("--version", action="version", version=f"gradaccum {__version__}")
+    root.add_argument(
+        "--debug", action="store_true", help="show the traceback behind an error message"
+    )
     sub = root.add_subparsers(title="commands", metavar="COMMAND")
     train.add_parser(sub)
     plan.add_parser(sub)
@@ -26,13 +30,24 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 1 a check that failed, 2 bad input or an unusable file (one line
+    on stderr), 130 Ctrl-C outside training, 128 + N a training run stopped by signal N after
+    its checkpoint. GRADACCUM_DEBUG=1 (or --debug) shows the traceback behind a one-liner."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
     if not hasattr(args, "run"):
         parser().print_help()
         return 2
+    debug = args.debug or os.environ.get("GRADACCUM_DEBUG", "") not in ("", "0")
     try:
         return args.run(args)
     except ValueError as err:  # bad input: one clear line, no traceback
+        if debug:
+            raise
         print(f"gradaccum: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before training began (planning, loading)
+        if debug:
+            raise
+        print("gradaccum: interrupted", file=sys.stderr)
+        return 130

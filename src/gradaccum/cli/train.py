@@ -18,6 +18,7 @@ except ModuleNotFoundError:  # Python 3.10
 from gradaccum.launch import is_main, shutdown
 from gradaccum.runfolder import CONFIG, RunFolder
 from gradaccum.trainer import Interrupted, TrainConfig, train
+from gradaccum.validate import invalid_configuration
 
 _FILE_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"config", "resume"}
 
@@ -56,6 +57,12 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise ValueError(f"--config {path}: use a .toml, .yaml or .yml file")
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a table of options, got {type(data).__name__}")
+    spelled: dict[str, list[str]] = {}
+    for key in data:
+        spelled.setdefault(str(key).replace("-", "_"), []).append(str(key))
+    twice = [" and ".join(v) for v in spelled.values() if len(v) > 1]
+    if twice:
+        raise ValueError(f"--config {path}: the same option given twice: {'; '.join(twice)}")
     data = {str(k).replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(data) - _FILE_KEYS)
     if unknown:
@@ -67,11 +74,20 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 
 def _check_types(values: dict[str, Any], source: str) -> list[str]:
-    """Problems with the types of values from a file (flags are typed by argparse)."""
+    """Problems with the types of values from a file (flags are typed by argparse). Two
+    spellings are taken as what they mean: YAML 1.1 reads ``2e-3`` (no dot) as a string, so
+    a float option takes a string that is a number; the budget takes a number of bytes."""
     hints = typing.get_type_hints(TrainConfig)
     problems = []
-    for key, value in values.items():
+    for key, value in list(values.items()):
         base = options._base_type(hints[key])
+        if base is float and isinstance(value, str):
+            try:
+                values[key] = value = float(value)
+            except ValueError:
+                pass
+        if key == "budget" and isinstance(value, int) and not isinstance(value, bool):
+            values[key] = value = str(value)
         ok = (
             (value is None and type(None) in typing.get_args(hints[key]))
             or (isinstance(value, base) and not (isinstance(value, bool) and base is not bool))
@@ -92,13 +108,19 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         saved = folder.read_json(CONFIG)
         values.update({k: v for k, v in saved.items() if k in _FILE_KEYS})
         values["out"] = flags["resume"]
+    from_file: dict[str, Any] = {}
     if flags.get("config"):
         from_file = read_config_file(flags["config"])
         problems += _check_types(from_file, flags["config"])
         values.update(from_file)
     values.update(flags)
+    if ("steps" in flags or "steps" in from_file) and values.get("epochs") is not None:
+        problems.append(
+            f"steps and epochs (here {values['epochs']!r}) both given: epochs decides how long "
+            "the run trains, so give one of them"
+        )
     if problems:
-        raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
+        raise ValueError(invalid_configuration(problems))
     cfg = TrainConfig(**values)
     if cfg.resume and cfg.out != cfg.resume:
         raise ValueError(

@@ -2,12 +2,13 @@
 
 The same batch, two ways: one forward/backward over all of it (mean loss), and the
 Accumulator's window over micro-batches of ``micro_size``. Dropout is switched off for the
-comparison (its masks depend on how the batch is cut; that is randomness, not a flaw);
-everything else runs as in training. Relative error per parameter, the worst layers, a
-verdict against a tolerance for the parameters' dtype, and the modules that make the two
-differ, with why: BatchNorm/SyncBatchNorm in train mode and InstanceNorm with running
-statistics by type, and any other module whose output for a sample changes with the other
-samples in its batch, found by comparing each module's outputs in the two runs.
+comparison (its masks depend on how the batch is cut; that is randomness, not a flaw): the
+model runs in eval mode but for its BatchNorm/InstanceNorm layers, which keep their mode.
+Relative error per parameter, the worst layers, a verdict against a tolerance for the
+parameters' dtype, and the modules that make the two differ, with why: BatchNorm and
+SyncBatchNorm in train mode and InstanceNorm with running statistics by type, and any other
+module whose output for a sample changes with the other samples in its batch, found by
+comparing each module's outputs in the two runs.
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ class CheckResult:
             lines.append("modules that make accumulation differ from the large batch:")
             lines += [f"  {name} ({kind}): {why}" for name, kind, why in self.culprits]
         if self.dropout_disabled:
-            lines.append(f"({self.dropout_disabled} dropout modules were off for the comparison)")
+            lines.append(
+                f"({self.dropout_disabled} dropout modules, and any other dropout the model "
+                "applies in train mode, were off for the comparison)"
+            )
         lines += self.notes
         return "\n".join(lines)
 
@@ -136,6 +140,8 @@ def check(
     saved_state = copy.deepcopy(model.state_dict())
     modes = {m: m.training for m in model.modules()}
     dropouts = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    norms = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+    statistics_layers = [m for m in model.modules() if isinstance(m, norms) and m.training]
     if any(p.grad is not None for p in params):
         raise RuntimeError(
             "check() needs the model's gradients cleared first "
@@ -144,8 +150,13 @@ def check(
     # dropout is off, but a model may draw random numbers elsewhere
     with preserved_rng():
         try:
-            for m in dropouts:
-                m.eval()
+            # Dropout's masks depend on how the batch is cut: randomness, not a flaw. Every
+            # module goes to eval mode (nn.Dropout, and attention that reads self.training
+            # for a functional dropout, as Hugging Face models do), except the normalization
+            # layers whose train mode is exactly what the audit looks for.
+            model.eval()
+            for m in statistics_layers:
+                m.train()
             # 1. the full batch: its mean loss, through torch alone
             full_out = _Outputs(model)
             loss_sum, count = loss_fn(model, batch)

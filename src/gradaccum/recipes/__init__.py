@@ -9,6 +9,7 @@ its step count and a resumed run reads exactly what an uninterrupted one would.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -211,7 +212,19 @@ def hf_recipe(path: str) -> Recipe:
     if not source.exists():
         raise ValueError(f"--hf-model {path}: no such file or directory")
     config_file = source / "config.json" if source.is_dir() else source
-    config = transformers.AutoConfig.from_pretrained(str(config_file), local_files_only=True)
+    if not config_file.is_file():
+        raise ValueError(
+            f"--hf-model {path}: no config.json in that folder, so it is not a Hugging Face "
+            "model folder (models are read from local files only, never the hub)"
+        )
+    try:
+        json.loads(config_file.read_text())
+        config = transformers.AutoConfig.from_pretrained(str(config_file), local_files_only=True)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        reason = err.msg if isinstance(err, json.JSONDecodeError) else type(err).__name__
+        raise ValueError(
+            f"--hf-model {path}: {config_file} is not a model configuration JSON ({reason})"
+        ) from None
     has_weights = source.is_dir() and any(
         (source / n).exists() for n in ("model.safetensors", "pytorch_model.bin")
     )

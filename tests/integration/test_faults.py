@@ -1,0 +1,294 @@
+"""Every fault ends in a clear message and a run that can continue.
+
+Real subprocesses, real signals (kill -9, SIGHUP, SIGTERM, SIGINT), a real closed pipe, a
+real write limit (RLIMIT_FSIZE, as a full disk answers), real damaged files. A message is one
+line on stderr and never a traceback; nothing is lost: the checkpoint's step is the last
+metrics line's, and no step is recorded twice.
+"""
+
+import json
+import os
+import pickle
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+DIGITS = ["--recipe", "digits", "--effective-batch", "16", "--micro-batch", "8"]
+
+
+def cli(*args, check=False, timeout=300, **kw):
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradaccum", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+        timeout=timeout,
+        **kw,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def start(*args, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "gradaccum", *map(str, args)],
+        stdout=kw.pop("stdout", subprocess.DEVNULL),
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+        **kw,
+    )
+
+
+def wait_for_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        file = run / "metrics.jsonl"
+        if file.exists() and file.read_text().count("\n") >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{run}: fewer than {n} steps after {timeout} s")
+
+
+def steps(run: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoint_step(run: Path) -> int:
+    return torch.load(run / "checkpoint.pt", weights_only=True)["step"]
+
+
+def one_line(proc, *needles: str) -> str:
+    """The process failed with exit 2 and one line naming what is wrong."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gradaccum: error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+# -- 1, 7: kill -9 at any moment, then --resume ------------------------------------------------
+
+
+def test_a_crash_before_the_first_checkpoint_resumes_from_step_0(tmp_path):
+    run = tmp_path / "x"
+    proc = start("train", *DIGITS, "--steps", 400, "--checkpoint-every", 1000, "--out", run)
+    wait_for_steps(run, 3, proc)
+    proc.kill()
+    proc.wait()
+    assert not (run / "checkpoint.pt").exists()
+    done = cli("train", "--resume", run, "--steps", 6, check=True)
+    assert "resuming" in done.stdout and "at step 0 of 6" in done.stdout
+    assert steps(run) == list(range(1, 7))  # the crashed run's lines were dropped
+    assert checkpoint_step(run) == 6
+
+
+def test_kill_mid_run_and_a_half_written_line_leave_every_step_once(tmp_path):
+    run = tmp_path / "x"
+    proc = start("train", *DIGITS, "--steps", 400, "--checkpoint-every", 5, "--out", run)
+    wait_for_steps(run, 8, proc)
+    proc.kill()
+    proc.wait()
+    saved = checkpoint_step(run)
+    assert saved >= 5 and steps(run)[-1] > saved  # lines past the checkpoint exist
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 99, "loss": 1.')  # what a crash mid-write leaves
+    cli("train", "--resume", run, "--steps", saved + 4, check=True)
+    assert steps(run) == list(range(1, saved + 5))
+    assert checkpoint_step(run) == saved + 4
+    assert json.loads((run / "summary.json").read_text())["steps"] == saved + 4
+
+
+# -- SIGHUP and a closed pipe stop like SIGTERM: a checkpoint at the window boundary ------------
+
+
+def test_sighup_checkpoints_at_the_window_boundary(tmp_path):
+    run = tmp_path / "x"
+    proc = start("train", *DIGITS, "--steps", 400, "--out", run)
+    wait_for_steps(run, 3, proc)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGHUP, err
+    assert "stopped by SIGHUP at step" in err and "Traceback" not in err
+    assert checkpoint_step(run) == steps(run)[-1]
+
+
+def test_a_closed_output_pipe_stops_training_with_a_checkpoint(tmp_path):
+    """`gradaccum train ... | head -2`: the reader goes away after two lines."""
+    run = tmp_path / "x"
+    proc = start("train", *DIGITS, "--steps", 400, "--eval-every", 1000, "--out", run,
+                 stdout=subprocess.PIPE)  # fmt: skip
+    first = [proc.stdout.readline() for _ in range(2)]
+    assert first[0].startswith("training 400 steps")
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.wait(timeout=60)
+    assert proc.returncode == 128 + signal.SIGPIPE, err
+    assert "output pipe closing" in err and "Traceback" not in err and "BrokenPipe" not in err
+    assert checkpoint_step(run) == steps(run)[-1] < 400
+
+
+# -- 8: resume keeps the run's records ------------------------------------------------------
+
+
+def test_resume_keeps_the_plan_and_records_only_what_it_applies(tmp_path):
+    run = tmp_path / "x"
+    cli("train", "--recipe", "digits", "--effective-batch", 16, "--budget", "300MB",
+        "--steps", 4, "--out", run, check=True)  # fmt: skip
+    planned = (run / "plan.json").read_text()
+    assert json.loads(planned)["source"] == "planned"
+    cli("train", "--resume", run, "--steps", 6, check=True)
+    assert (run / "plan.json").read_text() == planned
+    assert json.loads((run / "config.json").read_text())["steps"] == 6
+    record = [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()]
+    assert record == [{"step": 4, "changed": {"steps": [4, 6]}}]
+    one_line(cli("train", "--resume", run, "--micro-batch", 4), "would change micro_batch")
+    one_line(cli("train", "--resume", run, "--steps", 3), "already trained 6 steps")
+    assert json.loads((run / "config.json").read_text())["steps"] == 6  # refusals wrote nothing
+
+
+# -- 10: one line, exit 2, for every unusable input ------------------------------------------
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {Evil.marker}",))
+
+
+def test_damaged_checkpoints_are_one_line_and_never_unpickled(tmp_path):
+    run = tmp_path / "x"
+    cli("train", *DIGITS, "--steps", 2, "--out", run, check=True)
+    good = (run / "checkpoint.pt").read_bytes()
+    Evil.marker = tmp_path / "pwned"
+    for damaged in (good[:200], b"", pickle.dumps({"format": Evil()})):
+        (run / "checkpoint.pt").write_bytes(damaged)
+        line = one_line(cli("train", "--resume", run), "checkpoint.pt cannot be read")
+        assert "weights_only=False" not in line
+    assert not Evil.marker.exists()
+
+
+def test_unusable_folders_and_files_are_one_line(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    one_line(cli("train", *DIGITS, "--out", afile), "is a file, not a folder")
+    one_line(cli("train", *DIGITS, "--out", "/proc/self/no-run-here"), "cannot create run folder")
+    one_line(cli("train", *DIGITS, "--epochs", "inf"), "epochs must be a positive finite")
+    one_line(cli("train", *DIGITS, "--epochs", "nan"), "epochs must be a positive finite")
+    one_line(cli("plan", "--plot", tmp_path / "missing" / "p.png"), "does not exist")
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    one_line(cli("train", "--hf-model", empty), "no config.json in that folder")
+    one_line(cli("check", "--hf-model", afile), "is not a model configuration JSON")
+    run = tmp_path / "run"
+    cli("train", *DIGITS, "--steps", 1, "--out", run, check=True)
+    (run / "config.json").write_text('{"recipe": "dig')
+    one_line(cli("train", "--resume", run), "config.json is not valid JSON")
+
+
+def _limit_file_size(limit: int):
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_a_full_disk_stops_with_one_line_and_the_run_resumes(tmp_path):
+    """RLIMIT_FSIZE makes every write past 30 kB fail as a full disk does (Python ignores
+    SIGXFSZ, so the write returns an error): the first checkpoint cannot be written."""
+    run = tmp_path / "x"
+    full = cli("train", *DIGITS, "--steps", 20, "--checkpoint-every", 5, "--out", run,
+               preexec_fn=_limit_file_size(30_000))  # fmt: skip
+    one_line(full, f"cannot write {run / 'checkpoint.pt'}", "continue with")
+    cli("train", "--resume", run, "--steps", 8, check=True)
+    assert steps(run) == list(range(1, 9)) and checkpoint_step(run) == 8
+
+
+# -- 11: the smaller ones ----------------------------------------------------------------------
+
+
+def test_config_files_as_people_write_them(tmp_path):
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("recipe: digits\neffective-batch: 16\nlr: 2e-3\nbudget: 300000000\nsteps: 1\n")
+    cli("train", "--config", yaml, "--out", tmp_path / "a", check=True)
+    saved = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert saved["lr"] == 0.002 and saved["budget"] == "300000000"
+    twice = tmp_path / "t.toml"
+    twice.write_text("effective-batch = 16\neffective_batch = 32\n")
+    one_line(cli("train", "--config", twice), "effective-batch and effective_batch")
+    one_line(cli("train", *DIGITS, "--steps", 5, "--epochs", 2), "steps and epochs")
+
+
+def test_a_folder_that_is_not_a_run_or_is_in_use_is_refused(tmp_path):
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("x")
+    one_line(cli("train", *DIGITS, "--out", other), "holds files that are not a gradaccum run")
+    run = tmp_path / "x"
+    first = start("train", *DIGITS, "--steps", 400, "--out", run)
+    try:
+        wait_for_steps(run, 2, first)
+        one_line(cli("train", "--resume", run), "another process is training in")
+    finally:
+        first.kill()
+        first.wait()
+
+
+# -- 9: signals while planning -------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_planning_children_die_with_their_parent_and_ctrl_c_is_one_line():
+    args = ["plan", "--effective-batch", 256, "--budget", "200MB"]
+    proc = start(*args)
+    deadline = time.monotonic() + 120
+    child = None
+    while child is None and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        child = next(iter(_children(proc.pid)), None)
+        time.sleep(0.05)
+    assert child is not None, "the plan never started its measuring process"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child), "the measuring process outlived its parent"
+
+    proc = start(*args)
+    time.sleep(4)  # planning, before any training
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "gradaccum: interrupted" and "Traceback" not in err
