@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gradaccum.memory import parse_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -111,3 +113,77 @@ def test_cli_check_passes_a_groupnorm_recipe():
     )
     assert proc.returncode == 0, proc.stderr
     assert "PASS: the accumulated gradient (4 micro-batches) equals" in proc.stdout
+
+
+def test_a_budget_one_sample_does_not_fit_is_refused_with_what_would():
+    """The figure the planner's own error once advised: micro-batch 1 was accepted over it
+    ("predicted peak 39.4 MiB of budget 39.0 MiB", exit 0)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradaccum", "plan", "--budget", "39MiB", "--effective-batch", "64"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "budget 39.0 MiB is too small" in last and "give at least" in last, last
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_plan_with_checkpointing_is_verified_with_checkpointing():
+    """The fresh process once measured the plan without it (predicted 89.9 MiB at
+    micro-batch 22, measured 172.4 MiB) while the summary claimed checkpointing."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradaccum",
+            "plan",
+            "--checkpointing",
+            "on",
+            "--json",
+            "--effective-batch",
+            "64",
+            "--budget",
+            "200MB",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    planned = json.loads(proc.stdout)
+    assert planned["checkpointing"] and planned["checkpointed_blocks"]
+    assert "with activation checkpointing in a fresh process" in proc.stderr
+    verified = [p for p in planned["probes"] if p["kind"].startswith("verify")][-1]
+    error = abs(verified["peak_bytes"] - verified["predicted_bytes"]) / verified["peak_bytes"]
+    print(
+        f"micro {verified['micro_size']}: measured {verified['peak_bytes'] / 2**20:.1f} MiB, "
+        f"predicted {verified['predicted_bytes'] / 2**20:.1f} MiB ({error:.1%})"
+    )
+    assert error <= 0.15
+
+
+def test_check_turns_off_the_dropout_of_a_default_gpt2_config(tmp_path):
+    """GPT2Config's defaults put dropout (0.1) on embeddings, residuals and attention, the
+    last applied functionally from ``self.training``: check once reported FAIL 4.4e-2 and
+    blamed attn.c_proj."""
+    transformers = pytest.importorskip("transformers")
+    model_dir = tmp_path / "gpt2"
+    transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256).save_pretrained(
+        model_dir
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradaccum", "check", "--hf-model", str(model_dir)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS" in proc.stdout and "attn.c_proj" not in proc.stdout

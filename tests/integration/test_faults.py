@@ -129,8 +129,9 @@ def test_sighup_checkpoints_at_the_window_boundary(tmp_path):
 def test_a_closed_output_pipe_stops_training_with_a_checkpoint(tmp_path):
     """`gradaccum train ... | head -2`: the reader goes away after two lines."""
     run = tmp_path / "x"
-    proc = start("train", *DIGITS, "--steps", 400, "--eval-every", 1000, "--out", run,
-                 stdout=subprocess.PIPE)  # fmt: skip
+    proc = start(
+        "train", *DIGITS, "--steps", 400, "--eval-every", 1000, "--out", run, stdout=subprocess.PIPE
+    )
     first = [proc.stdout.readline() for _ in range(2)]
     assert first[0].startswith("training 400 steps")
     proc.stdout.close()
@@ -146,8 +147,20 @@ def test_a_closed_output_pipe_stops_training_with_a_checkpoint(tmp_path):
 
 def test_resume_keeps_the_plan_and_records_only_what_it_applies(tmp_path):
     run = tmp_path / "x"
-    cli("train", "--recipe", "digits", "--effective-batch", 16, "--budget", "300MB",
-        "--steps", 4, "--out", run, check=True)  # fmt: skip
+    cli(
+        "train",
+        "--recipe",
+        "digits",
+        "--effective-batch",
+        16,
+        "--budget",
+        "300MB",
+        "--steps",
+        4,
+        "--out",
+        run,
+        check=True,
+    )
     planned = (run / "plan.json").read_text()
     assert json.loads(planned)["source"] == "planned"
     cli("train", "--resume", run, "--steps", 6, check=True)
@@ -209,8 +222,17 @@ def test_a_full_disk_stops_with_one_line_and_the_run_resumes(tmp_path):
     """RLIMIT_FSIZE makes every write past 30 kB fail as a full disk does (Python ignores
     SIGXFSZ, so the write returns an error): the first checkpoint cannot be written."""
     run = tmp_path / "x"
-    full = cli("train", *DIGITS, "--steps", 20, "--checkpoint-every", 5, "--out", run,
-               preexec_fn=_limit_file_size(30_000))  # fmt: skip
+    full = cli(
+        "train",
+        *DIGITS,
+        "--steps",
+        20,
+        "--checkpoint-every",
+        5,
+        "--out",
+        run,
+        preexec_fn=_limit_file_size(30_000),
+    )
     one_line(full, f"cannot write {run / 'checkpoint.pt'}", "continue with")
     cli("train", "--resume", run, "--steps", 8, check=True)
     assert steps(run) == list(range(1, 9)) and checkpoint_step(run) == 8
