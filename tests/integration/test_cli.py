@@ -159,13 +159,37 @@ def test_a_plan_with_checkpointing_is_verified_with_checkpointing():
     planned = json.loads(proc.stdout)
     assert planned["checkpointing"] and planned["checkpointed_blocks"]
     assert "with activation checkpointing in a fresh process" in proc.stderr
-    verified = [p for p in planned["probes"] if p["kind"].startswith("verify")][-1]
-    error = abs(verified["peak_bytes"] - verified["predicted_bytes"]) / verified["peak_bytes"]
+    # Training that plan, with checkpointing, in fresh processes (twice: resident memory
+    # varies from process to process) peaks where the plan says.
+    peaks = []
+    for _ in range(2):
+        run = subprocess.run(
+            [
+                sys.executable,
+                str(HERE / "memory_run.py"),
+                "--micro",
+                str(planned["micro_size"]),
+                "--effective",
+                "64",
+                "--windows",
+                "3",
+                "--checkpointing",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+            check=False,
+        )
+        assert run.returncode == 0, run.stderr
+        peaks.append(json.loads(run.stdout)["peak"])
+    measured = sum(peaks) / len(peaks)
+    error = (planned["predicted_peak"] - measured) / measured
     print(
-        f"micro {verified['micro_size']}: measured {verified['peak_bytes'] / 2**20:.1f} MiB, "
-        f"predicted {verified['predicted_bytes'] / 2**20:.1f} MiB ({error:.1%})"
+        f"micro {planned['micro_size']}: predicted {planned['predicted_peak'] / 2**20:.1f} MiB, "
+        f"measured {[round(p / 2**20, 1) for p in peaks]} MiB ({error:+.1%})"
     )
-    assert error <= 0.15
+    assert abs(error) <= 0.15
 
 
 def test_check_turns_off_the_dropout_of_a_default_gpt2_config(tmp_path):

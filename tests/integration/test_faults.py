@@ -103,8 +103,11 @@ def test_kill_mid_run_and_a_half_written_line_leave_every_step_once(tmp_path):
     proc.kill()
     proc.wait()
     saved = checkpoint_step(run)
-    assert saved >= 5 and steps(run)[-1] > saved  # lines past the checkpoint exist
+    assert saved >= 5 and steps(run)[-1] >= saved
     with (run / "metrics.jsonl").open("a") as f:
+        if steps(run)[-1] == saved:  # the kill landed just after a checkpoint: add the lines
+            for extra in (saved + 1, saved + 2):  # a later kill would have left behind it
+                f.write(json.dumps({"step": extra, "loss": 1.0}) + "\n")
         f.write('{"step": 99, "loss": 1.')  # what a crash mid-write leaves
     cli("train", "--resume", run, "--steps", saved + 4, check=True)
     assert steps(run) == list(range(1, saved + 5))
@@ -314,3 +317,41 @@ def test_planning_children_die_with_their_parent_and_ctrl_c_is_one_line():
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "gradaccum: interrupted" and "Traceback" not in err
+
+
+# -- 4: a resumed run trains as it was planned ---------------------------------------------
+
+
+def test_resume_reapplies_the_runs_activation_checkpointing(tmp_path):
+    """Checkpointing is part of the plan and of the checkpoint; a resumed run (from either)
+    recomputes the same blocks it did before the stop."""
+    from gradaccum.recompute import checkpointing_enabled
+    from gradaccum.trainer import TrainConfig, _build
+
+    run = tmp_path / "x"
+    cli(
+        "train",
+        "--effective-batch",
+        8,
+        "--micro-batch",
+        4,
+        "--checkpointing",
+        "on",
+        "--steps",
+        2,
+        "--out",
+        run,
+        check=True,
+    )
+    assert json.loads((run / "plan.json").read_text())["checkpointing"] is True
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["checkpointing"] is True
+    saved = json.loads((run / "config.json").read_text())
+    for source in ("checkpoint", "plan"):
+        if source == "plan":  # as if the run had stopped before its first checkpoint
+            (run / "checkpoint.pt").unlink()
+        cfg = TrainConfig(**{**saved, "resume": str(run), "out": str(run)})
+        built = _build(cfg, rank=0, world=1, log=lambda *a: None)
+        try:
+            assert built.checkpointing and checkpointing_enabled(built.model), source
+        finally:
+            built.folder.release()
