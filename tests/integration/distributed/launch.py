@@ -34,6 +34,10 @@ def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple) -> None:
     )
     try:
         fn(rank, world, *args)
+        # Both ranks past their last collective before either tears the group down: a rank
+        # destroying it while the other's gloo work is in flight aborted ("terminate called
+        # without an active exception") about one launch in ten.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
