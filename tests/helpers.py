@@ -6,6 +6,11 @@ backward, step. That is what every accumulated result is compared against.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -238,3 +243,25 @@ def deep_lm_setup(dropout=0.0, seq=64, layers=3, d=32):
         return ga.causal_lm_loss(model(mb["input_ids"]), mb["labels"])
 
     return model, {"input_ids": ids, "labels": ids.clone()}, loss_fn
+
+
+# -- the command line, as a user runs it (integration tests) ----------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args, check=True, timeout=300, threads=2, **kw) -> subprocess.CompletedProcess:
+    """``gradaccum ARGS`` in a subprocess from the repository root; with ``check``, it must
+    succeed (its stderr is the failure message)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradaccum", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+        timeout=timeout,
+        **kw,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc

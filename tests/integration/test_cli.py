@@ -13,6 +13,34 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
+def training_peaks(micro: int, effective: int, *extra: str) -> list[int]:
+    """The peak memory of training a plan's micro-batch, in two fresh processes (resident
+    memory varies from process to process)."""
+    peaks = []
+    for _ in range(2):
+        run = subprocess.run(
+            [
+                sys.executable,
+                str(HERE / "memory_run.py"),
+                "--micro",
+                str(micro),
+                "--effective",
+                str(effective),
+                "--windows",
+                "3",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+            check=False,
+        )
+        assert run.returncode == 0, run.stderr
+        peaks.append(json.loads(run.stdout)["peak"])
+    return peaks
+
+
 def test_the_planned_micro_batch_fits_its_budget_in_a_fresh_process(tmp_path):
     budget = "220MB"
     proc = subprocess.run(
@@ -41,27 +69,7 @@ def test_the_planned_micro_batch_fits_its_budget_in_a_fresh_process(tmp_path):
     assert sum(planned["micro_sizes"]) == 256
     # Resident memory of the same training varies by several percent from one process to
     # the next (glibc's heap layout), so the training is measured twice and both must fit.
-    peaks = []
-    for _ in range(2):
-        run = subprocess.run(
-            [
-                sys.executable,
-                str(HERE / "memory_run.py"),
-                "--micro",
-                str(planned["micro_size"]),
-                "--effective",
-                "256",
-                "--windows",
-                "3",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=ROOT,
-            check=False,
-        )
-        assert run.returncode == 0, run.stderr
-        peaks.append(json.loads(run.stdout)["peak"])
+    peaks = training_peaks(planned["micro_size"], 256)
     measured = sum(peaks) / len(peaks)
     error = (planned["predicted_peak"] - measured) / measured
     print(
@@ -161,28 +169,7 @@ def test_a_plan_with_checkpointing_is_verified_with_checkpointing():
     assert "with activation checkpointing in a fresh process" in proc.stderr
     # Training that plan, with checkpointing, in fresh processes (twice: resident memory
     # varies from process to process) peaks where the plan says.
-    peaks = []
-    for _ in range(2):
-        run = subprocess.run(
-            [
-                sys.executable,
-                str(HERE / "memory_run.py"),
-                "--micro",
-                str(planned["micro_size"]),
-                "--effective",
-                "64",
-                "--windows",
-                "3",
-                "--checkpointing",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=ROOT,
-            check=False,
-        )
-        assert run.returncode == 0, run.stderr
-        peaks.append(json.loads(run.stdout)["peak"])
+    peaks = training_peaks(planned["micro_size"], 64, "--checkpointing")
     measured = sum(peaks) / len(peaks)
     error = (planned["predicted_peak"] - measured) / measured
     print(

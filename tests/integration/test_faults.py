@@ -17,25 +17,15 @@ import time
 from pathlib import Path
 
 import torch
+from helpers import cli as run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 DIGITS = ["--recipe", "digits", "--effective-batch", "16", "--micro-batch", "8"]
 
 
-def cli(*args, check=False, timeout=300, **kw):
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradaccum", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=ENV,
-        timeout=timeout,
-        **kw,
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+def cli(*args, check=False, **kw):
+    return run_cli(*args, check=check, threads=1, **kw)
 
 
 def start(*args, **kw) -> subprocess.Popen:

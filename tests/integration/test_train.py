@@ -11,25 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cli
 
 from gradaccum.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "2"}
-
-
-def cli(*args, check=True, timeout=300):
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradaccum", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=ENV,
-        timeout=timeout,
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 def metrics(run: Path) -> list[dict]:
