@@ -23,7 +23,7 @@ import torch
 
 from gradaccum.batching import split, to_device
 from gradaccum.engine import Accumulator
-from gradaccum.memory import TrainingMemory
+from gradaccum.memory import METERS, TrainingMemory
 from gradaccum.recipes import get_recipe
 from gradaccum.recompute import enable_checkpointing
 
@@ -36,6 +36,7 @@ def measure(
     precision: str,
     checkpointing: bool,
     seed: int,
+    meter: str = "auto",
 ) -> int:
     recipe = get_recipe(recipe_name)
     batch = recipe.sample_batch(micro * micro_batches)
@@ -47,13 +48,15 @@ def measure(
     if checkpointing:
         enable_checkpointing(model)
     acc = Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-3), precision=precision)
-    memory = TrainingMemory(model, next(model.parameters()).device)
+    memory = TrainingMemory(model, next(model.parameters()).device, meter)
     for _ in range(windows):
         acc.step(split(batch, micro), recipe.loss_fn)
     return memory.peak()
 
 
-def fresh_process_verifier(recipe: str, precision: str = "fp32", seed: int = 0):
+def fresh_process_verifier(
+    recipe: str, precision: str = "fp32", seed: int = 0, meter: str = "auto"
+):
     """A ``verify`` for ``plan()``: measure a planned size where training will run, in a new
     process from its first step, with the plan's activation checkpointing. Each child gets the
     read end of a pipe whose write end only this process holds: if this process dies (SIGTERM,
@@ -83,6 +86,8 @@ def fresh_process_verifier(recipe: str, precision: str = "fp32", seed: int = 0):
             str(seed),
             "--parent-pipe",
             str(read),
+            "--meter",
+            meter,
         ]
         if checkpointing:
             cmd.append("--checkpointing")
@@ -126,11 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parent-pipe", type=int, default=None)
+    ap.add_argument("--meter", default="auto", choices=METERS)
     a = ap.parse_args(argv)
     if a.parent_pipe is not None:
         _exit_with_parent(a.parent_pipe)
     peak = measure(
-        a.recipe, a.micro, a.micro_batches, a.windows, a.precision, a.checkpointing, a.seed
+        a.recipe,
+        a.micro,
+        a.micro_batches,
+        a.windows,
+        a.precision,
+        a.checkpointing,
+        a.seed,
+        a.meter,
     )
     print(json.dumps({"peak": peak}))
     return 0

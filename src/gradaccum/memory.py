@@ -291,12 +291,15 @@ class TrainingMemory:
     """Peak memory of a training run in the plan's terms, from the moment it is made: CUDA's
     allocator peak on a GPU; on CPU the parameters' and buffers' bytes plus how far the
     resident set rose above this moment (the interpreter and torch are not training).
-    Make it once the model and optimizer exist, just before the first step."""
+    Make it once the model and optimizer exist, just before the first step. ``kind``: as
+    ``MemoryMeter``'s ("tensors": live tensor bytes, deterministic, slow)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device | str) -> None:
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device | str, kind: str = "auto"
+    ) -> None:
         device = torch.device(device)
         try:
-            self.meter: MemoryMeter | None = MemoryMeter(device)
+            self.meter: MemoryMeter | None = MemoryMeter(device, kind)
         except RuntimeError:  # no /proc: report nothing rather than something wrong
             self.meter = None
         self.resident = 0

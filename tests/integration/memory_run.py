@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--compare-n", type=int)
     ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--meter", default="auto", choices=["auto", "rss", "tensors"])
     args = ap.parse_args()
     torch.set_num_threads(2)
     recipe = get_recipe(args.recipe)
@@ -39,7 +40,7 @@ def main() -> None:
         ga.enable_checkpointing(model)
     acc = ga.Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     resident = tensor_bytes(list(model.parameters()) + list(model.buffers()))
-    meter = MemoryMeter("cpu")
+    meter = MemoryMeter("cpu", args.meter)
     meter.start()  # the pre-training baseline
     if args.compare_n:
         one = ga.split(batch, args.micro)[:1]

@@ -12,6 +12,7 @@ import torch
 
 from gradaccum.cli import options
 from gradaccum.measure import fresh_process_verifier
+from gradaccum.memory import METERS
 from gradaccum.plan import CHECKPOINTING, Plan, plan
 from gradaccum.precision import PRECISIONS
 from gradaccum.recipes import RECIPES, get_recipe
@@ -52,6 +53,15 @@ class PlanConfig:
         default="fp32", metadata={"help": "autocast precision", "choices": list(PRECISIONS)}
     )
     seed: int = field(default=0, metadata={"help": "seed for the model's initialization"})
+    meter: str = field(
+        default="auto",
+        metadata={
+            "help": "what memory means: auto (CUDA's allocator on a GPU, resident memory on "
+            "CPU), rss, or tensors (live tensor bytes: deterministic, blind to the "
+            "allocator's overheads, slow)",
+            "choices": list(METERS),
+        },
+    )
     json: bool = field(default=False, metadata={"help": "print the plan as JSON"})
     plot: str | None = field(
         default=None,
@@ -97,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
         margin=cfg.margin,
         checkpointing=cfg.checkpointing,
         precision=cfg.precision,
-        verify=fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed),
+        meter=cfg.meter,
+        verify=fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed, cfg.meter),
     )
     if cfg.plot:
         draw(result, cfg.plot)
