@@ -66,6 +66,11 @@ def fresh_process_verifier(
         # Two fresh processes, the larger peak: resident memory varies by several percent
         # from one process to the next (glibc's heap layout), and the plan must hold for the
         # process that training will be.
+        with_ckpt = " with activation checkpointing" if checkpointing else ""
+        print(
+            f"measuring micro-batch {micro} x {micro_batches}{with_ckpt} in two fresh processes",
+            file=sys.stderr,
+        )
         return max(_measure_once(micro, micro_batches, checkpointing) for _ in range(2))
 
     def _measure_once(micro: int, micro_batches: int, checkpointing: bool) -> int:
@@ -91,11 +96,6 @@ def fresh_process_verifier(
         ]
         if checkpointing:
             cmd.append("--checkpointing")
-        with_ckpt = " with activation checkpointing" if checkpointing else ""
-        print(
-            f"measuring micro-batch {micro} x {micro_batches}{with_ckpt} in a fresh process",
-            file=sys.stderr,
-        )
         try:
             proc = subprocess.run(
                 cmd, capture_output=True, text=True, check=False, pass_fds=(read,)
