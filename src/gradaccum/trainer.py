@@ -348,12 +348,13 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     name = "hf" if cfg.hf_model else cfg.recipe
     folder = RunFolder(cfg.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     resuming = cfg.resume is not None
-    problem = None
+    problem = saved_cfg = None
     if main:
         try:
             folder.check_usable(resume=resuming)
             if resuming:
-                _check_unchanged(folder.read_json(CONFIG), cfg, folder.path)
+                saved_cfg = folder.read_json(CONFIG)
+                _check_unchanged(saved_cfg, cfg, folder.path)
             folder.create()
         except ValueError as err:
             problem = str(err)
@@ -384,11 +385,11 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
             f"(or --epochs) of at least {start}"
         )
     if main and resuming:
-        _record_resume(folder, cfg, start)
+        _record_resume(folder, saved_cfg, cfg, start)
     elif main:
         folder.write_json(CONFIG, dataclasses.asdict(cfg))  # first: a crash is resumable
     micro, checkpointing = _micro_batch(
-        cfg, folder, saved, model, optimizer, recipe, device, world, log
+        cfg, folder, saved, model, optimizer, recipe, device, main, world, log
     )
     if resuming:
         log(f"resuming {folder.path} at step {start} of {total} (micro-batch {micro})")
@@ -448,34 +449,34 @@ def _check_unchanged(saved: dict[str, Any], cfg: TrainConfig, path: Path) -> Non
         )
 
 
-def _record_resume(folder: RunFolder, cfg: TrainConfig, start: int) -> None:
+def _record_resume(folder: RunFolder, saved: dict[str, Any], cfg: TrainConfig, start: int) -> None:
     """config.json becomes what the run now trains with; resumes.jsonl says what changed."""
-    saved = folder.read_json(CONFIG)
     mine = dataclasses.asdict(cfg)
     changed = {k: [saved.get(k), mine[k]] for k in RESUMABLE if saved.get(k) != mine[k]}
     folder.append_line(RESUMES, {"step": start, "changed": changed})
     folder.write_json(CONFIG, {**saved, **{k: mine[k] for k in RESUMABLE}})
 
 
-def _micro_batch(cfg, folder, saved, model, optimizer, recipe, device, world, log):
+def _micro_batch(cfg, folder, saved, model, optimizer, recipe, device, main, world, log):
     """The micro-batch size and whether blocks recompute their activations: the checkpoint's,
     else the saved plan's (a run that stopped before its first checkpoint), else a new plan
     (or the flag's size). Whatever the source, checkpointing is applied here, so a resumed
     run trains as it was planned."""
     if saved is not None:
-        info = {"micro_size": saved["micro_batch"], "checkpointing": saved["checkpointing"]}
+        # (a checkpoint written before checkpointing was recorded: it was never on then)
+        info = {"micro_size": saved["micro_batch"], "checkpointing": saved.get("checkpointing")}
     elif cfg.resume is not None and (folder.path / PLAN).is_file():
         info = folder.read_json(PLAN)
     else:
-        info = _plan_info(cfg, model, optimizer, recipe, device, world, log)
-        if world == 1 or launch.is_main():
+        info = _plan_info(cfg, model, optimizer, recipe, device, main, world, log)
+        if main:
             folder.write_json(PLAN, info)
     if info["checkpointing"]:
         enable_checkpointing(model)
     return info["micro_size"], bool(info["checkpointing"])
 
 
-def _plan_info(cfg, model, optimizer, recipe, device, world, log) -> dict[str, Any]:
+def _plan_info(cfg, model, optimizer, recipe, device, main, world, log) -> dict[str, Any]:
     if cfg.micro_batch is not None:
         return {
             "micro_size": cfg.micro_batch,
@@ -484,7 +485,7 @@ def _plan_info(cfg, model, optimizer, recipe, device, world, log) -> dict[str, A
         }
     per_rank = math.ceil(cfg.effective_batch / world)
     info = None
-    if world == 1 or launch.is_main():  # one plan for all ranks (same model and hardware)
+    if main:  # one plan for all ranks (same model and hardware)
         log(
             f"planning the micro-batch for an effective batch of {per_rank} per process in "
             f"{cfg.budget} ({recipe.summary})"

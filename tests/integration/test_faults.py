@@ -51,6 +51,14 @@ def wait_for_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 1
     raise AssertionError(f"{run}: fewer than {n} steps after {timeout} s")
 
 
+def kill_after(run: Path, n: int, *args) -> None:
+    """Train into ``run`` and SIGKILL the process once ``n`` steps are recorded."""
+    proc = start("train", *DIGITS, "--steps", 400, *args, "--out", run)
+    wait_for_steps(run, n, proc)
+    proc.kill()
+    proc.wait()
+
+
 def steps(run: Path) -> list[int]:
     return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -75,10 +83,7 @@ def one_line(proc, *needles: str) -> str:
 
 def test_a_crash_before_the_first_checkpoint_resumes_from_step_0(tmp_path):
     run = tmp_path / "x"
-    proc = start("train", *DIGITS, "--steps", 400, "--checkpoint-every", 1000, "--out", run)
-    wait_for_steps(run, 3, proc)
-    proc.kill()
-    proc.wait()
+    kill_after(run, 3, "--checkpoint-every", 1000)
     assert not (run / "checkpoint.pt").exists()
     done = cli("train", "--resume", run, "--steps", 6, check=True)
     assert "resuming" in done.stdout and "at step 0 of 6" in done.stdout
@@ -88,10 +93,7 @@ def test_a_crash_before_the_first_checkpoint_resumes_from_step_0(tmp_path):
 
 def test_kill_mid_run_and_a_half_written_line_leave_every_step_once(tmp_path):
     run = tmp_path / "x"
-    proc = start("train", *DIGITS, "--steps", 400, "--checkpoint-every", 5, "--out", run)
-    wait_for_steps(run, 8, proc)
-    proc.kill()
-    proc.wait()
+    kill_after(run, 8, "--checkpoint-every", 5)
     saved = checkpoint_step(run)
     assert saved >= 5 and steps(run)[-1] >= saved
     with (run / "metrics.jsonl").open("a") as f:
