@@ -1,0 +1,212 @@
+"""Exact gradient accumulation inside Hugging Face's ``Trainer``.
+
+``Trainer`` here is a drop-in subclass of ``transformers.Trainer``. Keep your
+``TrainingArguments`` (``per_device_train_batch_size``, ``gradient_accumulation_steps``,
+``max_grad_norm``, ``report_to``); the gradient handed to clipping and the optimizer becomes
+the full window's mean over its items, whatever the padding, the micro-batch sizes, a ragged
+last window or the ranks' different token counts:
+
+    from gradaccum.integrations.transformers import Trainer
+    trainer = Trainer(model=model, args=args, train_dataset=data)  # as before
+    trainer.train()
+
+How: each micro-batch backpropagates its summed loss, unnormalized, and the window's gradient
+is divided once by the window's global item count after its last backward, before the
+Trainer clips and steps (``FrameworkWindow``, the engine's arithmetic). The Trainer's own
+per-micro-batch normalization is switched off (``loss_is_scaled_for_ga = True``).
+
+The loss of a micro-batch, as ``(loss_sum, count)``:
+- ``loss_fn(model, inputs)`` when given: your own loss (a sum and its item count).
+- a causal LM (its class is one of transformers' causal-LM classes): next-token
+  cross-entropy summed over the shifted labels other than -100 (``shift_labels`` from the
+  collator when given), counted after the shift.
+- any other model with ``labels``: its own loss, a mean over the labels other than -100,
+  times that count.
+
+The gradient noise scale (B_simple, see ``gradaccum.noise``) is estimated from each window's
+micro-batch prefixes and added as ``b_simple`` to the Trainer's training logs, so it lands
+wherever ``report_to`` sends them.
+
+Not supported, refused at ``train()`` with the reason: DeepSpeed and FSDP (they own the
+gradient's reduction and normalization), ``torch.nn.DataParallel`` over several GPUs, and a
+transformers without ``Trainer.loss_is_scaled_for_ga``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from gradaccum.integrations.window import FrameworkWindow
+from gradaccum.loss import causal_lm_loss, token_cross_entropy, unpack
+from gradaccum.noise import NoiseScale
+
+__all__ = ["Trainer"]
+
+_CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` whose accumulated gradient is the window's exact item-mean.
+
+    Args (besides the Trainer's own):
+        loss_fn: ``loss_fn(model, inputs) -> (loss_sum, count)``, or None for the model's
+            own loss (see the module's docstring).
+        noise: a ``NoiseScale`` for the gradient noise scale logged as ``b_simple``; True
+            (the default) for ``NoiseScale()``, False for none.
+    """
+
+    loss_is_scaled_for_ga = True  # compute_loss returns a sum; the window divides it once
+
+    def __init__(
+        self,
+        *args: Any,
+        loss_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
+        noise: NoiseScale | bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
+        if noise is True:
+            noise = NoiseScale()
+        if noise is not False and not isinstance(noise, NoiseScale):
+            raise TypeError(
+                f"noise must be a NoiseScale, True or False, got {type(noise).__name__}"
+            )
+        super().__init__(*args, **kwargs)
+        self.loss_fn = loss_fn
+        self.noise = noise or None
+        self._window: FrameworkWindow | None = None
+        self._window_size = 0
+        self._micro: tuple[torch.Tensor, Any] | None = None  # the micro-batch in training_step
+        self._last_b_simple: float | None = None
+
+    # -- the window, through the Trainer's documented override points ---------------------
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The Trainer fetches each window's micro-batches up front: their number is the
+        window's size. Its own item count (``num_items_in_batch``) is not used."""
+        batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._window_size = len(batch_samples)
+        return batch_samples, None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Forward and backward of one micro-batch's summed loss; after the window's last,
+        its gradient divided once by the window's global count. Returns this micro-batch's
+        share of the window's mean loss for the Trainer's running loss: zero until the last,
+        then the whole window's mean (the Trainer sums them per step)."""
+        if self._window is None:
+            self._window = self._open(model)
+        window = self._window
+        loss = super().training_step(model, inputs, None)
+        if self._micro is None:
+            raise RuntimeError(
+                "gradaccum's Trainer: training_step ran without its compute_loss; a subclass "
+                "overriding compute_loss must call super().compute_loss(...) in training"
+            )
+        loss_sum, count = self._micro
+        self._micro = None
+        last = window.micro_batches + 1 >= self._window_size
+        scaler = getattr(self.accelerator, "scaler", None)
+        window.add(
+            loss_sum,
+            count,
+            self._grads() if self.noise is not None else None,
+            scaler.get_scale() if scaler is not None else 1.0,
+            communicated=last and window.sync.distributed,
+        )
+        if not last:
+            return torch.zeros_like(loss)
+        end = window.end(self._grads(), scale=scaler.get_scale() if scaler is not None else 1.0)
+        self._last_b_simple = end.b_simple
+        return torch.full_like(loss, end.loss if end.loss is not None else 0.0)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """In training: the micro-batch's summed loss (kept with its count for the window).
+        Elsewhere (evaluation): the Trainer's own loss, a mean."""
+        if not (model.training and self._window is not None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        index = self._window.micro_batches
+        outputs = None
+        if self.loss_fn is not None:
+            loss_sum, count = unpack(self.loss_fn(model, inputs), index)
+        else:
+            loss_sum, count, outputs = self._model_loss(model, inputs)
+        self._micro = (loss_sum, count)
+        return (loss_sum, outputs) if return_outputs else loss_sum
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Training logs gain ``b_simple``, the gradient noise scale so far."""
+        if "loss" in logs and self._last_b_simple is not None:
+            logs = {**logs, "b_simple": self._last_b_simple}
+        super().log(logs, *args, **kwargs)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _open(self, model: torch.nn.Module) -> FrameworkWindow:
+        """The first training step: refuse what the Trainer cannot do exactly here."""
+        problems = []
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            problems.append(
+                "DeepSpeed and FSDP own the gradient's reduction and normalization; use DDP "
+                "(torchrun) or a single process"
+            )
+        if self.args.n_gpu > 1:
+            problems.append(
+                f"torch.nn.DataParallel over {self.args.n_gpu} GPUs splits each micro-batch "
+                "inside forward; launch one process per GPU with torchrun instead"
+            )
+        if type(self).loss_is_scaled_for_ga is not True or not hasattr(
+            transformers.Trainer, "loss_is_scaled_for_ga"
+        ):
+            problems.append(
+                f"transformers {transformers.__version__} has no Trainer.loss_is_scaled_for_ga, "
+                "so it would divide each micro-batch's loss again; upgrade transformers"
+            )
+        if problems:
+            raise ValueError(
+                "gradaccum's Trainer cannot run exactly here:\n  - " + "\n  - ".join(problems)
+            )
+        return FrameworkWindow(model, self.noise)
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def _model_loss(self, model: torch.nn.Module, inputs: dict[str, Any]):
+        """``(loss_sum, count, outputs)`` from the model's own forward."""
+        if "labels" not in inputs:
+            raise ValueError(
+                "gradaccum's Trainer needs `labels` in every training batch to count items, "
+                "or loss_fn=(model, inputs) -> (loss_sum, count); this batch has "
+                f"{sorted(inputs)}"
+            )
+        unwrapped = self.accelerator.unwrap_model(model)
+        base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+        config = getattr(base, "config", None)
+        causal = type(base).__name__ in _CAUSAL_LM_CLASSES and not getattr(
+            config, "is_encoder_decoder", False
+        )
+        if causal:
+            # Our own next-token loss from the logits: a sum over the shifted labels that
+            # count, whatever loss_type the model declares.
+            labels = inputs["labels"]
+            shift_labels = inputs.get("shift_labels")
+            rest = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+            outputs = model(**rest)
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+            if shift_labels is not None:
+                loss_sum, count = token_cross_entropy(logits, shift_labels)
+            else:
+                loss_sum, count = causal_lm_loss(logits, labels)
+            return loss_sum, count, outputs
+        outputs = model(**inputs)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        count = int(inputs["labels"].ne(-100).sum())
+        if count == 0:  # the mean over nothing is NaN; nothing to learn from this batch
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
+            return logits.sum() * 0.0, 0, outputs
+        return loss * count, count, outputs

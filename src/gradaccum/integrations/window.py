@@ -1,0 +1,101 @@
+"""The window of a loop that another framework runs, with the engine's arithmetic.
+
+A framework (Hugging Face's Trainer, Lightning) owns the loop: it calls backward on each
+micro-batch, reduces gradients across ranks on the window's last one, clips and steps. The
+integrations only tell this class what each micro-batch held, and call ``end`` between the
+last backward and the framework's clipping. ``end`` makes the window's counts global (one
+all-reduce, ``Sync.totals``) and divides the gradient once (``window.finish``): the same
+two calls the Accumulator's ``end_window`` makes, so every path computes the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradaccum.loss import check_count, check_loss, count_value
+from gradaccum.noise import NoiseScale
+from gradaccum.sync import Sync
+from gradaccum.window import finish
+
+__all__ = ["FrameworkWindow", "WindowEnd"]
+
+
+@dataclass(frozen=True)
+class WindowEnd:
+    """What ``FrameworkWindow.end`` did: the global count and mean loss, the mean gradient's
+    norm before the framework clips it (None on an empty or non-finite window), and B_simple
+    so far (None without an estimate)."""
+
+    count: int
+    loss: float | None
+    grad_norm: float | None
+    finite: bool
+    b_simple: float | None
+
+
+class FrameworkWindow:
+    """Counts and losses of the micro-batches of one window at a time, then its one division.
+
+    ``model``: the module as the framework runs it (``DistributedDataParallel`` under DDP):
+    ``Sync`` reads the world and the process group off it. ``noise``: a ``NoiseScale`` fed
+    from the window's prefixes, or None.
+    """
+
+    def __init__(self, model: torch.nn.Module, noise: NoiseScale | None) -> None:
+        self.sync = Sync(model)
+        self.noise = noise
+        self.micro_batches = 0
+        self._count = 0
+        self._loss = 0.0
+
+    def add(
+        self,
+        loss_sum: Any,
+        count: Any,
+        grads: list[torch.Tensor] | None = None,
+        multiplier: float = 1.0,
+        communicated: bool = False,
+    ) -> None:
+        """One micro-batch whose backward has run. ``grads``: the window's gradient so far (the
+        noise estimate's prefix), carrying ``multiplier`` times the summed loss's gradient;
+        ``communicated``: its backward reduced across ranks (not a local prefix then)."""
+        index = self.micro_batches
+        loss_sum, count = check_loss(loss_sum, index), check_count(count, index)
+        if isinstance(count, torch.Tensor):
+            count = count_value(count.item(), index)
+        self._count += count
+        self._loss += float(loss_sum.detach())
+        if self.noise is not None and grads is not None and not communicated:
+            self.noise.record(grads, count, multiplier)
+        self.micro_batches += 1
+
+    def end(self, grads: list[torch.Tensor], carried: float = 1.0, scale: float = 1.0) -> WindowEnd:
+        """Divide the window's gradient (``grads``, in place) once by its global item count.
+
+        ``carried``: what the framework already divided the summed losses by before
+        backward (Lightning's ``1 / accumulate_grad_batches``), divided out here too;
+        ``scale``: an fp16 loss scale still on the gradient, which the framework divides out
+        itself later (only the norm reported here is corrected for it)."""
+        total, loss = self.sync.totals(self._count, self._loss)
+        self.micro_batches, self._count, self._loss = 0, 0, 0.0
+        if total == 0:
+            if self.noise is not None:
+                self.noise.drop_window()
+            return WindowEnd(0, None, None, True, self._b_simple())
+        # DDP hands back the mean over ranks: the sum over them / world.
+        divisor = total * carried / self.sync.world
+        grad_norm, finite = finish(self.sync.local(grads), divisor, None, self.sync.norm)
+        grad_norm /= scale
+        b_simple = self._b_simple()
+        if self.noise is not None:
+            if finite:
+                b_simple = self.noise.end_window(grad_norm**2, total, self.sync.distributed)
+            else:
+                self.noise.drop_window()
+        return WindowEnd(total, loss / total, grad_norm, finite, b_simple)
+
+    def _b_simple(self) -> float | None:
+        return None if self.noise is None else self.noise.value()

@@ -1,0 +1,81 @@
+"""The setting the framework integrations are measured in: a tiny GPT-2 (2 layers, d 64,
+vocabulary 256), right-padded sequences of lengths 4..64 (padding labelled -100), and the
+independent full-batch reference (token-summed cross-entropy over the shifted labels that
+count, divided by their number; one backward). Nothing here calls gradaccum."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SEQ = 64
+VOCAB = 256
+
+
+def tiny_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def padded_sequences(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """``n`` sequences of lengths spread over 4..64, right-padded to 64."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.linspace(4, SEQ, n).round().long()
+    lengths = lengths[torch.randperm(n, generator=g)]
+    out = []
+    for length in lengths.tolist():
+        ids = torch.zeros(SEQ, dtype=torch.long)
+        ids[:length] = torch.randint(1, VOCAB, (length,), generator=g)
+        mask = torch.zeros(SEQ, dtype=torch.long)
+        mask[:length] = 1
+        labels = ids.clone()
+        labels[length:] = -100
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def stack(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([item[k] for item in items]) for k in items[0]}
+
+
+def token_sum_loss(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy summed over the shifted labels that count, and their number."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    loss = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        labels.reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
+    return loss, (labels != -100).sum()
+
+
+def full_batch_grads(model, items) -> dict[str, torch.Tensor]:
+    """The reference: one backward of the whole batch's per-token mean."""
+    model.zero_grad(set_to_none=True)
+    loss, count = token_sum_loss(model, stack(items))
+    (loss / count).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """Relative error of the whole gradient (all parameters as one vector)."""
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    num = sum(float((got[k].double() - want[k].double()).square().sum()) for k in want)
+    den = sum(float(want[k].double().square().sum()) for k in want)
+    return (num / den) ** 0.5

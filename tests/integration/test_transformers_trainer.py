@@ -1,0 +1,150 @@
+"""gradaccum.integrations.transformers.Trainer inside a real transformers.Trainer run: the
+gradient handed to the optimizer (captured by an optimizer pre-hook, clipping off) against
+one full-batch backward. The plain Trainer's error on the same run is printed beside it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from frameworks import full_batch_grads, padded_sequences, rel_err, tiny_gpt2, token_sum_loss
+from helpers import capture_step_grads
+
+import gradaccum as ga
+
+transformers = pytest.importorskip("transformers")
+from gradaccum.integrations.transformers import Trainer  # noqa: E402
+
+
+def arguments(tmp_path, **overrides):
+    settings = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        num_train_epochs=1,
+        max_grad_norm=0.0,  # clipping off: the captured gradient is the accumulated one
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        train_sampling_strategy="sequential",  # windows of known items, for the reference
+        disable_tqdm=True,
+    )
+    return transformers.TrainingArguments(**{**settings, **overrides})
+
+
+def window_errors(tmp_path, trainer_class, n_items, **kwargs) -> list[float]:
+    """Train one epoch at learning rate 0 (every window sees the same weights) and return
+    each window's relative gradient error against the full batch of its 16 items."""
+    model = tiny_gpt2()
+    reference = copy.deepcopy(model)
+    items = padded_sequences(n_items)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = capture_step_grads(optimizer, model)
+    trainer = trainer_class(
+        model=model,
+        args=arguments(tmp_path),
+        train_dataset=items,
+        optimizers=(optimizer, None),
+        **kwargs,
+    )
+    trainer.train()
+    assert len(seen) == -(-n_items // 16)
+    return [
+        rel_err(grads, full_batch_grads(reference, items[16 * w : 16 * w + 16]))
+        for w, grads in enumerate(seen)
+    ]
+
+
+def test_the_models_own_loss_gives_the_full_batch_gradient(tmp_path):
+    plain = window_errors(tmp_path / "plain", transformers.Trainer, 16)
+    ours = window_errors(tmp_path / "ours", Trainer, 16)
+    print(f"GPT2LMHeadModel's own loss: plain Trainer {plain[0]:.1e}, gradaccum {ours[0]:.1e}")
+    assert ours[0] <= 1e-6
+
+
+def test_a_custom_sum_and_count_loss_gives_the_full_batch_gradient(tmp_path):
+    ours = window_errors(tmp_path, Trainer, 16, loss_fn=token_sum_loss)
+    print(f"custom (loss_sum, count): gradaccum {ours[0]:.1e}")
+    assert ours[0] <= 1e-6
+
+
+def test_the_ragged_last_window_gives_its_full_batch_gradient(tmp_path):
+    """28 sequences in windows of 4 micro-batches of 4: the last window holds 3."""
+    plain = window_errors(tmp_path / "plain", transformers.Trainer, 28)
+    ours = window_errors(tmp_path / "ours", Trainer, 28)
+    print(f"ragged last window: plain Trainer {plain}, gradaccum {ours}")
+    assert max(ours) <= 1e-6
+
+
+def test_evaluation_keeps_the_trainers_mean_loss(tmp_path):
+    model = tiny_gpt2()
+    items = padded_sequences(8)
+    trainer = Trainer(model=model, args=arguments(tmp_path), eval_dataset=items)
+    got = trainer.evaluate()["eval_loss"]
+    plain = transformers.Trainer(model=model, args=arguments(tmp_path), eval_dataset=items)
+    assert got == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-6)
+
+
+def test_b_simple_is_logged_and_matches_the_closed_form(tmp_path):
+    """The linear-regression problem of tests/unit/test_noise.py (its closed form,
+    B_simple = d + 1 + d s^2 / |delta|^2), trained through the Trainer at learning rate 0.
+    EMA 0.999 averages nearly all 400 windows (at 0.99 the estimate still wanders by about
+    20% from one data seed to another). The Accumulator on the same micro-batches must give
+    the same number: one arithmetic on both paths."""
+    d, s, delta_norm = 10, 1.5, 0.8
+    analytic = d + 1 + d * s**2 / delta_norm**2
+    torch.manual_seed(0)
+    w_star = torch.randn(d)
+    delta = torch.randn(d)
+    delta = delta / delta.norm() * delta_norm
+    model = torch.nn.Linear(d, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_((w_star + delta)[None])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(400 * 128, d, generator=g)
+    y = x @ w_star + s * torch.randn(400 * 128, generator=g)
+    items = [{"x": xi, "y": yi} for xi, yi in zip(x, y, strict=True)]
+
+    def loss_fn(model, inputs):
+        return ga.sample_mean(0.5 * (model(inputs["x"]).squeeze(1) - inputs["y"]) ** 2)
+
+    args = arguments(
+        tmp_path,
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=8,
+        logging_steps=400,
+        remove_unused_columns=False,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=items,
+        optimizers=(torch.optim.SGD(model.parameters(), lr=0.0), None),
+        loss_fn=loss_fn,
+        noise=ga.NoiseScale(ema=0.999),
+    )
+    trainer.train()
+    logged = [entry["b_simple"] for entry in trainer.state.log_history if "b_simple" in entry]
+    print(f"B_simple logged {logged[-1]:.1f}, analytic {analytic:.1f}")
+    assert logged[-1] == pytest.approx(analytic, rel=0.15)
+
+    with torch.no_grad():
+        model.weight.copy_((w_star + delta)[None])
+    acc = ga.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), noise=ga.NoiseScale(ema=0.999)
+    )
+    for i in range(400):
+        window = {"x": x[128 * i : 128 * (i + 1)], "y": y[128 * i : 128 * (i + 1)]}
+        result = acc.step(ga.split(window, 16), loss_fn)
+    assert logged[-1] == pytest.approx(result.noise_scale, rel=1e-9)
+
+
+def test_what_it_cannot_do_exactly_is_refused(tmp_path):
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        Trainer(model=tiny_gpt2(), args=arguments(tmp_path), loss_fn=3)
+    items = [{"input_ids": item["input_ids"]} for item in padded_sequences(4)]
+    trainer = Trainer(model=tiny_gpt2(), args=arguments(tmp_path), train_dataset=items)
+    with pytest.raises(ValueError, match="needs `labels` in every training batch"):
+        trainer.train()
