@@ -67,9 +67,14 @@ class NoiseScale:
         loss ``multiplier`` of fp16 scaling) and that micro-batch's own item count (int or
         0-dim tensor; the prefix counts are summed at the window's end, with one host sync).
         A micro-batch of no items (a padding replay) leaves the prefix as it was."""
+        self.add_prefix(total_norm(sums).square() / multiplier**2, count)
+
+    def add_prefix(self, sq_norm: torch.Tensor, count: Any) -> None:
+        """``record`` with the prefix's squared norm already taken (a framework integration
+        takes it after each backward and adds it once it knows the backward stayed local)."""
         if isinstance(count, int) and count == 0:
             return
-        self._prefixes.append((total_norm(sums).square() / multiplier**2, count))
+        self._prefixes.append((sq_norm, count))
 
     def end_window(
         self, window_sq_norm: float | None, total: int, window_point: bool = False

@@ -25,6 +25,8 @@ def tiny_gpt2(seed: int = 0):
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
     )
     return GPT2LMHeadModel(config)
 
@@ -79,3 +81,29 @@ def rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> floa
     num = sum(float((got[k].double() - want[k].double()).square().sum()) for k in want)
     den = sum(float(want[k].double().square().sum()) for k in want)
     return (num / den) ** 0.5
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that records the gradient each step applies (after a closure has run: Lightning
+    hands the window's last micro-batch to ``step`` as a closure)."""
+
+    def __init__(self, params, names: dict[int, str], lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.names = names
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.seen.append(
+            {
+                self.names[id(p)]: p.grad.detach().clone()
+                for group in self.param_groups
+                for p in group["params"]
+                if p.grad is not None
+            }
+        )
+        super().step()
+        return loss

@@ -112,16 +112,11 @@ class Trainer(transformers.Trainer):
         self._micro = None
         last = window.micro_batches + 1 >= self._window_size
         scaler = getattr(self.accelerator, "scaler", None)
-        window.add(
-            loss_sum,
-            count,
-            self._grads() if self.noise is not None else None,
-            scaler.get_scale() if scaler is not None else 1.0,
-            communicated=last and window.sync.distributed,
-        )
+        scale = scaler.get_scale() if scaler is not None else 1.0
+        window.add(loss_sum, count, self._grads() if self.noise is not None else None, scale)
         if not last:
             return torch.zeros_like(loss)
-        end = window.end(self._grads(), scale=scaler.get_scale() if scaler is not None else 1.0)
+        end = window.end(self._grads(), scale=scale)
         self._last_b_simple = end.b_simple
         return torch.full_like(loss, end.loss if end.loss is not None else 0.0)
 

@@ -18,7 +18,7 @@ import torch
 from gradaccum.loss import check_count, check_loss, count_value
 from gradaccum.noise import NoiseScale
 from gradaccum.sync import Sync
-from gradaccum.window import finish
+from gradaccum.window import finish, total_norm
 
 __all__ = ["FrameworkWindow", "WindowEnd"]
 
@@ -50,6 +50,7 @@ class FrameworkWindow:
         self.micro_batches = 0
         self._count = 0
         self._loss = 0.0
+        self._prefix: tuple[torch.Tensor, int] | None = None  # the latest, not yet kept
 
     def add(
         self,
@@ -57,20 +58,28 @@ class FrameworkWindow:
         count: Any,
         grads: list[torch.Tensor] | None = None,
         multiplier: float = 1.0,
-        communicated: bool = False,
     ) -> None:
-        """One micro-batch whose backward has run. ``grads``: the window's gradient so far (the
-        noise estimate's prefix), carrying ``multiplier`` times the summed loss's gradient;
-        ``communicated``: its backward reduced across ranks (not a local prefix then)."""
+        """One micro-batch whose backward has run. ``grads``: the window's gradient so far,
+        carrying ``multiplier`` times the summed losses' gradient, for the noise estimate.
+
+        Its prefix is kept once another micro-batch follows in the window: only then is it
+        known to be a local prefix and not the last backward, which under DDP has already
+        reduced across ranks (``end`` adds the global window instead)."""
         index = self.micro_batches
         loss_sum, count = check_loss(loss_sum, index), check_count(count, index)
         if isinstance(count, torch.Tensor):
             count = count_value(count.item(), index)
         self._count += count
         self._loss += float(loss_sum.detach())
-        if self.noise is not None and grads is not None and not communicated:
-            self.noise.record(grads, count, multiplier)
+        if self.noise is not None and grads is not None:
+            self._keep_prefix()
+            self._prefix = (total_norm(grads).square() / multiplier**2, count)
         self.micro_batches += 1
+
+    def _keep_prefix(self) -> None:
+        if self._prefix is not None:
+            self.noise.add_prefix(*self._prefix)
+            self._prefix = None
 
     def end(self, grads: list[torch.Tensor], carried: float = 1.0, scale: float = 1.0) -> WindowEnd:
         """Divide the window's gradient (``grads``, in place) once by its global item count.
@@ -81,6 +90,10 @@ class FrameworkWindow:
         itself later (only the norm reported here is corrected for it)."""
         total, loss = self.sync.totals(self._count, self._loss)
         self.micro_batches, self._count, self._loss = 0, 0, 0.0
+        if self.sync.distributed:
+            self._prefix = None  # the last backward reduced: not this rank's prefix
+        elif self.noise is not None:
+            self._keep_prefix()
         if total == 0:
             if self.noise is not None:
                 self.noise.drop_window()
