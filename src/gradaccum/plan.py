@@ -26,6 +26,7 @@ import torch
 from gradaccum.batching import batch_size, take
 from gradaccum.checkpoint import preserved_rng
 from gradaccum.engine import Accumulator, LossFn
+from gradaccum.export import Export, export
 from gradaccum.memory import (
     METERS,
     MemoryMeter,
@@ -93,6 +94,7 @@ class Plan:
     seconds: float
     largest_fitting: int  # before balancing the window
     notes: tuple[str, ...] = field(default=())
+    precision: str = "fp32"  # the autocast precision it was measured under
 
     @property
     def micro_sizes(self) -> list[int]:
@@ -106,6 +108,13 @@ class Plan:
         """Put the plan's activation checkpointing on ``model`` (a no-op when it has none)."""
         if self.checkpointing:
             enable_checkpointing(model)
+
+    def export(self, framework: str) -> Export:
+        """This plan as ``framework``'s settings: "transformers", "lightning", "accelerate"
+        or "deepspeed". ``.settings`` is a dict for the framework's own object (or
+        DeepSpeed's config), ``.snippet`` the code or JSON to paste, ``.micro_size`` and
+        ``.accumulation_steps`` the equal split, exact or refused with a ValueError."""
+        return export(self, framework)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -324,6 +333,7 @@ def plan(
         seconds=time.perf_counter() - started,
         largest_fitting=largest,
         notes=tuple(notes),
+        precision=precision,
     )
 
 
