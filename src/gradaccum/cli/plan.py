@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from gradaccum.cli import options
+from gradaccum.export import FRAMEWORKS
 from gradaccum.measure import fresh_process_verifier
 from gradaccum.memory import METERS
 from gradaccum.plan import CHECKPOINTING, Plan, plan
@@ -62,6 +63,15 @@ class PlanConfig:
             "choices": list(METERS),
         },
     )
+    export: str | None = field(
+        default=None,
+        metadata={
+            "help": "also print the plan as this framework's settings, with an equal "
+            "micro-batch x accumulation steps x ranks = the effective batch exactly",
+            "choices": list(FRAMEWORKS),
+            "metavar": "FRAMEWORK",
+        },
+    )
     json: bool = field(default=False, metadata={"help": "print the plan as JSON"})
     plot: str | None = field(
         default=None,
@@ -110,16 +120,24 @@ def run(args: argparse.Namespace) -> int:
         meter=cfg.meter,
         verify=fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed, cfg.meter),
     )
+    # before anything is printed: a plan that does not split equally is refused whole
+    exported = result.export(cfg.export) if cfg.export else None
     if cfg.plot:
         draw(result, cfg.plot)
     if cfg.json:
-        print(json.dumps({"recipe": recipe.name, **result.to_dict()}, indent=2))
+        out = {"recipe": recipe.name, **result.to_dict()}
+        if exported is not None:
+            out["export"] = exported.to_dict()
+        print(json.dumps(out, indent=2))
     else:
         print(result.summary())
         print()
         print(result.table())
         if cfg.plot:
             print(f"\nplot: {cfg.plot}")
+        if exported is not None:
+            print()
+            print(exported)
     return 0
 
 
