@@ -6,6 +6,7 @@ backward, step. That is what every accumulated result is compared against.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradaccum as ga
+from gradaccum.plan import Fit, Plan
 
 # Uneven micro-batch sizes for a batch of 13, one list per N.
 UNEVEN_SIZES = {1: [13], 2: [9, 4], 4: [1, 5, 3, 4], 7: [2, 1, 3, 1, 2, 3, 1]}
@@ -265,3 +267,34 @@ def cli(*args, check=True, timeout=300, threads=2, **kw) -> subprocess.Completed
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+def make_plan(effective, world=1, micro=8, precision="fp32", checkpointing=False) -> Plan:
+    """A plan with made-up measurements, its window laid out as plan() lays it out:
+    micro-batches of ``micro``, the last one smaller."""
+    per_rank = effective // world
+    n = math.ceil(per_rank / micro)
+    line = Fit(intercept=1e6, slope=1e4, max_error=0.0)
+    return Plan(
+        effective_batch=effective,
+        world_size=world,
+        per_rank_batch=per_rank,
+        micro_size=micro,
+        micro_batches=n,
+        last_micro_size=per_rank - (n - 1) * micro,
+        budget=2**30,
+        margin=0.15,
+        predicted_peak=1e6 + 1e4 * micro,
+        static_bytes=0,
+        overhead_bytes=0,
+        bytes_per_sample=1e4,
+        peak_fit=line,
+        activation_fit=line,
+        probes=(),
+        checkpointing=checkpointing,
+        checkpointed_blocks=("blocks.0", "blocks.1") if checkpointing else (),
+        device="cpu",
+        seconds=0.0,
+        largest_fitting=micro,
+        precision=precision,
+    )

@@ -4,8 +4,14 @@ The digits recipe with live tensor bytes as the meter: the fastest plan, and det
 so the budget decides the micro-batch the same way on every machine."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
 
-from helpers import cli
+import pytest
+from helpers import cli, make_plan
 
 
 def test_plan_exports_a_deepspeed_config_that_multiplies_out_exactly():
@@ -69,3 +75,64 @@ def test_an_effective_batch_with_no_equal_split_is_refused_in_one_line():
     assert last.startswith("gradaccum: error: cannot export effective_batch 97 as equal"), last
     assert "per-rank batch 97 has no divisor" in last
     assert proc.stdout == ""  # nothing half-printed before the refusal
+
+
+DEEPSPEED_WINDOW = textwrap.dedent(
+    """
+    import json, sys
+    import torch, deepspeed
+
+    config = json.loads(sys.stdin.read())
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config
+    )
+    dtype = next(engine.module.parameters()).dtype
+    steps = []
+    for _ in range(config["gradient_accumulation_steps"]):
+        x = torch.randn(config["train_micro_batch_size_per_gpu"], 4, dtype=dtype)
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+        steps.append(engine.global_steps)
+    print(json.dumps({
+        "optimizer": type(engine.optimizer).__name__,
+        "dtypes": [str(d) for d in engine.get_data_types()],
+        "steps": steps,
+    }))
+    """
+)
+
+
+def test_deepspeed_initializes_the_bf16_export_with_fp32_accumulation():
+    """Without ZeRO, deepspeed.initialize refuses a bf16 model with grad_accum_dtype fp32
+    (NotImplementedError "unsupported mix"); with the exported stage 1 it accumulates in fp32
+    and steps once per window. One process on gloo, in a subprocess (its process group)."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed")
+    ex = make_plan(12, micro=4, precision="bf16").export("deepspeed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", DEEPSPEED_WINDOW],
+        input=ex.snippet,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["optimizer"] == "BF16_Optimizer"
+    assert out["dtypes"] == ["torch.bfloat16", "torch.float32"]
+    assert out["steps"] == [0, 0, 1]  # 3 micro-batches of 4: one optimizer step, at the end
