@@ -77,3 +77,22 @@ def test_readme_shows_the_accumulators_signature():
     for page in ("README.md", "docs/api.md"):
         text = squeeze((ROOT / page).read_text())
         assert expected in text, f"{page} does not show the Accumulator's signature: {expected}"
+
+
+def test_transformers_trainer_example_is_exact_where_the_plain_trainer_is_not():
+    out = run("transformers_trainer.py")
+    plain = float(re.search(r"transformers\.Trainer\s+(\S+)", out).group(1))
+    ours = float(re.search(r"gradaccum's Trainer\s+(\S+)", out).group(1))
+    assert ours <= 1e-6 < 1e-3 < plain, out
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+) nats/token", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, out
+    assert "B_simple" in out
+
+
+def test_lightning_trainer_example_is_exact_where_the_plain_recipe_is_not():
+    out = run("lightning_trainer.py")
+    plain = float(re.search(r"mean per micro-batch\s+(\S+)", out).group(1))
+    ours = float(re.search(r"ExactAccumulation\s+(\S+)", out).group(1))
+    assert ours <= 1e-6 < 1e-3 < plain, out
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+) nats/token", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, out

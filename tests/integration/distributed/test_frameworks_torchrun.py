@@ -5,6 +5,7 @@ covers, one backward)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -48,3 +49,22 @@ def test_two_ranks_match_one_process_full_batch(tmp_path, framework):
     err = max_rel_err(got, want)
     print(f"{framework} under torchrun, 2 ranks: parameters after 3 steps {err:.1e}")
     assert err <= 1e-5
+
+
+def test_the_accumulator_on_accelerates_ddp_model_matches_the_full_batch(tmp_path):
+    """examples/accelerate_ddp.py: the model and optimizer from accelerator.prepare (DDP)."""
+    pytest.importorskip("accelerate")
+    example = Path(__file__).resolve().parents[3] / "examples" / "accelerate_ddp.py"
+    proc = subprocess.run(
+        [*torchrun(), str(example)],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    counts = [int(c) for c in re.findall(r"over (\d+) tokens", proc.stdout)]
+    assert len(counts) == 3, proc.stdout
+    diff = float(re.search(r"full batch: (\S+)", proc.stdout).group(1))
+    assert diff <= 1e-5, proc.stdout
