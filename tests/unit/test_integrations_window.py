@@ -1,0 +1,82 @@
+"""FrameworkWindow (gradaccum.integrations.window): the engine's end-of-window arithmetic for
+a loop another framework runs, checked on a plain loop against the full batch."""
+
+import pytest
+import torch
+from helpers import (
+    MLP,
+    UNEVEN_SIZES,
+    make_model,
+    max_rel_err,
+    mlp_loss,
+    mlp_reference,
+    reference_grads,
+    regression_batch,
+    split_sizes,
+)
+
+import gradaccum as ga
+from gradaccum.integrations.window import FrameworkWindow
+
+
+def framework_loop(model, micro_batches, divided_by: float = 1.0, noise=None):
+    """What a framework does: backward per micro-batch (its loss divided by
+    ``divided_by``, as Lightning divides by N), the window told each count, then ``end``."""
+    window = FrameworkWindow(model, noise)
+    for mb in micro_batches:
+        loss_sum, count = mlp_loss(model, mb)
+        (loss_sum / divided_by).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        window.add(loss_sum, count, grads, 1 / divided_by)
+    return window.end([p.grad for p in model.parameters()], carried=1 / divided_by)
+
+
+@pytest.mark.parametrize("divided_by", [1.0, 4.0, 3.0])
+def test_the_window_is_divided_once_into_the_full_batch_gradient(divided_by):
+    batch = regression_batch(seed=3)
+    want = reference_grads(make_model(MLP), batch, mlp_reference)
+    model = make_model(MLP)
+    end = framework_loop(model, split_sizes(batch, UNEVEN_SIZES[4]), divided_by)
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert max_rel_err(got, want) <= 1e-6
+    assert end.count == batch[0].shape[0] and end.finite
+    assert end.grad_norm == pytest.approx(
+        float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in want.values()]))),
+        rel=1e-5,
+    )
+
+
+def test_noise_scale_is_the_accumulators_on_the_same_micro_batches():
+    batches = [split_sizes(regression_batch(seed=s), UNEVEN_SIZES[4]) for s in range(6)]
+    model = make_model(MLP)
+    noise = ga.NoiseScale()
+    for micro in batches:
+        end = framework_loop(model, micro, divided_by=4.0, noise=noise)
+        model.zero_grad(set_to_none=True)
+    acc_model = make_model(MLP)
+    acc = ga.Accumulator(
+        acc_model, torch.optim.SGD(acc_model.parameters(), lr=0.0), noise=ga.NoiseScale()
+    )
+    for micro in batches:
+        result = acc.step(micro, mlp_loss)
+    assert end.b_simple is not None
+    assert end.b_simple == pytest.approx(result.noise_scale, rel=1e-6)
+
+
+def test_a_window_of_no_items_leaves_the_gradient_alone():
+    model = make_model(MLP)
+    x, y = regression_batch(seed=0)
+    window = FrameworkWindow(model, ga.NoiseScale())
+    (model(x).sum() * 0.0).backward()
+    window.add(model(x).sum() * 0.0, 0)
+    end = window.end([p.grad for p in model.parameters()])
+    assert end.count == 0 and end.loss is None and end.grad_norm is None
+
+
+def test_a_bad_count_names_the_micro_batch():
+    model = make_model(MLP)
+    window = FrameworkWindow(model, None)
+    x, _ = regression_batch(seed=0)
+    window.add(model(x).sum(), 3)
+    with pytest.raises(ValueError, match="got -1 from micro-batch 1"):
+        window.add(model(x).sum(), -1)
