@@ -38,6 +38,7 @@ from gradaccum.oom import OOMReplay
 from gradaccum.plan import CHECKPOINTING, plan
 from gradaccum.precision import PRECISIONS
 from gradaccum.recipes import RECIPES, Recipe, get_recipe, hf_recipe
+from gradaccum.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
 from gradaccum.recompute import enable_checkpointing
 from gradaccum.runfolder import CHECKPOINT, CONFIG, METRICS, PLAN, RESUMES, RunFolder
 from gradaccum.validate import int_problem, invalid_configuration
@@ -62,6 +63,29 @@ class TrainConfig:
             "replaces --recipe",
             "metavar": "PATH",
         },
+    )
+    data: str | None = field(
+        default=None,
+        metadata={
+            "help": "train on your own text: a .txt file, a .jsonl file (a text field per line, "
+            "or prompt/completion pairs) or a folder of them; with --recipe gpt (bytes) or "
+            "--hf-model (its tokenizer)",
+            "metavar": "PATH",
+        },
+    )
+    text_field: str = field(
+        default="text", metadata={"help": "the .jsonl field that holds each document's text"}
+    )
+    seq_len: int | None = field(
+        default=None,
+        metadata={
+            "help": "tokens per sequence for --data (default: the model's own length, at most "
+            "128); documents are packed, prompt/completion pairs padded"
+        },
+    )
+    eval_fraction: float = field(
+        default=0.1,
+        metadata={"help": "share of --data's sequences held out for evaluation (seeded)"},
     )
     effective_batch: int = field(
         default=64,
@@ -144,6 +168,15 @@ class TrainConfig:
                 out.append(problem)
 
         positive_int("effective_batch")
+        positive_int("seq_len", optional=True, minimum=2)
+        if (
+            isinstance(self.eval_fraction, bool)
+            or not isinstance(self.eval_fraction, (int, float))
+            or not 0 <= self.eval_fraction < 1
+        ):
+            out.append(f"eval_fraction must be a number in [0, 1), got {self.eval_fraction!r}")
+        if self.data is None and self.seq_len is not None:
+            out.append("seq_len applies to --data only; give --data PATH too")
         positive_int("micro_batch", optional=True)
         positive_int("steps", optional=True)
         positive_int("eval_every")
@@ -346,6 +379,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         )
     recipe = hf_recipe(cfg.hf_model) if cfg.hf_model else get_recipe(cfg.recipe)
     name = "hf" if cfg.hf_model else cfg.recipe
+    # Your own data is read and checked before anything is written: bad data leaves no folder.
+    loaded = _user_data(cfg, recipe) if cfg.data else None
     folder = RunFolder(cfg.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     resuming = cfg.resume is not None
     problem = saved_cfg = None
@@ -369,7 +404,11 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0)
     model.to(device)
-    data = recipe.make_data(cfg.seed)
+    if loaded is not None:
+        data = SequenceData(loaded, cfg.seed, recipe.logits)
+        recipe = dataclasses.replace(recipe, sample_batch=data.sample)
+    else:
+        data = recipe.make_data(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     per_epoch = data.steps_per_epoch(cfg.effective_batch)
     total = cfg.steps if cfg.epochs is None else math.ceil(cfg.epochs * per_epoch)
@@ -388,6 +427,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         _record_resume(folder, saved_cfg, cfg, start)
     elif main:
         folder.write_json(CONFIG, dataclasses.asdict(cfg))  # first: a crash is resumable
+    if main and loaded is not None:
+        save_cache(loaded, folder.path)  # a resume reads the sequences back
     micro, checkpointing = _micro_batch(
         cfg, folder, saved, model, optimizer, recipe, device, main, world, log
     )
@@ -430,6 +471,40 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         total,
         per_epoch,
     )
+
+
+def _user_data(cfg: TrainConfig, recipe: Recipe) -> dict[str, Any]:
+    """--data's sequences (tokenized now, or read back from a resumed run's folder), checked
+    against the model and the effective batch."""
+    if recipe.encoder is None:
+        raise DataError(
+            f"--data needs a language model: --recipe gpt or --hf-model PATH (not {recipe.name})"
+        )
+    encoder = recipe.encoder()
+    seq_len = cfg.seq_len or min(128, encoder.max_len)
+    loaded = load_sequences(
+        cfg.data,
+        encoder,
+        seq_len=seq_len,
+        eval_fraction=cfg.eval_fraction,
+        seed=cfg.seed,
+        text_field=cfg.text_field,
+        cache=Path(cfg.resume) if cfg.resume else None,
+    )
+    if cfg.resume and not (Path(cfg.resume) / f"data-{loaded['key']}.pt").is_file():
+        if any(Path(cfg.resume).glob("data-*.pt")):
+            raise DataError(
+                f"--resume {cfg.resume}: --data {cfg.data} is not the data this run began with "
+                "(its files or the tokenizer changed); start a new run with --out"
+            )
+    sequences = len(loaded["train"][0])
+    if sequences < cfg.effective_batch:
+        raise DataError(
+            f"--data {cfg.data}: {sequences} training sequences of {seq_len} tokens, fewer than "
+            f"one effective batch ({cfg.effective_batch}); lower --effective-batch or --seq-len, "
+            "or add data"
+        )
+    return loaded
 
 
 def _check_unchanged(saved: dict[str, Any], cfg: TrainConfig, path: Path) -> None:
@@ -491,7 +566,7 @@ def _plan_info(cfg, model, optimizer, recipe, device, main, world, log) -> dict[
             f"{cfg.budget} ({recipe.summary})"
         )
         verify = None
-        if not cfg.hf_model and device.type == "cpu":
+        if not cfg.hf_model and not cfg.data and device.type == "cpu":
             verify = fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed)
         planned = plan(
             model,

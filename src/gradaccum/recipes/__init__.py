@@ -9,6 +9,7 @@ its step count and a resumed run reads exactly what an uninterrupted one would.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 from collections.abc import Callable
@@ -43,6 +44,10 @@ class Recipe:
     sample_batch: Callable[[int], Any]  # n samples at their largest shape
     make_data: Callable[[int], TaskData]  # seed -> data
     signature: dict[str, Any]  # what a checkpoint must match
+    # A language model's text side, for --data: its tokenizer (built on demand) and how to
+    # get logits from token ids. None for a recipe that does not read text.
+    encoder: Callable[[], Any] | None = None
+    logits: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
 
 
 # -- byte-level GPT on the standard library's source -------------------------------------------
@@ -106,6 +111,12 @@ class TextData:
             count += int(n)
         model.train(was_training)
         return {"loss": total / count}
+
+
+def _byte_encoder(max_len: int):
+    from gradaccum.recipes.userdata import byte_encoder
+
+    return byte_encoder(max_len)
 
 
 def _gpt_data(seed: int) -> TextData:
@@ -228,9 +239,10 @@ def hf_recipe(path: str) -> Recipe:
     has_weights = source.is_dir() and any(
         (source / n).exists() for n in ("model.safetensors", "pytorch_model.bin")
     )
-    length = min(
-        128, getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", 128)
-    )
+    max_positions = (
+        getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    ) or 128
+    length = min(128, max_positions)
 
     def build() -> torch.nn.Module:
         auto = transformers.AutoModelForCausalLM
@@ -258,6 +270,24 @@ def hf_recipe(path: str) -> Recipe:
         ids = tokens()[: n * length].reshape(n, length)
         return {"input_ids": ids, "labels": ids.clone()}
 
+    def encoder():
+        from gradaccum.recipes.userdata import DataError, Encoder
+
+        if not (source.is_dir() and (source / "tokenizer.json").exists()):
+            raise DataError(
+                f"--data with --hf-model {path}: no tokenizer.json in that folder; save the "
+                "model's tokenizer beside it (tokenizer.save_pretrained)"
+            )
+        tok = transformers.AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+        eos = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+        if eos is None:
+            raise DataError(f"--hf-model {path}: its tokenizer has no end-of-text token")
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+        digest = hashlib.sha256((source / "tokenizer.json").read_bytes()).hexdigest()[:16]
+        name = f"tokenizer.json {digest}"  # the cache key changes with the tokenizer
+        encode = functools.partial(tok.encode, add_special_tokens=False)
+        return Encoder(encode, eos, pad, max_positions, name)
+
     return Recipe(
         name="hf",
         summary=f"{config.model_type} from {path} ({'weights' if has_weights else 'random init'})",
@@ -266,6 +296,8 @@ def hf_recipe(path: str) -> Recipe:
         sample_batch=sample,
         make_data=lambda seed: TextData(tokens(), length, seed, logits=logits),
         signature={"recipe": "hf", "model_type": config.model_type},
+        encoder=encoder,
+        logits=logits,
     )
 
 
@@ -278,6 +310,8 @@ RECIPES: dict[str, Recipe] = {
         sample_batch=_gpt_sample,
         make_data=_gpt_data,
         signature={"recipe": "gpt", **_GPT},
+        encoder=lambda: _byte_encoder(_GPT["max_len"]),
+        logits=lambda model, ids: model(ids),
     ),
     "digits": Recipe(
         name="digits",

@@ -1,0 +1,315 @@
+"""Your own text as training data (``gradaccum train --data PATH``).
+
+What is read: a ``.txt`` file (one document), a ``.jsonl`` file (a document per line in its
+``text`` field, or ``prompt``/``completion`` pairs), or a folder of ``.txt``/``.jsonl``
+files (sorted by name). Bad data is refused before training with the file, the line and
+what was expected (``DataError``, a ValueError).
+
+How it becomes sequences of ``seq_len`` tokens: documents are tokenized (the model's
+tokenizer, or bytes for the byte-level GPT), joined with the end-of-text token and packed
+into full sequences; a prompt/completion pair is one sequence, right-padded, whose prompt
+tokens are labelled -100 so only the completion counts in the loss. A sequence's item count
+is then exactly its tokens that count (``causal_lm_loss`` counts the shifted labels).
+
+The held-out split takes a seeded share of the sequences, so the same data and ``--seed``
+give the same split. The sequences are cached in one file keyed by the data's bytes, the
+tokenizer and the settings: a resumed run, or a second run on the same data, reads them
+back instead of tokenizing again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradaccum.batching import split
+from gradaccum.loss import causal_lm_loss
+
+__all__ = [
+    "DataError",
+    "Encoder",
+    "SequenceData",
+    "byte_encoder",
+    "load_sequences",
+    "read_records",
+    "save_cache",
+]
+
+IGNORE = -100
+SUFFIXES = (".txt", ".jsonl")
+
+
+class DataError(ValueError):
+    """Data that cannot be trained on: one line naming the file, the line and the problem."""
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """How text becomes token ids for one model: ``encode``, the end-of-text id that joins
+    documents, the id padding uses (its label is -100 whatever it is), the longest sequence
+    the model takes, and a ``name`` that identifies the tokenizer in the cache key."""
+
+    encode: Callable[[str], list[int]]
+    eos: int
+    pad: int
+    max_len: int
+    name: str
+
+
+def byte_encoder(max_len: int) -> Encoder:
+    """UTF-8 bytes: the byte-level GPT's vocabulary. NUL (0) ends a document and pads."""
+    return Encoder(lambda text: list(text.encode("utf-8")), 0, 0, max_len, "bytes")
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+def _files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise DataError(f"--data {path}: no such file or directory")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+        if not files:
+            raise DataError(f"--data {path}: the folder holds no .txt or .jsonl file")
+        return files
+    if path.suffix not in SUFFIXES:
+        raise DataError(f"--data {path}: expected a .txt or .jsonl file or a folder of them")
+    return [path]
+
+
+def _text(path: Path) -> str:
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise DataError(f"{path}: the file is empty")
+    if b"\x00" in raw:
+        line = raw[: raw.index(b"\x00")].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: a NUL byte: binary data, expected UTF-8 text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise DataError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})"
+        ) from None
+
+
+def read_records(path: str | Path, text_field: str = "text") -> tuple[str, list[Any]]:
+    """``("text", [document, ...])`` or ``("pairs", [(prompt, completion), ...])``, read from
+    ``path``; a folder's files must agree on the kind."""
+    kinds, records = set(), []
+    for file in _files(Path(path)):
+        text = _text(file)
+        if file.suffix == ".txt":
+            kinds.add("text")
+            records.append(text)
+            continue
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            kind, record = _json_record(file, number, line, text_field)
+            kinds.add(kind)
+            records.append(record)
+        if len(kinds) > 1:
+            raise DataError(
+                f"{file}: mixes documents ({text_field!r}) and prompt/completion pairs; use one "
+                "kind per run"
+            )
+    return kinds.pop(), records
+
+
+def _json_record(file: Path, number: int, line: str, text_field: str) -> tuple[str, Any]:
+    where = f"{file}:{number}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{where}: not JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if "prompt" in obj or "completion" in obj:
+        for key in ("prompt", "completion"):
+            if not isinstance(obj.get(key), str):
+                raise DataError(f"{where}: a prompt/completion pair needs a string {key!r} field")
+        if not obj["completion"]:
+            raise DataError(f"{where}: empty 'completion': nothing would count in the loss")
+        return "pairs", (obj["prompt"], obj["completion"])
+    if text_field not in obj:
+        fields = ", ".join(map(repr, sorted(obj))) or "none"
+        raise DataError(
+            f"{where}: no {text_field!r} field (fields: {fields}); name it with --text-field, "
+            "or give 'prompt' and 'completion'"
+        )
+    if not isinstance(obj[text_field], str):
+        raise DataError(
+            f"{where}: field {text_field!r} must be a string, got {type(obj[text_field]).__name__}"
+        )
+    return "text", obj[text_field]
+
+
+# -- sequences ----------------------------------------------------------------------------------
+
+
+def _pack(documents: list[list[int]], seq_len: int, eos: int, pad: int):
+    """Documents joined by ``eos`` and cut into sequences of ``seq_len``; the last one
+    padded (labels -100)."""
+    stream = [t for doc in documents for t in (*doc, eos)]
+    n = math.ceil(len(stream) / seq_len)
+    ids = torch.full((n, seq_len), pad, dtype=torch.long)
+    labels = torch.full((n, seq_len), IGNORE, dtype=torch.long)
+    flat = torch.tensor(stream, dtype=torch.long)
+    ids.view(-1)[: len(flat)] = flat
+    labels.view(-1)[: len(flat)] = flat
+    return ids, labels
+
+
+def _pairs(pairs: list[tuple[list[int], list[int]]], seq_len: int, eos: int, pad: int, path):
+    ids = torch.full((len(pairs), seq_len), pad, dtype=torch.long)
+    labels = torch.full((len(pairs), seq_len), IGNORE, dtype=torch.long)
+    for row, (prompt, completion) in enumerate(pairs):
+        tokens = [*prompt, *completion, eos]
+        if len(tokens) > seq_len:
+            raise DataError(
+                f"{path}: pair {row + 1}: prompt and completion are {len(tokens)} tokens, "
+                f"longer than --seq-len {seq_len}"
+            )
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        labels[row, len(prompt) : len(tokens)] = torch.tensor([*completion, eos])
+    return ids, labels
+
+
+def _split(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Sequence indices for training and held out: a seeded permutation, at least one held
+    out when the fraction is positive."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    held = min(n - 1, max(1, round(n * eval_fraction))) if eval_fraction > 0 else 0
+    return sorted(order[held:]), sorted(order[:held])
+
+
+def _fingerprint(path: Path, *settings: Any) -> str:
+    digest = hashlib.sha256(repr(settings).encode())
+    for file in _files(path):
+        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def load_sequences(
+    path: str | Path,
+    encoder: Encoder,
+    *,
+    seq_len: int,
+    eval_fraction: float,
+    seed: int,
+    text_field: str = "text",
+    cache: Path | None = None,
+) -> dict[str, Any]:
+    """``{"train": (ids, labels), "eval": (ids, labels), "kind": ..., "key": ...}`` from the
+    data at ``path``; read from ``cache`` (a folder) when it holds this data's sequences."""
+    path = Path(path)
+    if seq_len > encoder.max_len:
+        raise DataError(
+            f"--seq-len {seq_len} is longer than the model takes ({encoder.max_len} positions)"
+        )
+    key = _fingerprint(path, encoder.name, seq_len, eval_fraction, seed, text_field)
+    cached = cache / f"data-{key}.pt" if cache is not None else None
+    if cached is not None and cached.is_file():
+        return torch.load(cached, weights_only=True)
+    kind, records = read_records(path, text_field)
+    encode = _with_progress(encoder.encode, sum(map(_size, records)))
+    if kind == "text":
+        ids, labels = _pack([encode(t) for t in records], seq_len, encoder.eos, encoder.pad)
+    else:
+        pairs = [(encode(p), encode(c)) for p, c in records]
+        ids, labels = _pairs(pairs, seq_len, encoder.eos, encoder.pad, path)
+    train_rows, eval_rows = _split(len(ids), eval_fraction, seed)
+    return {
+        "train": (ids[train_rows], labels[train_rows]),
+        "eval": (ids[eval_rows], labels[eval_rows]),
+        "kind": kind,
+        "key": key,
+    }
+
+
+def save_cache(loaded: dict[str, Any], cache: Path) -> Path:
+    """Write ``loaded`` where ``load_sequences(..., cache=cache)`` finds it (atomically)."""
+    path = cache / f"data-{loaded['key']}.pt"
+    if not path.is_file():
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(loaded, tmp)
+        os.replace(tmp, path)
+    return path
+
+
+def _size(record: Any) -> int:
+    return len(record) if isinstance(record, str) else len(record[0]) + len(record[1])
+
+
+def _with_progress(encode: Callable[[str], list[int]], total_chars: int):
+    """``encode`` with a progress bar on a terminal for large data (over 10M characters)."""
+    if total_chars < 10_000_000 or not sys.stderr.isatty():
+        return encode
+    from tqdm import tqdm
+
+    bar = tqdm(total=total_chars, unit="char", unit_scale=True, desc="tokenizing")
+
+    def counted(text: str) -> list[int]:
+        bar.update(len(text))
+        return encode(text)
+
+    return counted
+
+
+class SequenceData:
+    """The training data of a run: step ``k``'s sequences are a pure function of the seed and
+    ``k`` (an epoch is a seeded permutation; its last step takes what is left, a ragged last
+    window), so a resumed run reads exactly what an uninterrupted one would."""
+
+    def __init__(
+        self,
+        loaded: dict[str, Any],
+        seed: int,
+        logits: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.ids, self.labels = loaded["train"]
+        self.eval_ids, self.eval_labels = loaded["eval"]
+        self.seed, self.logits = seed, logits
+
+    def steps_per_epoch(self, size: int) -> int:
+        return max(1, math.ceil(len(self.ids) / size))
+
+    def sample(self, n: int) -> dict[str, torch.Tensor]:
+        """``n`` training sequences, for the planner: every sequence has the same shape."""
+        rows = torch.arange(n) % len(self.ids)
+        return {"input_ids": self.ids[rows], "labels": self.labels[rows]}
+
+    def batch(self, step: int, size: int) -> dict[str, torch.Tensor]:
+        per_epoch = self.steps_per_epoch(size)
+        epoch, index = divmod(step, per_epoch)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        order = torch.randperm(len(self.ids), generator=gen)[index * size : (index + 1) * size]
+        return {"input_ids": self.ids[order], "labels": self.labels[order]}
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, micro_size: int) -> dict[str, float]:
+        if len(self.eval_ids) == 0:
+            return {}
+        was_training = model.training
+        model.eval()
+        total, count = 0.0, 0
+        device = next(model.parameters()).device
+        for ids, labels in zip(
+            split(self.eval_ids, micro_size), split(self.eval_labels, micro_size), strict=True
+        ):
+            loss_sum, n = causal_lm_loss(self.logits(model, ids.to(device)), labels.to(device))
+            total += float(loss_sum)
+            count += int(n)
+        model.train(was_training)
+        return {"loss": total / count} if count else {}

@@ -1,0 +1,80 @@
+"""`gradaccum train --data PATH`: your own text, end to end in a subprocess."""
+
+import json
+
+import pytest
+from helpers import cli
+
+FAST = ["--steps", "2", "--micro-batch", "4", "--eval-every", "2", "--seq-len", "16"]
+
+
+def pairs(path, n, completion="xyz"):
+    rows = [{"prompt": f"q{i:02d}:", "completion": completion} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_prompt_completion_trains_on_completion_tokens_only(tmp_path):
+    data = pairs(tmp_path / "p.jsonl", 40)
+    out = tmp_path / "run"
+    cli("train", "--data", data, "--effective-batch", 8, *FAST, "--out", out)
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # "xyz" and the end-of-text token: 4 tokens that count per pair, 8 pairs per step
+    assert [s["count"] for s in steps] == [32, 32]
+    assert all("eval_loss" in s for s in steps[-1:])
+    assert len(list(out.glob("data-*.pt"))) == 1  # the sequences, for a resume
+
+
+def test_resume_reads_the_same_sequences_and_refuses_changed_data(tmp_path):
+    data = pairs(tmp_path / "p.jsonl", 40)
+    out = tmp_path / "run"
+    cli("train", "--data", data, "--effective-batch", 8, *FAST, "--out", out)
+    proc = cli(
+        "train", "--data", data, "--effective-batch", 8, *FAST, "--resume", out, "--steps", 3
+    )
+    assert "resuming" in proc.stdout
+    pairs(data, 40, completion="changed")
+    proc = cli(
+        "train",
+        "--data",
+        data,
+        "--effective-batch",
+        8,
+        *FAST,
+        "--resume",
+        out,
+        "--steps",
+        4,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "is not the data this run began with" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "the file is empty"),
+        (b'{"text": "a"}\n{"text": "\xff"}\n', "data.jsonl:2: not UTF-8 text"),
+        (b'{"text": "a"}\n{oops\n', "data.jsonl:2: not JSON"),
+        (b'{"body": "a"}\n', "data.jsonl:1: no 'text' field"),
+        (b'{"text": "tiny"}\n', "fewer than one effective batch (8)"),
+    ],
+)
+def test_bad_data_is_refused_in_one_line_before_anything_is_written(tmp_path, content, message):
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(content)
+    out = tmp_path / "run"
+    proc = cli("train", "--data", data, "--effective-batch", 8, *FAST, "--out", out, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not out.exists()
+
+
+def test_data_needs_a_language_model_and_seq_len_needs_data(tmp_path):
+    data = pairs(tmp_path / "p.jsonl", 40)
+    proc = cli("train", "--recipe", "digits", "--data", data, "--out", tmp_path / "a", check=False)
+    assert proc.returncode == 2 and "--data needs a language model" in proc.stderr
+    proc = cli("train", "--seq-len", 16, "--out", tmp_path / "b", check=False)
+    assert proc.returncode == 2 and "seq_len applies to --data only" in proc.stderr

@@ -1,0 +1,135 @@
+"""--data: reading your own text, the sequences it becomes, the counts that enter the loss."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+import gradaccum as ga
+from gradaccum.recipes.userdata import (
+    DataError,
+    SequenceData,
+    byte_encoder,
+    load_sequences,
+    read_records,
+    save_cache,
+)
+
+
+def jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_prompt_completion_pairs_count_only_completion_tokens(tmp_path):
+    """Bytes: "ab" + "xyz" + end-of-text -> 3 completion tokens that count after the shift
+    (positions predicting x, y, z are labelled; the end-of-text token counts too: 4)."""
+    data = jsonl(tmp_path / "p.jsonl", [{"prompt": "ab", "completion": "xyz"}] * 3)
+    loaded = load_sequences(data, byte_encoder(16), seq_len=8, eval_fraction=0, seed=0)
+    ids, labels = loaded["train"]
+    assert ids.shape == (3, 8)
+    assert ids[0, :6].tolist() == [*b"abxyz", 0]
+    assert labels[0].tolist() == [-100, -100, *b"xyz", 0, -100, -100]
+    logits = torch.zeros(3, 8, 256, requires_grad=True)
+    _, count = ga.causal_lm_loss(logits, labels)
+    assert int(count) == 3 * 4  # x, y, z and the end of text, per pair
+
+
+def test_documents_are_packed_into_full_sequences(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    (tmp_path / "b.txt").write_text("world!")
+    loaded = load_sequences(tmp_path, byte_encoder(16), seq_len=4, eval_fraction=0, seed=0)
+    ids, labels = loaded["train"]
+    # "hello" EOT "world!" EOT = 13 tokens -> 4 sequences of 4, the last padded
+    stream = [*b"hello", 0, *b"world!", 0]
+    assert sorted(map(tuple, ids.tolist())) == sorted(
+        map(tuple, [stream[0:4], stream[4:8], stream[8:12], [stream[12], 0, 0, 0]])
+    )
+    assert int((labels != -100).sum()) == len(stream)
+
+
+def test_the_held_out_split_is_seeded_and_disjoint(tmp_path):
+    data = jsonl(tmp_path / "d.jsonl", [{"text": f"document {i}"} for i in range(50)])
+    a = load_sequences(data, byte_encoder(64), seq_len=8, eval_fraction=0.2, seed=3)
+    b = load_sequences(data, byte_encoder(64), seq_len=8, eval_fraction=0.2, seed=3)
+    c = load_sequences(data, byte_encoder(64), seq_len=8, eval_fraction=0.2, seed=4)
+    assert torch.equal(a["eval"][0], b["eval"][0]) and not torch.equal(a["eval"][0], c["eval"][0])
+    # every sequence once, in one of the two parts
+    whole = load_sequences(data, byte_encoder(64), seq_len=8, eval_fraction=0, seed=3)["train"][0]
+    parts = torch.cat([a["train"][0], a["eval"][0]])
+    assert Counter(map(tuple, parts.tolist())) == Counter(map(tuple, whole.tolist()))
+    assert len(a["eval"][0]) == round(len(whole) * 0.2)
+
+
+def test_the_cache_is_read_back_and_keyed_by_the_data(tmp_path):
+    data = jsonl(tmp_path / "d.jsonl", [{"body": "some text here"}] * 10)
+    first = load_sequences(
+        data, byte_encoder(64), seq_len=8, eval_fraction=0.1, seed=0, text_field="body"
+    )
+    path = save_cache(first, tmp_path)
+    again = load_sequences(
+        data,
+        byte_encoder(64),
+        seq_len=8,
+        eval_fraction=0.1,
+        seed=0,
+        text_field="body",
+        cache=tmp_path,
+    )
+    assert torch.equal(again["train"][0], first["train"][0]) and path.is_file()
+    jsonl(data, [{"body": "other text"}] * 10)
+    changed = load_sequences(
+        data,
+        byte_encoder(64),
+        seq_len=8,
+        eval_fraction=0.1,
+        seed=0,
+        text_field="body",
+        cache=tmp_path,
+    )
+    assert changed["key"] != first["key"]
+
+
+def test_steps_are_a_pure_function_of_the_step_with_a_ragged_epoch_end(tmp_path):
+    data = jsonl(tmp_path / "d.jsonl", [{"text": f"line {i:03d}"} for i in range(30)])
+    loaded = load_sequences(data, byte_encoder(64), seq_len=10, eval_fraction=0, seed=0)
+    one = SequenceData(loaded, seed=1, logits=lambda m, x: m(x))
+    two = SequenceData(loaded, seed=1, logits=lambda m, x: m(x))
+    n = len(one.ids)
+    per_epoch = one.steps_per_epoch(8)
+    sizes = [len(one.batch(k, 8)["input_ids"]) for k in range(per_epoch)]
+    assert sum(sizes) == n and sizes[-1] == n - 8 * (per_epoch - 1)  # each sequence once
+    assert torch.equal(one.batch(5, 8)["input_ids"], two.batch(5, 8)["input_ids"])
+
+
+@pytest.mark.parametrize(
+    "write, message",
+    [
+        (lambda p: p.write_text(""), "the file is empty"),
+        (lambda p: p.write_bytes(b'{"text": "a"}\n\xff\xfe'), ":2: not UTF-8 text"),
+        (lambda p: p.write_bytes(b'{"text": "a"}\n{"text": "\x00"}\n'), ":2: a NUL byte"),
+        (lambda p: p.write_text('{"text": "a"}\nnot json\n'), ":2: not JSON"),
+        (lambda p: p.write_text('{"text": "a"}\n{"body": "b"}\n'), ":2: no 'text' field"),
+        (lambda p: p.write_text('{"prompt": "a"}\n'), ":1: a prompt/completion pair needs"),
+        (lambda p: p.write_text('["a"]\n'), ":1: expected a JSON object, got list"),
+        (lambda p: p.write_text('{"text": 3}\n'), ":1: field 'text' must be a string"),
+    ],
+)
+def test_bad_data_names_the_file_and_line(tmp_path, write, message):
+    path = tmp_path / "bad.jsonl"
+    write(path)
+    with pytest.raises(DataError, match=message) as err:
+        read_records(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_sequences_the_model_cannot_take_are_refused(tmp_path):
+    data = jsonl(tmp_path / "p.jsonl", [{"prompt": "a" * 10, "completion": "b" * 10}])
+    with pytest.raises(DataError, match="longer than the model takes"):
+        load_sequences(data, byte_encoder(16), seq_len=32, eval_fraction=0, seed=0)
+    with pytest.raises(DataError, match=r"pair 1: prompt and completion are 21 tokens"):
+        load_sequences(data, byte_encoder(16), seq_len=16, eval_fraction=0, seed=0)
+    with pytest.raises(DataError, match="expected a .txt or .jsonl"):
+        (tmp_path / "x.csv").write_text("a,b\n")
+        load_sequences(tmp_path / "x.csv", byte_encoder(16), seq_len=8, eval_fraction=0, seed=0)
