@@ -135,8 +135,11 @@ def saved_activation_bytes(model: torch.nn.Module) -> Iterator[list[int]]:
 class LiveTensorBytes:
     """Context manager: peak bytes of tensor storages allocated inside it and still alive.
 
-    Each op's outputs are recorded once per storage; a storage leaves the count when it is
-    freed. Tensors that existed before the block are not counted (they are the baseline).
+    Each op's new outputs are recorded once per storage; a storage leaves the count when it
+    is freed. Tensors that existed before the block are not counted (they are the baseline),
+    nor are their views and in-place results (a frozen weight's transpose in backward, a
+    parameter updated by the optimizer): an output the op's schema marks as aliasing an
+    input is no new memory.
     Works on any device; on CPU it is the counterpart of ``torch.cuda.max_memory_allocated``.
     """
 
@@ -176,7 +179,10 @@ class LiveTensorBytes:
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
                 out = func(*args, **(kwargs or {}))
-                meter._track(out)
+                outs = out if isinstance(out, tuple) else (out,)
+                for returned, value in zip(func._schema.returns, outs, strict=False):
+                    if returned.alias_info is None:
+                        meter._track(value)
                 return out
 
         self._mode = _Mode()

@@ -1,8 +1,9 @@
-"""Memory sizes as users write them."""
+"""Memory sizes as users write them, and the live-tensor meter."""
 
 import pytest
+import torch
 
-from gradaccum.memory import parse_bytes
+from gradaccum.memory import LiveTensorBytes, parse_bytes
 
 
 @pytest.mark.parametrize(
@@ -30,3 +31,20 @@ def test_malformed_budgets_are_refused_with_the_accepted_forms(text):
         r"GiB, TiB)|(must be whole)|(must be positive)",
     ):
         parse_bytes(text)
+
+
+def test_live_tensor_bytes_count_new_storages_not_views_or_in_place_results():
+    """A frozen weight's transpose in backward and a parameter the optimizer updates in place
+    alias tensors that exist before the measurement: they once counted as new memory, as
+    much again as the weights themselves."""
+    weight = torch.zeros(256, 64)
+    with LiveTensorBytes() as live:
+        weight.t()
+        weight.add_(1.0)
+        weight[:8].view(-1)
+    assert live.peak == 0
+    with LiveTensorBytes() as live:
+        fresh = torch.ones(100, 10)  # 4000 bytes
+        fresh.t().mul_(2.0)
+        fresh.split(10)
+    assert live.peak == 4000
