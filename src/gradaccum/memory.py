@@ -175,13 +175,16 @@ class LiveTensorBytes:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         meter = self
+        fresh: dict[Any, tuple[bool, ...]] = {}  # per op: which outputs are new memory
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
                 out = func(*args, **(kwargs or {}))
+                if func not in fresh:
+                    fresh[func] = tuple(r.alias_info is None for r in func._schema.returns)
                 outs = out if isinstance(out, tuple) else (out,)
-                for returned, value in zip(func._schema.returns, outs, strict=False):
-                    if returned.alias_info is None:
+                for is_new, value in zip(fresh[func], outs, strict=False):
+                    if is_new:
                         meter._track(value)
                 return out
 
