@@ -298,3 +298,49 @@ def make_plan(effective, world=1, micro=8, precision="fp32", checkpointing=False
         largest_fitting=micro,
         precision=precision,
     )
+
+
+def run_metrics(run: Path) -> list[dict]:
+    """metrics.jsonl of a run folder, one dict per optimizer step."""
+    import json
+
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def sigterm_then_resume_matches(tmp_path: Path, args: list, stop_after: int, steps: int) -> int:
+    """Train ``gradaccum train ARGS`` straight through, and again stopped by SIGTERM once
+    ``stop_after`` steps are recorded, then resumed: the final weights must be bitwise equal
+    and every step's loss the same. Returns the step the stopped run checkpointed at."""
+    import signal
+    import time
+
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    cli("train", *args, "--out", straight)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradaccum", "train", *map(str, args), "--out", str(stopped)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (stopped / "metrics.jsonl").exists() and len(run_metrics(stopped)) >= stop_after:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped by SIGTERM at step" in err and "--resume" in err
+    at = torch.load(stopped / "checkpoint.pt", weights_only=True)["step"]
+    assert stop_after <= at < steps, at
+
+    cli("train", "--resume", stopped)
+    a = torch.load(straight / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
+    b = torch.load(stopped / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the straight one"
+    assert [x["step"] for x in run_metrics(stopped)] == list(range(1, steps + 1))
+    assert [x["loss"] for x in run_metrics(stopped)] == [x["loss"] for x in run_metrics(straight)]
+    return at

@@ -87,6 +87,37 @@ class TrainConfig:
         default=0.1,
         metadata={"help": "share of --data's sequences held out for evaluation (seeded)"},
     )
+    lora: int | None = field(
+        default=None,
+        metadata={
+            "help": "train LoRA adapters of this rank on the frozen --hf-model (PEFT; "
+            "pip install 'gradaccum[finetune]')",
+            "metavar": "R",
+        },
+    )
+    lora_alpha: float | None = field(
+        default=None, metadata={"help": "LoRA scaling alpha (default: 2 x --lora)"}
+    )
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input"})
+    lora_targets: str | None = field(
+        default=None,
+        metadata={
+            "help": "comma-separated layer names to adapt (default: the attention projections "
+            "of common causal LMs, e.g. q_proj,v_proj or GPT-2's c_attn)",
+            "metavar": "NAMES",
+        },
+    )
+    export_every: int | None = field(
+        default=None,
+        metadata={
+            "help": "also export the weights every N steps (they are always exported at the "
+            "end): the LoRA adapter, or the fine-tuned --hf-model, in Hugging Face format"
+        },
+    )
+    merge_lora: bool = field(
+        default=False,
+        metadata={"help": "with --lora, also export the base with the adapters merged in"},
+    )
     effective_batch: int = field(
         default=64,
         metadata={"help": "samples per optimizer step (sequences for the LMs, images for digits)"},
@@ -175,6 +206,12 @@ class TrainConfig:
             or not 0 <= self.eval_fraction < 1
         ):
             out.append(f"eval_fraction must be a number in [0, 1), got {self.eval_fraction!r}")
+        positive_int("lora", optional=True)
+        positive_int("export_every", optional=True)
+        if self.lora is not None and self.hf_model is None:
+            out.append("lora needs --hf-model PATH: PEFT adapts Hugging Face models")
+        if self.merge_lora and self.lora is None:
+            out.append("merge_lora needs --lora R")
         if self.data is None and self.seq_len is not None:
             out.append("seq_len applies to --data only; give --data PATH too")
         positive_int("micro_batch", optional=True)
@@ -248,7 +285,15 @@ class Interrupted(Exception):  # noqa: N818 - it is a stop, not an error
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # What a resumed run may change: how long it trains and how it reports. Everything else
 # defines the run and must stay as it was (a different run belongs in its own folder).
-RESUMABLE = ("steps", "epochs", "eval_every", "checkpoint_every", "noise_scale")
+RESUMABLE = (
+    "steps",
+    "epochs",
+    "eval_every",
+    "checkpoint_every",
+    "noise_scale",
+    "export_every",
+    "merge_lora",
+)
 
 
 class _Output:
@@ -400,6 +445,14 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
 
     torch.manual_seed(cfg.seed)
     model = recipe.build_model()
+    if cfg.lora is not None:
+        from gradaccum import finetune
+
+        targets = cfg.lora_targets.split(",") if cfg.lora_targets else None
+        model = finetune.apply_lora(
+            model, cfg.lora, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=targets
+        )
+        log(f"LoRA r={cfg.lora}: {finetune.trainable_summary(model)}")
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0)
@@ -409,7 +462,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         recipe = dataclasses.replace(recipe, sample_batch=data.sample)
     else:
         data = recipe.make_data(cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     per_epoch = data.steps_per_epoch(cfg.effective_batch)
     total = cfg.steps if cfg.epochs is None else math.ceil(cfg.epochs * per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(total, cfg.warmup_steps))
@@ -635,6 +689,8 @@ def _loop(run: _Run, log, stop: list[int]) -> None:
             if stop or (step + 1) % cfg.checkpoint_every == 0 or step + 1 == run.total:
                 _checkpoint(run, step + 1, last)
                 last = step + 1
+            if cfg.export_every and (step + 1) % cfg.export_every == 0 or step + 1 == run.total:
+                _export(run, log)
             if stop:
                 raise Interrupted(step + 1, folder.path, stop[0])
     finally:
@@ -668,6 +724,35 @@ def _checkpoint(run: _Run, step: int, last: int) -> None:
         run.folder.save_checkpoint(state)
     except ValueError as err:
         raise ValueError(_stopped(run.folder, str(err), last)) from None
+
+
+def _export(run: _Run, log) -> None:
+    """The weights in formats other tools load, under ``export/`` in the run folder: the LoRA
+    adapter (PEFT's save_pretrained), with --merge-lora the merged model, and for a full
+    fine-tune of --hf-model the model itself (save_pretrained, safetensors), the tokenizer
+    beside each. Each folder is written whole (a temporary sibling, then a rename)."""
+    cfg = run.cfg
+    if not run.main or cfg.hf_model is None:
+        return
+    from gradaccum import finetune
+
+    tokenizer = _tokenizer(cfg.hf_model)
+    out = run.folder.path / "export"
+    if cfg.lora is not None:
+        written = [finetune.save_adapter(run.model, out / "adapter")]
+        if cfg.merge_lora:
+            written.append(finetune.save_merged(run.model, out / "merged", tokenizer))
+    else:
+        written = [finetune.save_full(run.model, out / "model", tokenizer)]
+    log("exported " + ", ".join(str(w) for w in written))
+
+
+def _tokenizer(path: str):
+    if not (Path(path) / "tokenizer.json").is_file():
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def _stopped(folder: RunFolder, what: str, last: int) -> str:

@@ -3,15 +3,11 @@
 import dataclasses
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli
+from helpers import cli, sigterm_then_resume_matches
 
 from gradaccum.trainer import TrainConfig
 
@@ -152,49 +148,9 @@ def test_local_hugging_face_model_trains(tmp_path):
 
 
 def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path):
-    args = [
-        "--steps",
-        24,
-        "--effective-batch",
-        8,
-        "--micro-batch",
-        3,
-        "--checkpoint-every",
-        100,
-        "--eval-every",
-        100,
-    ]
-    straight = tmp_path / "straight"
-    cli("train", *args, "--out", straight)
-
-    stopped = tmp_path / "stopped"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gradaccum", "train", *map(str, args), "--out", str(stopped)],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if (stopped / "metrics.jsonl").exists() and len(metrics(stopped)) >= 6:
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
-    assert "stopped by SIGTERM at step" in err and "--resume" in err
-    at = torch.load(stopped / "checkpoint.pt", weights_only=True)["step"]
-    assert 6 <= at < 24, at
-
-    cli("train", "--resume", stopped)
-    a = torch.load(straight / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
-    b = torch.load(stopped / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the straight one"
-    assert [x["step"] for x in metrics(stopped)] == list(range(1, 25))
-    assert [x["loss"] for x in metrics(stopped)] == [x["loss"] for x in metrics(straight)]
+    args = ["--steps", 24, "--effective-batch", 8, "--micro-batch", 3]
+    args += ["--checkpoint-every", 100, "--eval-every", 100]
+    sigterm_then_resume_matches(tmp_path, args, stop_after=6, steps=24)
 
 
 @pytest.mark.parametrize(

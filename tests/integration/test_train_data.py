@@ -61,15 +61,25 @@ def test_resume_reads_the_same_sequences_and_refuses_changed_data(tmp_path):
         (b'{"text": "tiny"}\n', "fewer than one effective batch (8)"),
     ],
 )
-def test_bad_data_is_refused_in_one_line_before_anything_is_written(tmp_path, content, message):
+def test_bad_data_is_refused_in_one_line_before_anything_is_written(
+    tmp_path, capsys, content, message
+):
+    """The CLI's own main() in this process (each case as a subprocess costs a torch import;
+    the first case also runs as one, for the exit code a shell sees)."""
+    from gradaccum.cli import main
+
     data = tmp_path / "data.jsonl"
     data.write_bytes(content)
     out = tmp_path / "run"
-    proc = cli("train", "--data", data, "--effective-batch", 8, *FAST, "--out", out, check=False)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    args = ["train", "--data", data, "--effective-batch", 8, *FAST, "--out", out]
+    assert main([str(a) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+    if not content:
+        proc = cli(*args, check=False)
+        assert proc.returncode == 2 and proc.stderr == err, proc.stderr
 
 
 def test_data_needs_a_language_model_and_seq_len_needs_data(tmp_path):
@@ -78,3 +88,17 @@ def test_data_needs_a_language_model_and_seq_len_needs_data(tmp_path):
     assert proc.returncode == 2 and "--data needs a language model" in proc.stderr
     proc = cli("train", "--seq-len", 16, "--out", tmp_path / "b", check=False)
     assert proc.returncode == 2 and "seq_len applies to --data only" in proc.stderr
+
+
+def test_fine_tuning_options_are_checked_together():
+    """All at once, in one message (TrainConfig.problems, what the CLI reports)."""
+    from gradaccum.trainer import TrainConfig
+
+    problems = TrainConfig(
+        data="x.jsonl", lora=8, merge_lora=True, seq_len=1, eval_fraction=1.0
+    ).problems()
+    text = "\n".join(problems)
+    assert "lora needs --hf-model" in text
+    assert "seq_len must be" in text and "eval_fraction must be a number in [0, 1)" in text
+    assert TrainConfig(merge_lora=True).problems() == ["merge_lora needs --lora R"]
+    assert "seq_len applies to --data only" in "\n".join(TrainConfig(seq_len=16).problems())

@@ -1,0 +1,140 @@
+"""`gradaccum train --hf-model PATH --data FILE --lora R`: a tiny GPT-2 with saved weights and
+its own tokenizer (made here), LoRA adapters trained on a .jsonl of prompt/completion pairs,
+and weights exported where other tools load them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import cli, sigterm_then_resume_matches
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+from safetensors.torch import load_file  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny GPT-2 and a byte-level BPE tokenizer trained on a stdlib file, saved."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("tiny-gpt2")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([open(json.__file__).read()], trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=len(fast),
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=fast.eos_token_id,
+        eos_token_id=fast.eos_token_id,
+    )
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "qa.jsonl"
+    rows = [{"prompt": f"def f{i}(x):", "completion": f" return x + {i % 7}"} for i in range(160)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+LORA = ["--lora", 8, "--effective-batch", 32, "--micro-batch", 4, "--seq-len", 32]
+LORA += ["--lr", 0.03, "--warmup-steps", 0, "--eval-every", 2, "--checkpoint-every", 100]
+
+
+def metrics(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def trained_model(base, run, lora: bool):
+    """The model as the run left it: the base, LoRA applied as the run applied it, and the
+    checkpoint's weights."""
+    from gradaccum.finetune import apply_lora
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    if lora:
+        model = apply_lora(model, 8)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
+    model.load_state_dict(state)
+    return model.eval(), state
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_lora_trains_only_the_adapters_and_exports_what_peft_loads(tmp_path, base, data):
+    run = tmp_path / "run"
+    cli(
+        "train",
+        "--hf-model",
+        base,
+        "--data",
+        data,
+        *LORA,
+        "--steps",
+        8,
+        "--merge-lora",
+        "--out",
+        run,
+    )
+    model, state = trained_model(base, run, lora=True)
+
+    pretrained = load_file(base / "model.safetensors")
+    frozen = {
+        k.removeprefix("base_model.model.").replace(".base_layer", ""): v
+        for k, v in state.items()
+        if "lora_" not in k
+    }
+    assert frozen.keys() >= pretrained.keys()
+    assert all(torch.equal(frozen[k], pretrained[k]) for k in pretrained)  # bitwise unchanged
+    assert any("lora_" in k for k in state)
+
+    ids = torch.randint(0, 300, (4, 24), generator=torch.Generator().manual_seed(0))
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(base)
+    loaded = peft.PeftModel.from_pretrained(fresh, run / "export" / "adapter").eval()
+    assert float((logits(loaded, ids) - logits(model, ids)).abs().max()) <= 1e-6
+    merged = transformers.AutoModelForCausalLM.from_pretrained(run / "export" / "merged").eval()
+    assert float((logits(merged, ids) - logits(model, ids)).abs().max()) <= 1e-5
+    assert (run / "export" / "merged" / "tokenizer.json").is_file()
+
+    held_out = [m["eval_loss"] for m in metrics(run) if "eval_loss" in m]
+    print(f"held-out loss per 2 steps: {held_out}")
+    assert held_out[-1] < held_out[0]
+
+
+def test_lora_resumes_after_sigterm_bitwise(tmp_path, base, data):
+    args = ["--hf-model", base, "--data", data, *LORA, "--steps", 10]
+    sigterm_then_resume_matches(tmp_path, args, stop_after=3, steps=10)
+
+
+def test_a_full_fine_tune_exports_a_model_transformers_loads(tmp_path, base, data):
+    run = tmp_path / "run"
+    args = ["--effective-batch", 32, "--micro-batch", 8, "--seq-len", 32, "--steps", 2]
+    cli("train", "--hf-model", base, "--data", data, *args, "--out", run)
+    model, _ = trained_model(base, run, lora=False)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(run / "export" / "model").eval()
+    ids = torch.randint(0, 300, (4, 24), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(logits(exported, ids), logits(model, ids))
+    assert (run / "export" / "model" / "model.safetensors").is_file()
+    assert (run / "export" / "model" / "tokenizer.json").is_file()
