@@ -138,3 +138,68 @@ def test_a_full_fine_tune_exports_a_model_transformers_loads(tmp_path, base, dat
     assert torch.equal(logits(exported, ids), logits(model, ids))
     assert (run / "export" / "model" / "model.safetensors").is_file()
     assert (run / "export" / "model" / "tokenizer.json").is_file()
+
+
+def test_an_effective_batch_of_256_plans_as_8_or_more_micro_batches_and_stays_exact(base, data):
+    """LoRA on the saved base, 256 sequences per step under a budget one 256-sequence batch
+    does not fit: the plan's window, then its first gradient against one float64 full-batch
+    backward written with torch alone."""
+    import copy
+
+    import torch.nn.functional as F
+
+    import gradaccum as ga
+    from gradaccum.finetune import apply_lora
+    from gradaccum.recipes import hf_recipe
+    from gradaccum.recipes.userdata import load_sequences
+
+    recipe = hf_recipe(str(base))
+    loaded = load_sequences(data, recipe.encoder(), seq_len=32, eval_fraction=0, seed=0)
+    ids, labels = loaded["train"]
+    rows = torch.arange(256) % len(ids)
+    batch = {"input_ids": ids[rows], "labels": labels[rows]}
+    torch.manual_seed(0)
+    model = apply_lora(transformers.AutoModelForCausalLM.from_pretrained(base), 8)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=0.0)
+    sample = {k: v[:8] for k, v in batch.items()}
+
+    def planned(budget):
+        return ga.plan(model, optimizer, sample, recipe.loss_fn, 256, budget, meter="tensors")
+
+    roomy = planned("1GiB")
+    budget = int(roomy.predict(24) / (1 - roomy.margin))
+    tight = planned(budget)
+    print(tight.summary())
+    assert tight.micro_batches >= 8, tight.summary()
+    assert tight.predict(256) > budget  # the whole batch at once does not fit
+
+    reference = copy.deepcopy(model).double()
+    logits = reference(input_ids=batch["input_ids"]).logits
+    shifted = batch["labels"][:, 1:]
+    loss = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), shifted.reshape(-1), reduction="sum"
+    )
+    (loss / (shifted != -100).sum()).backward()
+    want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen = []
+    optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: seen.append(
+            {names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]}
+        )
+    )
+    acc = ga.Accumulator(model, optimizer)
+    result = acc.step(ga.split(batch, tight.micro_size), recipe.loss_fn)
+    assert result.micro_batches == tight.micro_batches
+    # One vector over the adapters (LoRA's A gets an exactly zero gradient while B is zero).
+    diff = sum(float((seen[0][k].double() - want[k]).square().sum()) for k in want)
+    err = (diff / sum(float(want[k].square().sum()) for k in want)) ** 0.5
+    print(f"first window, {result.micro_batches} micro-batches: relative error {err:.1e}")
+    assert seen[0].keys() == want.keys() and err <= 1e-6
+
+    for group in optimizer.param_groups:
+        group["lr"] = 1.0
+    losses = [acc.step(ga.split(batch, tight.micro_size), recipe.loss_fn).loss for _ in range(4)]
+    assert losses[-1] < losses[0], losses  # and it trains
