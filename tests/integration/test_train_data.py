@@ -59,6 +59,8 @@ def test_resume_reads_the_same_sequences_and_refuses_changed_data(tmp_path):
         (b'{"text": "a"}\n{oops\n', "data.jsonl:2: not JSON"),
         (b'{"body": "a"}\n', "data.jsonl:1: no 'text' field"),
         (b'{"text": "tiny"}\n', "fewer than one effective batch (8)"),
+        (b'{"text": "a\x00b"}\n', "data.jsonl:1: a NUL byte: binary data"),
+        (b'{"prompt": "' + b"p" * 20 + b'", "completion": "c"}\n', "pair 1: prompt and completion"),
     ],
 )
 def test_bad_data_is_refused_in_one_line_before_anything_is_written(
@@ -102,3 +104,15 @@ def test_fine_tuning_options_are_checked_together():
     assert "seq_len must be" in text and "eval_fraction must be a number in [0, 1)" in text
     assert TrainConfig(merge_lora=True).problems() == ["merge_lora needs --lora R"]
     assert "seq_len applies to --data only" in "\n".join(TrainConfig(seq_len=16).problems())
+
+
+def test_a_sequence_length_the_model_cannot_take_is_refused(tmp_path, capsys):
+    from gradaccum.cli import main
+
+    data = pairs(tmp_path / "p.jsonl", 40)
+    out = tmp_path / "run"
+    args = ["train", "--data", data, "--seq-len", 4096, "--out", out]
+    assert main([str(a) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert "--seq-len 4096 is longer than the model takes (128 positions)" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
