@@ -307,15 +307,20 @@ def run_metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def sigterm_then_resume_matches(tmp_path: Path, args: list, stop_after: int, steps: int) -> int:
-    """Train ``gradaccum train ARGS`` straight through, and again stopped by SIGTERM once
-    ``stop_after`` steps are recorded, then resumed: the final weights must be bitwise equal
-    and every step's loss the same. Returns the step the stopped run checkpointed at."""
+def sigterm_then_resume_matches(
+    tmp_path: Path, args: list, stop_after: int, steps: int, straight: Path | None = None
+) -> int:
+    """Train ``gradaccum train ARGS`` straight through (or take ``straight``, a run of the same
+    ARGS), and again stopped by SIGTERM once ``stop_after`` steps are recorded, then resumed:
+    the final weights must be bitwise equal and every step's loss the same. Returns the step
+    the stopped run checkpointed at."""
     import signal
     import time
 
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    cli("train", *args, "--out", straight)
+    stopped = tmp_path / "stopped"
+    if straight is None:
+        straight = tmp_path / "straight"
+        cli("train", *args, "--out", straight)
     proc = subprocess.Popen(
         [sys.executable, "-m", "gradaccum", "train", *map(str, args), "--out", str(stopped)],
         cwd=ROOT,
