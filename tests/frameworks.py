@@ -107,3 +107,47 @@ class RecordingSGD(torch.optim.SGD):
         )
         super().step()
         return loss
+
+
+class Regression:
+    """Linear regression with a known gradient noise scale (tests/unit/test_noise.py): y =
+    x.w* + eps, x ~ N(0, I_d), eps ~ N(0, s^2), loss (x.w - y)^2 / 2 at w = w* + delta, so
+    B_simple = d + 1 + d s^2 / |delta|^2. ``windows`` windows of 128 samples."""
+
+    d, s, delta_norm = 10, 1.5, 0.8
+
+    def __init__(self, windows: int = 400) -> None:
+        self.analytic = self.d + 1 + self.d * self.s**2 / self.delta_norm**2
+        torch.manual_seed(0)
+        self.w_star = torch.randn(self.d)
+        delta = torch.randn(self.d)
+        self.delta = delta / delta.norm() * self.delta_norm
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(windows * 128, self.d, generator=g)
+        self.y = self.x @ self.w_star + self.s * torch.randn(windows * 128, generator=g)
+
+    def model(self) -> torch.nn.Linear:
+        """The model at w* + delta."""
+        model = torch.nn.Linear(self.d, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_((self.w_star + self.delta)[None])
+        return model
+
+    @staticmethod
+    def loss(model, x, y):
+        import gradaccum as ga
+
+        return ga.sample_mean(0.5 * (model(x).squeeze(1) - y) ** 2)
+
+    def accumulator_b_simple(self, ema: float) -> float:
+        """The Accumulator's B_simple on the same windows, in micro-batches of 16."""
+        import gradaccum as ga
+
+        model = self.model()
+        acc = ga.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.0), noise=ga.NoiseScale(ema=ema)
+        )
+        for i in range(len(self.x) // 128):
+            window = (self.x[128 * i : 128 * (i + 1)], self.y[128 * i : 128 * (i + 1)])
+            result = acc.step(ga.split(window, 16), lambda m, mb: self.loss(m, *mb))
+        return result.noise_scale

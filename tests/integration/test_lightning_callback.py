@@ -11,6 +11,7 @@ import pytest
 import torch
 from frameworks import (
     RecordingSGD,
+    Regression,
     full_batch_grads,
     padded_sequences,
     rel_err,
@@ -96,35 +97,22 @@ def test_b_simple_is_logged_and_matches_the_accumulator():
     """The linear-regression problem of tests/unit/test_noise.py, closed form
     B_simple = d + 1 + d s^2 / |delta|^2, within 15%; the Accumulator on the same
     micro-batches gives the same number."""
-    d, s, delta_norm = 10, 1.5, 0.8
-    analytic = d + 1 + d * s**2 / delta_norm**2
-    torch.manual_seed(0)
-    w_star = torch.randn(d)
-    delta = torch.randn(d)
-    delta = delta / delta.norm() * delta_norm
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(400 * 128, d, generator=g)
-    y = x @ w_star + s * torch.randn(400 * 128, generator=g)
+    problem = Regression()
 
-    def loss_fn(model, mb):
-        return ga.sample_mean(0.5 * (model(mb[0]).squeeze(1) - mb[1]) ** 2)
-
-    class Regression(lightning.LightningModule):
+    class Linear(lightning.LightningModule):
         def __init__(self):
             super().__init__()
-            self.linear = torch.nn.Linear(d, 1, bias=False)
-            with torch.no_grad():
-                self.linear.weight.copy_((w_star + delta)[None])
+            self.linear = problem.model()
 
         def training_step(self, batch, batch_idx):
-            return exact_output(self, *loss_fn(self.linear, batch))
+            return exact_output(self, *problem.loss(self.linear, *batch))
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
     callback = ExactAccumulation(noise=ga.NoiseScale(ema=0.999))
-    module = Regression()
-    items = list(zip(x, y, strict=True))
+    module = Linear()
+    items = list(zip(problem.x, problem.y, strict=True))
     loader = torch.utils.data.DataLoader(items, batch_size=16)
     trainer = lightning.Trainer(
         accelerator="cpu",
@@ -139,21 +127,11 @@ def test_b_simple_is_logged_and_matches_the_accumulator():
     )
     trainer.fit(module, loader)
     logged = float(trainer.callback_metrics["b_simple"])
-    print(f"B_simple logged {logged:.1f}, analytic {analytic:.1f}")
-    assert logged == pytest.approx(analytic, rel=0.15)
-
-    model = torch.nn.Linear(d, 1, bias=False)
-    with torch.no_grad():
-        model.weight.copy_((w_star + delta)[None])
-    acc = ga.Accumulator(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), noise=ga.NoiseScale(ema=0.999)
-    )
-    for i in range(400):
-        result = acc.step(
-            ga.split((x[128 * i : 128 * (i + 1)], y[128 * i : 128 * (i + 1)]), 16), loss_fn
-        )
-    assert callback.last.b_simple == pytest.approx(result.noise_scale, rel=1e-9)
-    assert logged == pytest.approx(result.noise_scale, rel=1e-6)  # logged as float32
+    print(f"B_simple logged {logged:.1f}, analytic {problem.analytic:.1f}")
+    assert logged == pytest.approx(problem.analytic, rel=0.15)
+    want = problem.accumulator_b_simple(ema=0.999)
+    assert callback.last.b_simple == pytest.approx(want, rel=1e-9)
+    assert logged == pytest.approx(want, rel=1e-6)  # logged as float32
 
 
 def test_a_training_step_without_exact_output_is_refused():

@@ -8,7 +8,14 @@ import copy
 
 import pytest
 import torch
-from frameworks import full_batch_grads, padded_sequences, rel_err, tiny_gpt2, token_sum_loss
+from frameworks import (
+    Regression,
+    full_batch_grads,
+    padded_sequences,
+    rel_err,
+    tiny_gpt2,
+    token_sum_loss,
+)
 from helpers import capture_step_grads
 
 import gradaccum as ga
@@ -93,22 +100,11 @@ def test_b_simple_is_logged_and_matches_the_closed_form(tmp_path):
     EMA 0.999 averages nearly all 400 windows (at 0.99 the estimate still wanders by about
     20% from one data seed to another). The Accumulator on the same micro-batches must give
     the same number: one arithmetic on both paths."""
-    d, s, delta_norm = 10, 1.5, 0.8
-    analytic = d + 1 + d * s**2 / delta_norm**2
-    torch.manual_seed(0)
-    w_star = torch.randn(d)
-    delta = torch.randn(d)
-    delta = delta / delta.norm() * delta_norm
-    model = torch.nn.Linear(d, 1, bias=False)
-    with torch.no_grad():
-        model.weight.copy_((w_star + delta)[None])
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(400 * 128, d, generator=g)
-    y = x @ w_star + s * torch.randn(400 * 128, generator=g)
-    items = [{"x": xi, "y": yi} for xi, yi in zip(x, y, strict=True)]
+    problem = Regression()
+    items = [{"x": xi, "y": yi} for xi, yi in zip(problem.x, problem.y, strict=True)]
 
     def loss_fn(model, inputs):
-        return ga.sample_mean(0.5 * (model(inputs["x"]).squeeze(1) - inputs["y"]) ** 2)
+        return problem.loss(model, inputs["x"], inputs["y"])
 
     args = arguments(
         tmp_path,
@@ -117,6 +113,7 @@ def test_b_simple_is_logged_and_matches_the_closed_form(tmp_path):
         logging_steps=400,
         remove_unused_columns=False,
     )
+    model = problem.model()
     trainer = Trainer(
         model=model,
         args=args,
@@ -127,18 +124,9 @@ def test_b_simple_is_logged_and_matches_the_closed_form(tmp_path):
     )
     trainer.train()
     logged = [entry["b_simple"] for entry in trainer.state.log_history if "b_simple" in entry]
-    print(f"B_simple logged {logged[-1]:.1f}, analytic {analytic:.1f}")
-    assert logged[-1] == pytest.approx(analytic, rel=0.15)
-
-    with torch.no_grad():
-        model.weight.copy_((w_star + delta)[None])
-    acc = ga.Accumulator(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), noise=ga.NoiseScale(ema=0.999)
-    )
-    for i in range(400):
-        window = {"x": x[128 * i : 128 * (i + 1)], "y": y[128 * i : 128 * (i + 1)]}
-        result = acc.step(ga.split(window, 16), loss_fn)
-    assert logged[-1] == pytest.approx(result.noise_scale, rel=1e-9)
+    print(f"B_simple logged {logged[-1]:.1f}, analytic {problem.analytic:.1f}")
+    assert logged[-1] == pytest.approx(problem.analytic, rel=0.15)
+    assert logged[-1] == pytest.approx(problem.accumulator_b_simple(ema=0.999), rel=1e-9)
 
 
 def test_what_it_cannot_do_exactly_is_refused(tmp_path):
