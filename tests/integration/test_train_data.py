@@ -1,6 +1,7 @@
 """`gradaccum train --data PATH`: your own text, end to end in a subprocess."""
 
 import json
+import shutil
 
 import pytest
 from helpers import cli
@@ -14,10 +15,17 @@ def pairs(path, n, completion="xyz"):
     return path
 
 
-def test_prompt_completion_trains_on_completion_tokens_only(tmp_path):
-    data = pairs(tmp_path / "p.jsonl", 40)
-    out = tmp_path / "run"
-    cli("train", "--data", data, "--effective-batch", 8, *FAST, "--out", out)
+@pytest.fixture(scope="module")
+def pairs_run(tmp_path_factory):
+    """2 steps of the byte GPT on 40 prompt/completion pairs; its data file and run folder."""
+    folder = tmp_path_factory.mktemp("pairs")
+    data = pairs(folder / "p.jsonl", 40)
+    cli("train", "--data", data, "--effective-batch", 8, *FAST, "--out", folder / "run")
+    return data, folder / "run"
+
+
+def test_prompt_completion_trains_on_completion_tokens_only(pairs_run):
+    _, out = pairs_run
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # "xyz" and the end-of-text token: 4 tokens that count per pair, 8 pairs per step
     assert [s["count"] for s in steps] == [32, 32]
@@ -25,28 +33,15 @@ def test_prompt_completion_trains_on_completion_tokens_only(tmp_path):
     assert len(list(out.glob("data-*.pt"))) == 1  # the sequences, for a resume
 
 
-def test_resume_reads_the_same_sequences_and_refuses_changed_data(tmp_path):
-    data = pairs(tmp_path / "p.jsonl", 40)
+def test_resume_reads_the_same_sequences_and_refuses_changed_data(tmp_path, pairs_run):
+    data, run = pairs_run
     out = tmp_path / "run"
-    cli("train", "--data", data, "--effective-batch", 8, *FAST, "--out", out)
-    proc = cli(
-        "train", "--data", data, "--effective-batch", 8, *FAST, "--resume", out, "--steps", 3
-    )
+    shutil.copytree(run, out)  # resumed here, so the module's run stays as it was
+    args = ["train", "--data", data, "--effective-batch", 8, *FAST, "--resume", out]
+    proc = cli(*args, "--steps", 3)
     assert "resuming" in proc.stdout
-    pairs(data, 40, completion="changed")
-    proc = cli(
-        "train",
-        "--data",
-        data,
-        "--effective-batch",
-        8,
-        *FAST,
-        "--resume",
-        out,
-        "--steps",
-        4,
-        check=False,
-    )
+    pairs(data, 40, completion="changed")  # (the module's run only reads its folder after)
+    proc = cli(*args, "--steps", 4, check=False)
     assert proc.returncode == 2
     assert "is not the data this run began with" in proc.stderr
 
@@ -84,12 +79,15 @@ def test_bad_data_is_refused_in_one_line_before_anything_is_written(
         assert proc.returncode == 2 and proc.stderr == err, proc.stderr
 
 
-def test_data_needs_a_language_model_and_seq_len_needs_data(tmp_path):
+def test_data_needs_a_language_model_and_seq_len_needs_data(tmp_path, capsys):
+    from gradaccum.cli import main
+
     data = pairs(tmp_path / "p.jsonl", 40)
-    proc = cli("train", "--recipe", "digits", "--data", data, "--out", tmp_path / "a", check=False)
-    assert proc.returncode == 2 and "--data needs a language model" in proc.stderr
-    proc = cli("train", "--seq-len", 16, "--out", tmp_path / "b", check=False)
-    assert proc.returncode == 2 and "seq_len applies to --data only" in proc.stderr
+    args = ["train", "--recipe", "digits", "--data", str(data), "--out", str(tmp_path / "a")]
+    assert main(args) == 2
+    assert "--data needs a language model" in capsys.readouterr().err
+    assert main(["train", "--seq-len", "16", "--out", str(tmp_path / "b")]) == 2
+    assert "seq_len applies to --data only" in capsys.readouterr().err
 
 
 def test_fine_tuning_options_are_checked_together():

@@ -123,7 +123,7 @@ def test_every_bad_argument_is_reported_at_once():
 def test_checkpointing_cuts_saved_activations_and_auto_uses_it_only_when_needed():
     # Many narrow blocks over long sequences: one sample's activations outweigh the
     # parameters and any one block's backward, which checkpointing cannot remove.
-    model, batch, loss_fn = deep_lm_setup(seq=256, layers=24, d=16)
+    model, batch, loss_fn = deep_lm_setup(seq=128, layers=16, d=16)
 
     def run(**kw):
         # Live tensor bytes: deterministic, so a budget can sit between two needs exactly
