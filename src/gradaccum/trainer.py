@@ -15,6 +15,7 @@ micro-batch, trains window by window through the Accumulator, and writes to ``cf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -747,6 +748,7 @@ def _export(run: _Run, log) -> None:
     log("exported " + ", ".join(str(w) for w in written))
 
 
+@functools.cache  # read once per run, however often it exports
 def _tokenizer(path: str):
     if not (Path(path) / "tokenizer.json").is_file():
         return None

@@ -38,8 +38,7 @@ import lightning
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-from gradaccum.integrations.window import FrameworkWindow
-from gradaccum.loss import check_count, check_loss
+from gradaccum.integrations.window import FrameworkWindow, noise_option
 from gradaccum.noise import NoiseScale
 
 __all__ = ["ExactAccumulation", "exact_output"]
@@ -67,20 +66,13 @@ class ExactAccumulation(lightning.Callback):
     """
 
     def __init__(self, noise: NoiseScale | bool = True) -> None:
-        if noise is True:
-            noise = NoiseScale()
-        if noise is not False and not isinstance(noise, NoiseScale):
-            raise TypeError(
-                f"noise must be a NoiseScale, True or False, got {type(noise).__name__}"
-            )
-        self.noise = noise or None
+        self.noise = noise_option(noise)
         self.window: FrameworkWindow | None = None
         self.last: Any = None  # what the last window did (a WindowEnd)
-        self._micro: tuple[torch.Tensor, Any] | None = None
+        self._micro: tuple[Any, Any] | None = None
 
     def _take(self, loss_sum: Any, count: Any) -> None:
-        index = 0 if self.window is None else self.window.micro_batches
-        self._micro = (check_loss(loss_sum, index), check_count(count, index))
+        self._micro = (loss_sum, count)  # checked when the window takes them, after backward
 
     def on_train_start(self, trainer: lightning.Trainer, pl_module: Any) -> None:
         problems = []
@@ -111,10 +103,12 @@ class ExactAccumulation(lightning.Callback):
     def on_after_backward(self, trainer: lightning.Trainer, pl_module: Any) -> None:
         loss_sum, count = self._micro
         self._micro = None
-        grads = _grads(pl_module) if self.noise is not None else None
+        if self.noise is None:
+            self.window.add(loss_sum, count)
+            return
         # The gradient holds the summed losses / N, times the fp16 loss scale while it lasts.
         multiplier = _loss_scale(trainer) / trainer.accumulate_grad_batches
-        self.window.add(loss_sum, count, grads, multiplier)
+        self.window.add(loss_sum, count, _grads(pl_module), multiplier)
 
     def on_before_optimizer_step(
         self, trainer: lightning.Trainer, pl_module: Any, optimizer: torch.optim.Optimizer

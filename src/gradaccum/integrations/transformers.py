@@ -41,7 +41,7 @@ import torch
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from gradaccum.integrations.window import FrameworkWindow
+from gradaccum.integrations.window import FrameworkWindow, noise_option
 from gradaccum.loss import causal_lm_loss, token_cross_entropy, unpack
 from gradaccum.noise import NoiseScale
 
@@ -71,15 +71,9 @@ class Trainer(transformers.Trainer):
     ) -> None:
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
-        if noise is True:
-            noise = NoiseScale()
-        if noise is not False and not isinstance(noise, NoiseScale):
-            raise TypeError(
-                f"noise must be a NoiseScale, True or False, got {type(noise).__name__}"
-            )
+        self.noise = noise_option(noise)
         super().__init__(*args, **kwargs)
         self.loss_fn = loss_fn
-        self.noise = noise or None
         self._window: FrameworkWindow | None = None
         self._window_size = 0
         self._micro: tuple[torch.Tensor, Any] | None = None  # the micro-batch in training_step
@@ -111,12 +105,13 @@ class Trainer(transformers.Trainer):
         loss_sum, count = self._micro
         self._micro = None
         last = window.micro_batches + 1 >= self._window_size
-        scaler = getattr(self.accelerator, "scaler", None)
-        scale = scaler.get_scale() if scaler is not None else 1.0
-        window.add(loss_sum, count, self._grads() if self.noise is not None else None, scale)
+        if self.noise is None:
+            window.add(loss_sum, count)
+        else:
+            window.add(loss_sum, count, self._grads(), self._loss_scale())
         if not last:
             return torch.zeros_like(loss)
-        end = window.end(self._grads(), scale=scale)
+        end = window.end(self._grads(), scale=self._loss_scale())
         self._last_b_simple = end.b_simple
         return torch.full_like(loss, end.loss if end.loss is not None else 0.0)
 
@@ -167,6 +162,12 @@ class Trainer(transformers.Trainer):
                 "gradaccum's Trainer cannot run exactly here:\n  - " + "\n  - ".join(problems)
             )
         return FrameworkWindow(model, self.noise)
+
+    def _loss_scale(self) -> float:
+        """The fp16 loss scale on the gradient until the Trainer unscales it (reading it
+        waits for the device, so only the noise estimate and the window's end ask)."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        return scaler.get_scale() if scaler is not None else 1.0
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.model.parameters() if p.grad is not None]

@@ -15,12 +15,24 @@ from typing import Any
 
 import torch
 
-from gradaccum.loss import check_count, check_loss, count_value
+from gradaccum.loss import check_count, check_loss, tensor_count_total
 from gradaccum.noise import NoiseScale
 from gradaccum.sync import Sync
 from gradaccum.window import finish, total_norm
 
-__all__ = ["FrameworkWindow", "WindowEnd"]
+__all__ = ["FrameworkWindow", "WindowEnd", "noise_option"]
+
+
+def noise_option(noise: NoiseScale | bool) -> NoiseScale | None:
+    """An integration's ``noise=`` argument: True for ``NoiseScale()``, False for none, or a
+    ``NoiseScale`` of the user's."""
+    if noise is True:
+        return NoiseScale()
+    if noise is False:
+        return None
+    if not isinstance(noise, NoiseScale):
+        raise TypeError(f"noise must be a NoiseScale, True or False, got {type(noise).__name__}")
+    return noise
 
 
 @dataclass(frozen=True)
@@ -48,9 +60,10 @@ class FrameworkWindow:
         self.sync = Sync(model)
         self.noise = noise
         self.micro_batches = 0
-        self._count = 0
-        self._loss = 0.0
-        self._prefix: tuple[torch.Tensor, int] | None = None  # the latest, not yet kept
+        self._count = 0  # counts known on the host
+        self._device_counts: list[tuple[int, torch.Tensor]] = []  # counts left on a GPU
+        self._loss: torch.Tensor | None = None  # summed on the loss's device, float64
+        self._prefix: tuple[torch.Tensor, Any] | None = None  # the latest, not yet kept
 
     def add(
         self,
@@ -61,6 +74,8 @@ class FrameworkWindow:
     ) -> None:
         """One micro-batch whose backward has run. ``grads``: the window's gradient so far,
         carrying ``multiplier`` times the summed losses' gradient, for the noise estimate.
+        As in the engine, nothing here waits for the device: losses and GPU counts are summed
+        where they are and read once, at ``end``.
 
         Its prefix is kept once another micro-batch follows in the window: only then is it
         known to be a local prefix and not the last backward, which under DDP has already
@@ -68,9 +83,12 @@ class FrameworkWindow:
         index = self.micro_batches
         loss_sum, count = check_loss(loss_sum, index), check_count(count, index)
         if isinstance(count, torch.Tensor):
-            count = count_value(count.item(), index)
-        self._count += count
-        self._loss += float(loss_sum.detach())
+            self._device_counts.append((index, count))
+        else:
+            self._count += count
+        if self._loss is None:
+            self._loss = torch.zeros((), dtype=torch.float64, device=loss_sum.device)
+        self._loss.add_(loss_sum.detach())
         if self.noise is not None and grads is not None:
             self._keep_prefix()
             self._prefix = (total_norm(grads).square() / multiplier**2, count)
@@ -88,8 +106,10 @@ class FrameworkWindow:
         backward (Lightning's ``1 / accumulate_grad_batches``), divided out here too;
         ``scale``: an fp16 loss scale still on the gradient, which the framework divides out
         itself later (only the norm reported here is corrected for it)."""
-        total, loss = self.sync.totals(self._count, self._loss)
-        self.micro_batches, self._count, self._loss = 0, 0, 0.0
+        count = self._count + tensor_count_total(self._device_counts)
+        loss_sum = 0.0 if self._loss is None else self._loss.item()
+        total, loss = self.sync.totals(count, loss_sum)
+        self.micro_batches, self._count, self._device_counts, self._loss = 0, 0, [], None
         if self.sync.distributed:
             self._prefix = None  # the last backward reduced: not this rank's prefix
         elif self.noise is not None:

@@ -21,7 +21,7 @@ import torch
 from gradaccum.batching import split
 from gradaccum.loss import causal_lm_loss, sample_mean
 
-__all__ = ["RECIPES", "Recipe", "TaskData", "get_recipe", "hf_recipe"]
+__all__ = ["RECIPES", "Recipe", "TaskData", "get_recipe", "held_out_loss", "hf_recipe"]
 
 
 class TaskData(Protocol):
@@ -100,17 +100,30 @@ class TextData:
     def steps_per_epoch(self, size: int) -> int:
         return max(1, math.ceil(len(self.train) / (size * (self.length - 1))))
 
-    @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, micro_size: int) -> dict[str, float]:
-        was_training = model.training
-        model.eval()
-        total, count = 0.0, 0
-        for ids in split(self.eval_ids, micro_size):
-            loss_sum, n = causal_lm_loss(self.logits(model, ids), ids)
-            total += float(loss_sum)
-            count += int(n)
-        model.train(was_training)
-        return {"loss": total / count}
+        return held_out_loss(model, self.logits, self.eval_ids, self.eval_ids, micro_size)
+
+
+@torch.no_grad()
+def held_out_loss(
+    model: torch.nn.Module,
+    logits: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    micro_size: int,
+) -> dict[str, float]:
+    """``{"loss": next-token loss per counted token}`` over held-out sequences, in eval mode,
+    in micro-batches moved to the model's device; ``{}`` when no token counts."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for x, y in zip(split(ids, micro_size), split(labels, micro_size), strict=True):
+        loss_sum, n = causal_lm_loss(logits(model, x.to(device)), y.to(device))
+        total += float(loss_sum)
+        count += int(n)
+    model.train(was_training)
+    return {"loss": total / count} if count else {}
 
 
 def _byte_encoder(max_len: int):

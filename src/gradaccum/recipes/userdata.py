@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 
-from gradaccum.batching import split
-from gradaccum.loss import causal_lm_loss
+from gradaccum.recipes import held_out_loss
 
 __all__ = [
     "DataError",
@@ -86,8 +85,12 @@ def _files(path: Path) -> list[Path]:
     return [path]
 
 
-def _text(path: Path) -> str:
-    raw = path.read_bytes()
+def _read(path: Path) -> list[tuple[Path, bytes]]:
+    """Each data file with its bytes, read once (the cache key and the records both use them)."""
+    return [(file, file.read_bytes()) for file in _files(path)]
+
+
+def _text(path: Path, raw: bytes) -> str:
     if not raw.strip():
         raise DataError(f"{path}: the file is empty")
     if b"\x00" in raw:
@@ -105,9 +108,13 @@ def _text(path: Path) -> str:
 def read_records(path: str | Path, text_field: str = "text") -> tuple[str, list[Any]]:
     """``("text", [document, ...])`` or ``("pairs", [(prompt, completion), ...])``, read from
     ``path``; a folder's files must agree on the kind."""
+    return _records(_read(Path(path)), text_field)
+
+
+def _records(files: list[tuple[Path, bytes]], text_field: str) -> tuple[str, list[Any]]:
     kinds, records = set(), []
-    for file in _files(Path(path)):
-        text = _text(file)
+    for file, raw in files:
+        text = _text(file, raw)
         if file.suffix == ".txt":
             kinds.add("text")
             records.append(text)
@@ -193,11 +200,11 @@ def _split(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int
     return sorted(order[held:]), sorted(order[:held])
 
 
-def _fingerprint(path: Path, *settings: Any) -> str:
+def _fingerprint(path: Path, files: list[tuple[Path, bytes]], *settings: Any) -> str:
     digest = hashlib.sha256(repr(settings).encode())
-    for file in _files(path):
+    for file, raw in files:
         digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
-        digest.update(file.read_bytes())
+        digest.update(raw)
     return digest.hexdigest()[:16]
 
 
@@ -218,11 +225,12 @@ def load_sequences(
         raise DataError(
             f"--seq-len {seq_len} is longer than the model takes ({encoder.max_len} positions)"
         )
-    key = _fingerprint(path, encoder.name, seq_len, eval_fraction, seed, text_field)
+    files = _read(path)
+    key = _fingerprint(path, files, encoder.name, seq_len, eval_fraction, seed, text_field)
     cached = cache / f"data-{key}.pt" if cache is not None else None
     if cached is not None and cached.is_file():
         return torch.load(cached, weights_only=True)
-    kind, records = read_records(path, text_field)
+    kind, records = _records(files, text_field)
     encode = _with_progress(encoder.encode, sum(map(_size, records)))
     if kind == "text":
         ids, labels = _pack([encode(t) for t in records], seq_len, encoder.eos, encoder.pad)
@@ -297,19 +305,7 @@ class SequenceData:
         order = torch.randperm(len(self.ids), generator=gen)[index * size : (index + 1) * size]
         return {"input_ids": self.ids[order], "labels": self.labels[order]}
 
-    @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, micro_size: int) -> dict[str, float]:
         if len(self.eval_ids) == 0:
             return {}
-        was_training = model.training
-        model.eval()
-        total, count = 0.0, 0
-        device = next(model.parameters()).device
-        for ids, labels in zip(
-            split(self.eval_ids, micro_size), split(self.eval_labels, micro_size), strict=True
-        ):
-            loss_sum, n = causal_lm_loss(self.logits(model, ids.to(device)), labels.to(device))
-            total += float(loss_sum)
-            count += int(n)
-        model.train(was_training)
-        return {"loss": total / count} if count else {}
+        return held_out_loss(model, self.logits, self.eval_ids, self.eval_labels, micro_size)
