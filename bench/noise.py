@@ -41,9 +41,9 @@ def main() -> None:
         runs[on] = {"acc": acc, "times": []}
     for step in range(3):  # warm-up
         for run in runs.values():
-            run["acc"].step(ga.split(data.batch(step, EFFECTIVE), MICRO), recipe.loss_fn)
+            run["acc"].step(ga.split(data.batch(step * EFFECTIVE, EFFECTIVE), MICRO), recipe.loss_fn)
     for step in range(3, 3 + REPEATS):
-        batch = ga.split(data.batch(step, EFFECTIVE), MICRO)
+        batch = ga.split(data.batch(step * EFFECTIVE, EFFECTIVE), MICRO)
         # ABBA order: whichever runs second in a step pays for the first one's memory churn
         for on in (False, True) if step % 2 else (True, False):
             run = runs[on]

@@ -139,13 +139,13 @@ class Regression:
 
         return ga.sample_mean(0.5 * (model(x).squeeze(1) - y) ** 2)
 
-    def accumulator_b_simple(self, ema: float) -> float:
+    def accumulator_b_simple(self) -> float:
         """The Accumulator's B_simple on the same windows, in micro-batches of 16."""
         import gradaccum as ga
 
         model = self.model()
         acc = ga.Accumulator(
-            model, torch.optim.SGD(model.parameters(), lr=0.0), noise=ga.NoiseScale(ema=ema)
+            model, torch.optim.SGD(model.parameters(), lr=0.0), noise=ga.NoiseScale()
         )
         for i in range(len(self.x) // 128):
             window = (self.x[128 * i : 128 * (i + 1)], self.y[128 * i : 128 * (i + 1)])

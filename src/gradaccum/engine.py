@@ -210,7 +210,7 @@ class Accumulator:
             )
         if window.in_micro_batch:
             raise RuntimeError("end_window() called inside a micro_batch() context")
-        grad_norm = skipped = b_simple = None
+        grad_norm = skipped = reading = None
         try:
             self.sync.check_window_end(window.ended_last)
             count = window.count + tensor_count_total(window.device_counts)
@@ -227,7 +227,9 @@ class Accumulator:
                 if not finite:
                     skipped = "fp16 overflow" if self.precision.scaler else "non-finite gradient"
             if self.noise is not None and skipped is None:
-                b_simple = self.noise.end_window(grad_norm**2, total, self.sync.distributed)
+                reading = self.noise.end_window(grad_norm**2, total, self.sync.distributed)
+            elif self.noise is not None:  # a skipped window's prefixes are not the next one's
+                self.noise.drop_window()
             scale = self.precision.scale()
             self.precision.apply(self.optimizer, self._step_params, step=skipped is None)
             if skipped is None and self.scheduler is not None:
@@ -247,7 +249,8 @@ class Accumulator:
             skipped=skipped,
             micro_batches=window.micro_batches,
             step=self.state.optimizer_steps,
-            noise_scale=b_simple,
+            noise_scale=None if reading is None else reading.value,
+            noise_interval=None if reading is None else reading.interval,
         )
 
     def abort_window(self) -> None:

@@ -16,9 +16,18 @@ The small batches are the window's prefixes: after micro-batch i, the gradient s
 far is the sum over the first B_i items, a mean gradient at batch size B_i. Its squared
 norm is one fused reduction over ``.grad`` (or the fp32 buffers): no extra backward, no
 copy, no hook. A least-squares line through (1/B_i, |G_{B_i}|^2) over the window's prefixes
-gives both estimates (intercept |G|^2, slope tr(Sigma)); they are smoothed separately with a
-bias-corrected EMA, and B_simple = tr(Sigma) / |G|^2 is the batch size above which larger
-batches give diminishing returns.
+gives both estimates for that window (intercept |G|^2, slope tr(Sigma)).
+
+One window's pair is very noisy (its spread is larger than its value), so the reading is
+the ratio of their means over many windows: the windows of the last ``horizon`` share of
+the items seen (half, by default: a stationary problem averages ever more windows, a
+training run forgets its early gradients at the pace it trains, and a change of the
+effective batch changes neither). Its uncertainty comes from batch means: the horizon's
+windows fall into ``groups`` consecutive groups, whose means vary as much as the whole
+mean's error times sqrt(groups) (consecutive windows are correlated through training;
+groups of them much less). Fieller's interval for the ratio of two means turns that into a
+``confidence`` interval for B_simple; it is bounded exactly when the mean |G|^2 is clearly
+positive, and no reading is given before that.
 
 Under DDP or FSDP2 (``sync="window"``) the prefixes are this rank's micro-batches before
 the reduction, and the window's reduced gradient adds one point at the global batch size:
@@ -37,30 +46,65 @@ from typing import Any
 
 import torch
 
-from gradaccum.stats import fit_line
+from gradaccum.stats import fieller, fit_line, t_quantile
 from gradaccum.window import total_norm
 
-__all__ = ["NoiseScale", "advice"]
+__all__ = ["NoiseReading", "NoiseScale", "advice"]
+
+_MERGE_ABOVE = 2048  # stored entries; beyond it, neighbours merge pairwise
+
+
+@dataclass(frozen=True)
+class NoiseReading:
+    """B_simple with its interval, or why there is none yet.
+
+    ``value``: tr(Sigma) / |G|^2 over the horizon's windows, in items (None while undefined);
+    ``low``, ``high``: its ``confidence`` interval (``low`` >= 0); ``windows``: how many
+    windows it rests on; ``why``: the reason for no value, in words."""
+
+    value: float | None
+    low: float | None
+    high: float | None
+    windows: int
+    confidence: float
+    why: str | None = None
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        return None if self.value is None else (self.low, self.high)
 
 
 @dataclass
 class NoiseScale:
-    """The estimator and its state: ``Accumulator(..., noise=NoiseScale(ema=0.95))``.
+    """The estimator and its state: ``Accumulator(..., noise=NoiseScale())``.
 
-    ``ema``: smoothing of the estimates, per window. One instance per Accumulator; its state
+    ``horizon``: the reading averages the windows of this last share of the items seen.
+    ``confidence``: of the interval. ``groups``: consecutive groups of the horizon's windows
+    whose means give the interval (batch means). One instance per Accumulator; its state
     travels with the Accumulator's checkpoints."""
 
-    ema: float = 0.95
-    g2: float = 0.0  # EMA of |G|^2 (uncorrected)
-    trace: float = 0.0  # EMA of tr(Sigma) (uncorrected)
-    updates: int = 0
+    horizon: float = 0.5
+    confidence: float = 0.9
+    groups: int = 20
+    items: int = 0  # items of every window folded in
+    updates: int = 0  # windows folded in
+    # [windows, items, sum of |G|^2 estimates, sum of tr(Sigma) estimates], oldest first
+    _entries: list[list[float]] = field(default_factory=list, repr=False)
     _prefixes: list[tuple[torch.Tensor, Any]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        ok = isinstance(self.ema, (int, float)) and not isinstance(self.ema, bool)
-        if not ok or not 0 <= self.ema < 1:
-            raise ValueError(f"ema must be a number in [0, 1), got {self.ema!r}")
-        self.ema = float(self.ema)
+        def number(value: Any) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        if not number(self.horizon) or not 0 < self.horizon <= 1:
+            raise ValueError(
+                f"horizon must be a share of the items in (0, 1], got {self.horizon!r}"
+            )
+        if not number(self.confidence) or not 0.5 < self.confidence < 1:
+            raise ValueError(f"confidence must be a number in (0.5, 1), got {self.confidence!r}")
+        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 3:
+            raise ValueError(f"groups must be an integer >= 3, got {self.groups!r}")
+        self.horizon, self.confidence = float(self.horizon), float(self.confidence)
 
     def record(self, sums: list[torch.Tensor], count: Any, multiplier: float = 1.0) -> None:
         """After a micro-batch: the window's gradient summed so far (``sums``, carrying the
@@ -78,8 +122,8 @@ class NoiseScale:
 
     def end_window(
         self, window_sq_norm: float | None, total: int, window_point: bool = False
-    ) -> float | None:
-        """Fold one window into the estimates; returns B_simple or None while undefined.
+    ) -> NoiseReading:
+        """Fold one window into the estimates; returns the reading after it.
 
         ``window_point``: add the window's mean gradient (squared norm ``window_sq_norm`` over
         ``total`` items) as a point of its own. Data-parallel training does: its prefixes are
@@ -88,7 +132,7 @@ class NoiseScale:
         """
         prefixes, self._prefixes = self._prefixes, []
         if window_sq_norm is None or total <= 0:
-            return self.value()
+            return self.reading()
         points = []
         if prefixes:
             device = prefixes[0][0].device
@@ -108,62 +152,144 @@ class NoiseScale:
         if window_point:
             points.append((1 / total, window_sq_norm))
         if len({x for x, _ in points}) < 2:
-            return self.value()
+            return self.reading()
         g2, trace = fit_line([x for x, _ in points], [y for _, y in points])
         self.updates += 1
-        self.g2 = self.ema * self.g2 + (1 - self.ema) * g2
-        self.trace = self.ema * self.trace + (1 - self.ema) * trace
-        return self.value()
+        self.items += int(total)
+        self._entries.append([1, int(total), g2, trace])
+        self._forget()
+        return self.reading()
+
+    def _forget(self) -> None:
+        """Keep the entries the horizon reaches (the newest, back to the one that crosses
+        it); merge neighbours pairwise when there are too many, so a long run's state stays
+        small. The horizon's start only moves forward, so what is dropped never returns."""
+        wanted, kept, covered = self.horizon * self.items, 0, 0
+        for entry in reversed(self._entries):
+            kept += 1
+            covered += entry[1]
+            if covered >= wanted:
+                break
+        del self._entries[: len(self._entries) - kept]
+        if len(self._entries) > _MERGE_ABOVE:
+            merged = [
+                [a + b for a, b in zip(*self._entries[i : i + 2], strict=True)]
+                if i + 1 < len(self._entries)
+                else self._entries[i]
+                for i in range(0, len(self._entries), 2)
+            ]
+            self._entries = merged
 
     def drop_window(self) -> None:
         self._prefixes = []
 
     def estimates(self) -> tuple[float, float] | None:
-        """Bias-corrected (|G|^2, tr(Sigma)), or None before the first update."""
-        if self.updates == 0:
+        """The mean (|G|^2, tr(Sigma)) per window over the horizon, or None before the first
+        window."""
+        windows = sum(e[0] for e in self._entries)
+        if windows == 0:
             return None
-        correction = 1 - self.ema**self.updates
-        return self.g2 / correction, self.trace / correction
+        return (
+            sum(e[2] for e in self._entries) / windows,
+            sum(e[3] for e in self._entries) / windows,
+        )
+
+    def reading(self) -> NoiseReading:
+        """B_simple over the horizon with its ``confidence`` interval, or why there is none."""
+        entries, conf = self._entries, self.confidence
+        windows = int(sum(e[0] for e in entries))
+        if len(entries) < 3:
+            why = (
+                "no window of 2+ micro-batches yet"
+                if windows == 0
+                else f"only {windows} window{'s' if windows > 1 else ''} in its horizon so far"
+            )
+            return NoiseReading(None, None, None, windows, conf, why)
+        k = min(self.groups, len(entries))
+        # Consecutive groups of about windows / k windows each (an entry is never split).
+        sums = [[0.0, 0.0, 0.0] for _ in range(k)]
+        seen = 0.0
+        for n, _, g2, trace in entries:
+            group = sums[min(int(seen * k / windows), k - 1)]
+            group[0] += n
+            group[1] += g2
+            group[2] += trace
+            seen += n
+        sums = [s for s in sums if s[0] > 0]
+        k = len(sums)
+        g_mean = sum(s[1] for s in sums) / windows
+        t_mean = sum(s[2] for s in sums) / windows
+        # Batch means: the whole mean's (co)variance from the spread of the group means.
+        dev = [(s[0] / windows, s[1] / s[0] - g_mean, s[2] / s[0] - t_mean) for s in sums]
+        scale = k / (k - 1)
+        v_g = scale * sum((w * g) ** 2 for w, g, _ in dev)
+        v_t = scale * sum((w * t) ** 2 for w, _, t in dev)
+        cov = scale * sum(w * w * g * t for w, g, t in dev)
+        q = t_quantile((1 + conf) / 2, k - 1)
+        interval = fieller(t_mean, g_mean, v_t, v_g, cov, q)
+        if interval is None:
+            why = (
+                f"the mean |G|^2 over the last {windows} windows is not clearly positive: the "
+                "true gradient is small against its noise (near convergence, or a batch far "
+                "below the critical one)"
+            )
+            return NoiseReading(None, None, None, windows, conf, why)
+        if t_mean <= 0:
+            why = f"the mean tr(Sigma) over the last {windows} windows is not positive"
+            return NoiseReading(None, None, None, windows, conf, why)
+        low, high = interval
+        return NoiseReading(t_mean / g_mean, max(low, 0.0), high, windows, conf)
 
     def value(self) -> float | None:
-        est = self.estimates()
-        if est is None or est[0] <= 0:
-            return None
-        return est[1] / est[0]
+        return self.reading().value
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ema": self.ema, "g2": self.g2, "trace": self.trace, "updates": self.updates}
+        return {
+            "horizon": self.horizon,
+            "confidence": self.confidence,
+            "groups": self.groups,
+            "items": self.items,
+            "updates": self.updates,
+            "entries": [list(e) for e in self._entries],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ema, self.g2 = float(state["ema"]), float(state["g2"])
-        self.trace, self.updates = float(state["trace"]), int(state["updates"])
+        if "entries" not in state:  # a checkpoint of the per-window EMA (gradaccum < 0.3)
+            self.items = self.updates = 0
+            self._entries = []
+            return
+        self.horizon, self.confidence = float(state["horizon"]), float(state["confidence"])
+        self.groups, self.items = int(state["groups"]), int(state["items"])
+        self.updates = int(state["updates"])
+        self._entries = [[float(x) for x in e] for e in state["entries"]]
 
 
-def advice(effective_batch: int, b_simple: float | None, estimated: bool = False) -> str:
-    """Plain words on the effective batch against the estimated critical batch.
-
-    ``estimated``: windows were folded in (``NoiseScale.updates > 0``), so a missing
-    ``b_simple`` means the |G|^2 estimate is not positive rather than no data yet."""
-    if b_simple is None and estimated:
+def advice(effective_batch: int, reading: NoiseReading | None) -> str:
+    """Plain words on the effective batch (in items) against the estimated critical batch: a
+    direction only when the whole interval lies on one side of it; otherwise that it cannot
+    tell yet, and why."""
+    head = "gradient noise scale"
+    if reading is None or (reading.value is None and reading.windows == 0):
+        return f"{head}: not estimated yet (needs windows of 2+ micro-batches)"
+    if reading.value is None:
+        return f"{head}: cannot tell yet: {reading.why}"
+    found = (
+        f"{head} B_simple ~ {reading.value:,.0f} items per step "
+        f"({reading.confidence:.0%} interval {reading.low:,.0f} to {reading.high:,.0f}, "
+        f"last {reading.windows} windows)"
+    )
+    batch = f"your effective batch ({effective_batch:,} items)"
+    if reading.low > effective_batch:
         return (
-            "gradient noise scale: undefined so far: the estimated |G|^2 is not positive, "
-            "i.e. the true gradient is small against its noise (near convergence, or a "
-            "batch far below the critical one)"
+            f"{found}; {batch} is below the whole interval: larger batches would make nearly "
+            "linear progress per step (fewer, better-parallelized steps)"
         )
-    if b_simple is None:
-        return "gradient noise scale: not estimated yet (needs windows of 2+ micro-batches)"
-    ratio = effective_batch / b_simple
-    head = f"gradient noise scale B_simple ~ {b_simple:,.0f} items per step"
-    if ratio > 2:
+    if reading.high < effective_batch:
         return (
-            f"{head}; your effective batch ({effective_batch:,}) is {ratio:.0f}x the "
-            "estimated critical batch: smaller batches would need fewer samples per unit "
-            "of progress"
+            f"{found}; {batch} is above the whole interval: smaller batches would need fewer "
+            "samples per unit of progress"
         )
-    if ratio < 0.5:
-        return (
-            f"{head}; your effective batch ({effective_batch:,}) is {1 / ratio:.0f}x below "
-            "it: larger batches would make nearly linear progress per step (fewer, "
-            "better-parallelized steps)"
-        )
-    return f"{head}; your effective batch ({effective_batch:,}) is near it: a good trade"
+    return (
+        f"{found}; {batch} lies inside the interval: cannot tell yet whether larger or "
+        "smaller batches would do better"
+    )

@@ -9,7 +9,8 @@ micro-batch, trains window by window through the Accumulator, and writes to ``cf
     metrics.jsonl    one line per optimizer step
     checkpoint.pt    at window boundaries every checkpoint_every steps, on SIGINT/SIGTERM
                      and at the end (torch.load(..., weights_only=True))
-    summary.json     the final numbers; loss.png and memory.png
+    summary.json     the final numbers; loss.png, memory.png and batch.png (the effective
+                     batch against the critical batch B_simple)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from gradaccum import launch
-from gradaccum.batching import shard, split, to_device
+from gradaccum.batching import batch_size, shard, split, to_device
 from gradaccum.engine import Accumulator
 from gradaccum.measure import fresh_process_verifier
 from gradaccum.memory import TrainingMemory, format_bytes, parse_bytes
@@ -42,6 +43,7 @@ from gradaccum.recipes import RECIPES, Recipe, get_recipe, hf_recipe
 from gradaccum.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
 from gradaccum.recompute import enable_checkpointing
 from gradaccum.runfolder import CHECKPOINT, CONFIG, METRICS, PLAN, RESUMES, RunFolder
+from gradaccum.schedule import LR_RULES, BatchSchedule, lr_factor, schedule_problems
 from gradaccum.validate import int_problem, invalid_configuration
 
 __all__ = ["Interrupted", "TrainConfig", "train"]
@@ -123,6 +125,29 @@ class TrainConfig:
         default=64,
         metadata={"help": "samples per optimizer step (sequences for the LMs, images for digits)"},
     )
+    batch_schedule: str = field(
+        default="constant",
+        metadata={
+            "help": "how the effective batch changes, in whole micro-batches: constant; "
+            "steps:S=B,... (B samples from step S on); samples:N=B,... (from N samples seen "
+            "on); linear:N=B (a ramp from --effective-batch to B over N samples); auto "
+            "(raised toward the measured critical batch, within --max-effective-batch)",
+            "metavar": "SCHEDULE",
+        },
+    )
+    max_effective_batch: int | None = field(
+        default=None,
+        metadata={"help": "auto's ceiling (default: 8 x --effective-batch)"},
+    )
+    lr_scaling: str = field(
+        default="sqrt",
+        metadata={
+            "help": "how --lr follows a scheduled batch: sqrt (x sqrt(B / B0), the rule for "
+            "Adam), linear (x B / B0, the rule for SGD) or none; --lr is the rate at "
+            "--effective-batch",
+            "choices": list(LR_RULES),
+        },
+    )
     micro_batch: int | None = field(
         default=None,
         metadata={"help": "samples per micro-batch; planned from --budget when not given"},
@@ -147,6 +172,10 @@ class TrainConfig:
     steps: int | None = field(default=150, metadata={"help": "optimizer steps to train"})
     epochs: float | None = field(
         default=None, metadata={"help": "train this many passes over the data instead of --steps"}
+    )
+    samples: int | None = field(
+        default=None,
+        metadata={"help": "train on this many samples instead of --steps (e.g. with a schedule)"},
     )
     precision: str = field(
         default="fp32",
@@ -217,6 +246,23 @@ class TrainConfig:
             out.append("seq_len applies to --data only; give --data PATH too")
         positive_int("micro_batch", optional=True)
         positive_int("steps", optional=True)
+        positive_int("samples", optional=True)
+        if self.samples is not None and self.epochs is not None:
+            out.append("give --samples or --epochs, not both")
+        out.extend(
+            schedule_problems(
+                self.batch_schedule,
+                self.effective_batch if int_problem(self.effective_batch, "") is None else 1,
+                1,
+                self.max_effective_batch,
+            )
+        )
+        if self.batch_schedule == "auto" and not self.noise_scale:
+            out.append("batch_schedule auto needs the noise scale: drop --no-noise-scale")
+        if self.max_effective_batch is not None and self.batch_schedule != "auto":
+            out.append("max_effective_batch applies to --batch-schedule auto only")
+        if self.lr_scaling not in LR_RULES:
+            out.append(f"lr_scaling must be one of {', '.join(LR_RULES)}, got {self.lr_scaling!r}")
         positive_int("eval_every")
         positive_int("checkpoint_every")
         positive_int("warmup_steps", minimum=0)
@@ -289,6 +335,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 RESUMABLE = (
     "steps",
     "epochs",
+    "samples",
     "eval_every",
     "checkpoint_every",
     "noise_scale",
@@ -318,16 +365,6 @@ class _Output:
             self.stop.append(signal.SIGPIPE)
 
 
-def _schedule(total: int, warmup: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
 def _signature(recipe: Recipe, model: torch.nn.Module) -> dict[str, Any]:
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
     return {
@@ -355,19 +392,25 @@ def _check_signature(saved: dict[str, Any], mine: dict[str, Any], path: Path) ->
         )
 
 
-def _progress(total: int, initial: int):
+def _progress(run: _Run):
     from tqdm import tqdm  # imported here: only a terminal needs it
 
     if not sys.stderr.isatty():
         return None
     # A terminal that reports no size (some ptys) would get an empty bar: fall back to 100.
     columns = shutil.get_terminal_size((100, 20)).columns or 100
-    return tqdm(total=total, initial=initial, unit="step", ncols=columns)
+    if run.total_samples is not None:
+        total, done, unit = run.total_samples, run.schedule.samples, "sample"
+    else:
+        total, done, unit = run.total_steps, run.schedule.step, "step"
+    return tqdm(total=total, initial=done, unit=unit, ncols=columns)
 
 
 @dataclass
 class _Run:
-    """Everything built for a run, for the loop and the report."""
+    """Everything built for a run, for the loop and the report. Its length is in steps
+    (``total_steps``, from --steps) or in samples (``total_samples``, from --samples or
+    --epochs); the schedule holds the position in both."""
 
     cfg: TrainConfig
     folder: RunFolder
@@ -382,13 +425,52 @@ class _Run:
     micro: int
     checkpointing: bool
     signature: dict[str, Any]
-    start: int
-    total: int
-    per_epoch: int
+    schedule: BatchSchedule
+    start: int  # the step this session began at
+    total_steps: int | None
+    total_samples: int | None
 
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+    def progress(self) -> float:
+        """The share of the run done, in its own unit."""
+        if self.total_samples is not None:
+            return self.schedule.samples / self.total_samples
+        return self.schedule.step / self.total_steps
+
+    def done(self) -> bool:
+        return self.progress() >= 1
+
+    def next_size(self) -> int:
+        """The next window's samples: the schedule's, cut to what the run has left."""
+        size = self.schedule.size()
+        if self.total_samples is not None:
+            size = min(size, self.total_samples - self.schedule.samples)
+        return size
+
+    def lr(self, size: int) -> float:
+        """The learning rate of the next window, a pure function of the position and the
+        window's batch: linear warm-up over --warmup-steps windows, then cosine decay to 10%
+        of --lr over the rest of the run, times the batch rule (--lr-scaling)."""
+        cfg, step = self.cfg, self.schedule.step
+        if step < cfg.warmup_steps:
+            shape = (step + 1) / (cfg.warmup_steps + 1)
+        else:
+            if self.total_samples is not None:
+                done, warm = self.schedule.samples, cfg.warmup_steps * cfg.effective_batch
+                total = self.total_samples
+            else:
+                done, warm, total = step, cfg.warmup_steps, self.total_steps
+            progress = (done - warm) / max(1, total - warm)
+            shape = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
+        return cfg.lr * shape * lr_factor(cfg.lr_scaling, size, cfg.effective_batch)
+
+    def length(self) -> str:
+        if self.total_samples is not None:
+            return f"{self.total_samples:,} samples"
+        return f"{self.total_steps} steps"
 
 
 def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
@@ -465,21 +547,27 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         data = recipe.make_data(cfg.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    per_epoch = data.steps_per_epoch(cfg.effective_batch)
-    total = cfg.steps if cfg.epochs is None else math.ceil(cfg.epochs * per_epoch)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(total, cfg.warmup_steps))
+    total_steps = total_samples = None
+    if cfg.samples is not None or cfg.epochs is not None:
+        total_samples = cfg.samples or max(1, round(cfg.epochs * data.epoch_samples()))
+    else:
+        total_steps = cfg.steps
     signature = _signature(recipe, model)
     saved = folder.load_checkpoint(device) if resuming else None
-    start = 0 if saved is None else saved["step"]
     if saved is not None:
         _check_signature(saved["signature"], signature, folder.path / CHECKPOINT)
-    if start > total:
-        raise ValueError(
-            f"--resume {folder.path}: the run has already trained {start} steps; give --steps "
-            f"(or --epochs) of at least {start}"
-        )
+        saved.setdefault("schedule", _constant_schedule_state(saved, cfg))
+        # Before 0.3 a LambdaLR held the learning rate; it is now a function of the position.
+        saved["accumulator"]["scheduler"] = None
+        done = saved["schedule"]["samples"] if total_samples else saved["step"]
+        if done > (total_samples or total_steps):
+            unit = "samples" if total_samples else "steps"
+            raise ValueError(
+                f"--resume {folder.path}: the run has already trained {done} {unit}; give "
+                f"--steps, --samples or --epochs of at least that"
+            )
     if main and resuming:
-        _record_resume(folder, saved_cfg, cfg, start)
+        _record_resume(folder, saved_cfg, cfg, saved["step"] if saved else 0)
     elif main:
         folder.write_json(CONFIG, dataclasses.asdict(cfg))  # first: a crash is resumable
     if main and loaded is not None:
@@ -487,8 +575,25 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     micro, checkpointing = _micro_batch(
         cfg, folder, saved, model, optimizer, recipe, device, main, world, log
     )
+    if cfg.batch_schedule == "auto" and micro * world >= cfg.effective_batch and saved is None:
+        micro = max(1, math.ceil(cfg.effective_batch / world / 2))
+        log(
+            f"--batch-schedule auto measures the noise scale, which needs 2+ micro-batches "
+            f"per window: micro-batch {micro}"
+        )
+    schedule = BatchSchedule(
+        cfg.batch_schedule,
+        start=cfg.effective_batch,
+        unit=micro * world,
+        maximum=cfg.max_effective_batch,
+    )
+    if saved is not None:
+        schedule.load_state_dict(saved["schedule"])
     if resuming:
-        log(f"resuming {folder.path} at step {start} of {total} (micro-batch {micro})")
+        where = f"step {schedule.step} of {total_steps}"
+        if total_samples is not None:
+            where = f"step {schedule.step}, sample {schedule.samples:,} of {total_samples:,}"
+        log(f"resuming {folder.path} at {where} (micro-batch {micro})")
 
     train_model = model
     if world > 1:
@@ -500,7 +605,6 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     acc = Accumulator(
         train_model,
         optimizer,
-        scheduler=scheduler,
         max_grad_norm=cfg.max_grad_norm or None,
         precision=cfg.precision,
         oom=OOMReplay() if world == 1 else None,
@@ -522,10 +626,27 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         micro,
         checkpointing,
         signature,
-        start,
-        total,
-        per_epoch,
+        schedule,
+        schedule.step,
+        total_steps,
+        total_samples,
     )
+
+
+def _constant_schedule_state(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, Any]:
+    """The schedule's state for a checkpoint written before schedules (gradaccum < 0.3): a
+    constant batch, so the position follows from the step."""
+    if cfg.batch_schedule != "constant":
+        raise ValueError("a checkpoint from before batch schedules resumes with a constant batch")
+    step = saved["step"]
+    return {
+        "spec": "constant",
+        "step": step,
+        "samples": step * cfg.effective_batch,
+        "items": saved["accumulator"]["accumulator"]["items"],
+        "current": cfg.effective_batch,
+        "changes": [],
+    }
 
 
 def _user_data(cfg: TrainConfig, recipe: Recipe) -> dict[str, Any]:
@@ -642,35 +763,46 @@ def _plan_info(cfg, model, optimizer, recipe, device, main, world, log) -> dict[
 
 
 def _loop(run: _Run, log, stop: list[int]) -> None:
-    """Window by window from the run's start: a metrics line per step, a checkpoint every
+    """Window by window from the run's position: a metrics line per step, a checkpoint every
     checkpoint_every steps, at the end, and at the boundary after a stop was asked for."""
-    cfg, folder = run.cfg, run.folder
+    cfg, folder, schedule = run.cfg, run.folder, run.schedule
     windows = math.ceil(math.ceil(cfg.effective_batch / run.world) / run.micro)
     across = f" on each of {run.world} processes" if run.world > 1 else ""
     log(
-        f"training {run.total} steps: effective batch {cfg.effective_batch} = {windows} "
-        f"micro-batches of up to {run.micro}{across}, {run.per_epoch} steps per epoch, "
-        f"run folder {folder.path}"
+        f"training {run.length()}: effective batch {cfg.effective_batch} = {windows} "
+        f"micro-batches of up to {run.micro}{across}"
+        + ("" if schedule.kind == "constant" else f"; schedule: {schedule.describe()}")
+        + f"; {run.data.epoch_samples():,} samples per epoch; run folder {folder.path}"
     )
     previous = {s: signal.signal(s, lambda signum, _: stop.append(signum)) for s in STOP_SIGNALS}
     memory = TrainingMemory(run.model, run.device)
-    bar = _progress(run.total, run.start) if run.main else None
+    bar = _progress(run) if run.main else None
     metrics = folder.open_metrics(run.start) if run.main else open(os.devnull, "w")
     began, items, last = time.perf_counter(), 0, run.start
     try:
-        for step in range(run.start, run.total):
+        while not run.done():
             t0 = time.perf_counter()
-            batch = run.data.batch(step, cfg.effective_batch)
+            size, progress = run.next_size(), run.progress()
+            lr = run.lr(size)
+            for group in run.optimizer.param_groups:
+                group["lr"] = lr
+            batch = run.data.batch(schedule.samples, size)
+            samples = batch_size(batch)  # fewer than size at the end of an epoch
             if run.world > 1:
                 batch = shard(batch, run.rank, run.world)
             if run.device.type == "cuda":
                 batch = to_device(batch, run.device)
             result = run.acc.step(split(batch, run.micro), run.recipe.loss_fn)
+            schedule.update(result, samples)
+            step = schedule.step
             items += result.count
+            interval = result.noise_interval or (None, None)
             line = {
-                "step": step + 1,
+                "step": step,
+                "samples": schedule.samples,
+                "effective_batch": samples,
                 "loss": result.loss,
-                "lr": run.optimizer.param_groups[0]["lr"],
+                "lr": lr,
                 "grad_norm": result.grad_norm,
                 "count": result.count,
                 "seconds": time.perf_counter() - t0,
@@ -678,22 +810,25 @@ def _loop(run: _Run, log, stop: list[int]) -> None:
                 "skipped": result.skipped,
                 "oom_replays": result.oom_replays,
                 "noise_scale": result.noise_scale,
+                "noise_low": interval[0],
+                "noise_high": interval[1],
             }
-            if run.main and ((step + 1) % cfg.eval_every == 0 or step + 1 == run.total):
+            end = run.done()
+            if run.main and (step % cfg.eval_every == 0 or end):
                 evaluated = run.data.evaluate(run.model, run.micro)
                 line.update({f"eval_{k}": v for k, v in evaluated.items()})
             _write_line(metrics, line, folder, last)
             rate = items / max(time.perf_counter() - began, 1e-9)
-            _report_step(bar, log, line, rate, run.total)
+            _report_step(bar, log, line, rate, run, progress)
             if run.world > 1 and launch.any_rank(bool(stop)) and not stop:
                 stop.append(signal.SIGTERM)  # another rank was signalled: stop together
-            if stop or (step + 1) % cfg.checkpoint_every == 0 or step + 1 == run.total:
-                _checkpoint(run, step + 1, last)
-                last = step + 1
-            if cfg.export_every and (step + 1) % cfg.export_every == 0 or step + 1 == run.total:
+            if stop or step % cfg.checkpoint_every == 0 or end:
+                _checkpoint(run, step, last)
+                last = step
+            if cfg.export_every and step % cfg.export_every == 0 or end:
                 _export(run, log)
             if stop:
-                raise Interrupted(step + 1, folder.path, stop[0])
+                raise Interrupted(step, folder.path, stop[0])
     finally:
         metrics.close()
         if bar is not None:
@@ -719,6 +854,7 @@ def _checkpoint(run: _Run, step: int, last: int) -> None:
         "micro_batch": run.micro,
         "checkpointing": run.checkpointing,
         "signature": run.signature,
+        "schedule": run.schedule.state_dict(),
         "accumulator": run.acc.state_dict(),
     }
     try:
@@ -772,18 +908,24 @@ def _report(run: _Run, log, seconds: float) -> dict[str, Any]:
     last_eval = {}
     if lines:
         last_eval = {k[5:]: v for k, v in lines[-1].items() if k.startswith("eval_")}
-    if run.start >= run.total:
-        log(f"{out} already trained {run.start} steps of {run.total}; nothing to do")
+    if run.schedule.step == run.start:
+        log(f"{out} already trained {run.length()}; nothing to do")
         if not last_eval:
             last_eval = run.data.evaluate(run.model, run.micro)
     summary = _summarize(lines, acc, last_eval, seconds, run.device)
-    b_simple = None if acc.noise is None else acc.noise.value()
-    items_per_sample = acc.state.items / max(acc.state.windows, 1) / cfg.effective_batch
-    summary["noise_scale"] = b_simple
-    summary["noise_advice"] = advice(
-        round(cfg.effective_batch * items_per_sample),
-        b_simple,
-        estimated=acc.noise is not None and acc.noise.updates > 0,
+    schedule = run.schedule
+    reading = None if acc.noise is None else acc.noise.reading()
+    # B_simple is in items (tokens for the language models); the batch is in samples.
+    batch_items = round(schedule.size() * acc.state.items / max(schedule.samples, 1))
+    summary.update(
+        {
+            "samples": schedule.samples,
+            "effective_batch_final": schedule.size(),
+            "batch_changes": [list(c) for c in schedule.changes],
+            "noise_scale": None if reading is None else reading.value,
+            "noise_interval": None if reading is None else reading.interval,
+            "noise_advice": advice(batch_items, reading),
+        }
     )
     run.folder.write_json("summary.json", summary)
     _plots(out, lines)
@@ -797,16 +939,25 @@ def _quiet(*args: Any, **kwargs: Any) -> None:
     """The log of ranks other than 0: rank 0 speaks for the job."""
 
 
-def _report_step(bar, log, line: dict[str, Any], rate: float, total: int) -> None:
+def _report_step(bar, log, line: dict[str, Any], rate: float, run: _Run, before: float) -> None:
+    """The bar's postfix on a terminal; else a log line at each tenth of the run, at its end
+    and at each evaluation (``before``: the share of the run done before this step)."""
     loss = "skipped" if line["loss"] is None else f"{line['loss']:.3f}"
     text = f"loss {loss}  {rate:,.0f} items/s  mem {format_bytes(line['peak_memory'])}" + (
         f"  held-out {line['eval_loss']:.3f}" if "eval_loss" in line else ""
     )
     if bar is not None:
         bar.set_postfix_str(text)
-        bar.update(1)
-    elif line["step"] % max(1, total // 10) == 0 or line["step"] == total or "eval_loss" in line:
-        log(f"step {line['step']:>5}/{total}  {text}")
+        bar.update(line["effective_batch"] if run.total_samples is not None else 1)
+        return
+    now = run.progress()
+    if int(now * 10) > int(before * 10) or now >= 1 or "eval_loss" in line:
+        where = (
+            f"{line['samples']:>7,}/{run.total_samples:,} samples"
+            if run.total_samples is not None
+            else f"{line['step']:>5}/{run.total_steps}"
+        )
+        log(f"step {where}  {text}")
 
 
 def _summarize(
@@ -888,4 +1039,33 @@ def _plots(out: Path, lines: list[dict[str, Any]]) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "memory.png", dpi=110)
+    plt.close(fig)
+    _batch_plot(plt, out, lines)
+
+
+def _batch_plot(plt, out: Path, lines: list[dict[str, Any]]) -> None:
+    """batch.png: the effective batch of each window against B_simple and its interval, both
+    in items, over the samples seen."""
+    seen = [x.get("samples", x["step"]) for x in lines]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.step(seen, [x["count"] for x in lines], where="pre", label="effective batch (items)")
+    noise = [(n, x) for n, x in zip(seen, lines, strict=True) if x.get("noise_scale")]
+    if noise:
+        at = [n for n, _ in noise]
+        ax.plot(at, [x["noise_scale"] for _, x in noise], label="B_simple")
+        ax.fill_between(
+            at,
+            [max(x["noise_low"], 1e-9) for _, x in noise],
+            [x["noise_high"] for _, x in noise],
+            alpha=0.25,
+            label="its interval",
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("samples seen")
+    ax.set_ylabel("items per step")
+    ax.set_title(f"{out.name}: effective batch and critical batch")
+    ax.legend()
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(out / "batch.png", dpi=110)
     plt.close(fig)

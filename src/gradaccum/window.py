@@ -44,6 +44,7 @@ class StepResult:
     step: int  # optimizer steps taken so far, this window included
     oom_replays: int = 0  # times this window was replayed at a smaller micro-batch size
     noise_scale: float | None = None  # B_simple so far (with a NoiseScale), else None
+    noise_interval: tuple[float, float] | None = None  # its interval (NoiseScale.confidence)
 
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The gradient noise scale against its closed form, and that it changes nothing else."""
+"""The gradient noise scale against its closed form, its interval's coverage, and that it
+changes nothing else."""
 
 import math
 
@@ -8,24 +9,30 @@ from helpers import make_model, params
 from torch import nn
 
 import gradaccum as ga
+from gradaccum.noise import NoiseReading, advice
+from gradaccum.stats import fieller, t_quantile
+
+
+def regression(d: float, s: float, delta_norm: float, seed: int):
+    """y = x.w* + eps, x ~ N(0, I_d), eps ~ N(0, s^2), per-sample loss (x.w - y)^2 / 2 at
+    w = w* + delta. Per-sample gradient g = x x^T delta - x eps: G = delta and, by Isserlis'
+    theorem, tr(Sigma) = (d + 1)|delta|^2 + d s^2, so B_simple = d + 1 + d s^2 / |delta|^2.
+    Returns (B_simple, |G|^2, w*, delta)."""
+    g = torch.Generator().manual_seed(seed)
+    w_star = torch.randn(d, generator=g)
+    delta = torch.randn(d, generator=g)
+    delta = delta / delta.norm() * delta_norm
+    return d + 1 + d * s**2 / delta_norm**2, delta_norm**2, w_star, delta
 
 
 def test_noise_scale_matches_the_closed_form_on_linear_regression():
-    """y = x.w* + eps, x ~ N(0, I_d), eps ~ N(0, s^2), per-sample loss (x.w - y)^2 / 2 at
-    w = w* + delta. Per-sample gradient g = x x^T delta - x eps: G = delta and, by Isserlis'
-    theorem, tr(Sigma) = (d + 1)|delta|^2 + d s^2, so B_simple = d + 1 + d s^2 / |delta|^2."""
-    d, s, delta_norm = 10, 1.5, 0.8
-    analytic = d + 1 + d * s**2 / delta_norm**2
-    torch.manual_seed(0)
-    w_star = torch.randn(d)
-    delta = torch.randn(d)
-    delta = delta / delta.norm() * delta_norm
+    d, s = 10, 1.5
+    analytic, g2_true, w_star, delta = regression(d, s, 0.8, seed=0)
     model = nn.Linear(d, 1, bias=False)
     with torch.no_grad():
         model.weight.copy_((w_star + delta)[None])
-    acc = ga.Accumulator(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), noise=ga.NoiseScale(ema=0.99)
-    )  # lr 0: the same point, so the estimates can settle
+    acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), noise=ga.NoiseScale())
+    # lr 0: the same point, so the estimates can settle
 
     def loss_fn(model, mb):
         x, y = mb
@@ -36,10 +43,121 @@ def test_noise_scale_matches_the_closed_form_on_linear_regression():
         x = torch.randn(128, d, generator=g)
         y = x @ w_star + s * torch.randn(128, generator=g)
         result = acc.step(ga.split((x, y), 16), loss_fn)
-    print(f"B_simple estimated {result.noise_scale:.1f}, analytic {analytic:.1f}")
+    print(
+        f"B_simple estimated {result.noise_scale:.1f} {result.noise_interval}, analytic {analytic:.1f}"
+    )
     assert result.noise_scale == pytest.approx(analytic, rel=0.15)
-    g2, trace = acc.noise.estimates()
-    assert g2 == pytest.approx(delta_norm**2, rel=0.15)
+    low, high = result.noise_interval
+    assert low < result.noise_scale < high
+    assert acc.noise.estimates()[0] == pytest.approx(g2_true, rel=0.15)
+    assert acc.noise.reading().windows == 200  # the last half of 400 equal windows
+
+
+def feed(noise: ga.NoiseScale, d, s, delta_norm, seed, windows, micro=4, n_micro=8):
+    """Windows of ``n_micro`` micro-batches of ``micro`` samples straight into the estimator:
+    each prefix's squared norm from the per-sample gradients x (x.delta - eps), computed here
+    (the same numbers an Accumulator's .grad holds at lr 0, without a model)."""
+    truth, _, _, delta = regression(d, s, delta_norm, seed)
+    g = torch.Generator().manual_seed(10_000 + seed)
+    size = micro * n_micro
+    x = torch.randn(windows, size, d, generator=g, dtype=torch.float64)
+    eps = s * torch.randn(windows, size, generator=g, dtype=torch.float64)
+    per_sample = x * ((x @ delta.double()) - eps)[..., None]
+    prefix = per_sample.reshape(windows, n_micro, micro, d).sum(2).cumsum(1)  # summed gradients
+    sq = prefix.square().sum(-1)
+    for w in range(windows):
+        for i in range(n_micro):
+            noise.add_prefix(sq[w, i], micro)
+        window_mean_sq = float(sq[w, -1]) / size**2
+        noise.end_window(window_mean_sq, size)
+    return truth
+
+
+def test_the_interval_covers_the_truth_at_its_confidence():
+    """The issue's problem: d = 8, micro-batches of 4, windows of 8, B_simple = 12.35. Here 20
+    seeds of 600 windows each (the horizon: the last 300); bench/noise.py runs the full
+    20 x 3,000 windows through the Accumulator. Measured here: 17 of 20 intervals cover it;
+    the median reading is 10% off, the worst 32% (one window's pair scatters by about twice
+    its value, and 300 windows leave about 11%: the interval says so)."""
+    covered, errors = 0, []
+    for seed in range(20):
+        noise = ga.NoiseScale()
+        truth = feed(noise, 8, 1.0, 1.5453, seed, windows=600)
+        reading = noise.reading()
+        assert reading.value is not None and reading.confidence == 0.9
+        covered += reading.low <= truth <= reading.high
+        errors.append(abs(reading.value / truth - 1))
+    errors.sort()
+    print(f"covered {covered}/20, median error {errors[10]:.1%}, largest {errors[-1]:.1%}")
+    assert covered >= 17
+
+
+def test_no_reading_while_the_gradient_is_not_clearly_positive():
+    """At the optimum (delta = 0) the true |G|^2 is 0: whatever the windows say, the
+    estimate must not turn into a batch size."""
+    noise = ga.NoiseScale()
+    feed(noise, 8, 1.0, 1e-9, seed=3, windows=200)
+    reading = noise.reading()
+    assert reading.value is None and "not clearly positive" in reading.why
+    assert "cannot tell yet" in advice(64, reading)
+    fresh = ga.NoiseScale().reading()
+    assert fresh.value is None and fresh.windows == 0
+
+
+def test_the_horizon_follows_the_items_and_a_long_run_stays_small():
+    """Windows of different sizes (a batch-size schedule): the horizon is the last half of
+    the items, not of the windows. Beyond 2,048 entries neighbours merge (3,000 windows: one merge), and the means stay
+    the plain means of every window in the horizon."""
+    noise = ga.NoiseScale(horizon=1.0)
+    pairs = []
+    for w in range(3000):
+        g2, trace = 1.0 + (w % 7) / 10, 30.0 + (w % 5)
+        # two prefixes on the line |G_B|^2 = g2 + trace / B (at B = 4 and B = 8)
+        noise.add_prefix(torch.tensor((g2 + trace / 4) * 16, dtype=torch.float64), 4)
+        noise.add_prefix(torch.tensor((g2 + trace / 8) * 64, dtype=torch.float64), 4)
+        noise.end_window((g2 + trace / 8), 8)
+        pairs.append((g2, trace))
+    assert len(noise._entries) <= 2048
+    mean_g2 = sum(p[0] for p in pairs) / len(pairs)
+    mean_trace = sum(p[1] for p in pairs) / len(pairs)
+    assert noise.estimates() == pytest.approx((mean_g2, mean_trace), rel=1e-9)
+
+    half = ga.NoiseScale()  # the default horizon: half the items
+    for size in [8] * 30 + [80] * 3:  # 240 items in 30 windows, then 240 in 3
+        for _ in range(size // 4):
+            half.add_prefix(torch.tensor(16.0), 4)
+        half.end_window(16.0 / size**2 * (size // 4), size)
+    assert half.reading().windows == 3  # the last 240 of 480 items are the 3 large windows
+
+
+def test_state_travels_and_a_resumed_estimate_is_the_same():
+    noise = ga.NoiseScale()
+    feed(noise, 8, 1.0, 1.5453, seed=0, windows=100)
+    again = ga.NoiseScale()
+    again.load_state_dict(noise.state_dict())
+    assert again.reading() == noise.reading()
+    feed(noise, 8, 1.0, 1.5453, seed=1, windows=20)
+    feed(again, 8, 1.0, 1.5453, seed=1, windows=20)
+    assert again.reading() == noise.reading()
+
+
+def test_bad_settings_are_refused_with_the_value():
+    with pytest.raises(ValueError, match="horizon must be .* got 0"):
+        ga.NoiseScale(horizon=0)
+    with pytest.raises(ValueError, match="confidence must be .* got 1.5"):
+        ga.NoiseScale(confidence=1.5)
+    with pytest.raises(ValueError, match="groups must be an integer >= 3, got 2"):
+        ga.NoiseScale(groups=2)
+
+
+def test_t_quantiles_and_fiellers_interval_against_known_values():
+    # Student's t at 0.95 (tables): 2.919986 (2), 2.015048 (5), 1.729133 (19)
+    for dof, want in ((2, 2.919986), (5, 2.015048), (19, 1.729133)):
+        assert t_quantile(0.95, dof) == pytest.approx(want, rel=3e-3)
+    # With an exact denominator the interval is the numerator's, divided.
+    low, high = fieller(10.0, 2.0, 1.0, 0.0, 0.0, 2.0)
+    assert (low, high) == pytest.approx((4.0, 6.0))
+    assert fieller(10.0, 1.0, 1.0, 1.0, 0.0, 2.0) is None  # 1 is not clearly above 0
 
 
 def test_noise_scale_changes_nothing_else_and_is_off_by_default(tmp_path):
@@ -59,25 +177,35 @@ def test_noise_scale_changes_nothing_else_and_is_off_by_default(tmp_path):
         ]
         runs[on] = (params(model), results, acc)
     assert all(torch.equal(runs[False][0][k], runs[True][0][k]) for k in runs[False][0])
-    assert all(r.noise_scale is None for r in runs[False][1])
+    assert all(r.noise_scale is None and r.noise_interval is None for r in runs[False][1])
     assert runs[False][2].noise is None
-    # (early windows may leave |G|^2 estimated <= 0, where B_simple is undefined: None)
-    last = runs[True][1][-1].noise_scale
-    assert last is not None and math.isfinite(last) and last > 0
+    assert runs[True][2].noise.updates == 4
     # and it travels with checkpoints
     torch.save(runs[True][2].state_dict(), tmp_path / "c.pt")
     model = make_model(factory)
     again = ga.Accumulator(model, torch.optim.AdamW(model.parameters()), noise=ga.NoiseScale())
     again.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True))
-    assert again.noise.value() == runs[True][2].noise.value()
+    assert again.noise.estimates() == runs[True][2].noise.estimates()
 
 
-def test_advice_in_plain_words():
-    from gradaccum.noise import advice
+def reading(value, low, high, windows=40):
+    return NoiseReading(value, low, high, windows, 0.9)
 
-    assert "8x the estimated critical batch" in advice(800, 100.0)
+
+def test_advice_names_a_direction_only_when_the_interval_excludes_the_batch():
+    above = advice(800, reading(100.0, 60.0, 200.0))
+    assert "above the whole interval" in above and "smaller batches" in above
+    assert "90% interval 60 to 200, last 40 windows" in above
+    below = advice(10, reading(100.0, 60.0, 200.0))
+    assert "below the whole interval" in below and "larger batches" in below
+    inside = advice(100, reading(100.0, 0.0, 5000.0))
+    assert "cannot tell yet" in inside and "larger" in inside and "smaller" in inside
     assert "not estimated yet" in advice(800, None)
-    assert "estimated |G|^2 is not positive" in advice(800, None, estimated=True)
-    assert "smaller batches would need fewer samples" in advice(800, 100.0)
-    assert "larger batches" in advice(10, 100.0)
-    assert "not estimated yet" in advice(10, None)
+    waiting = NoiseReading(None, None, None, 2, 0.9, "only 2 windows in its horizon so far")
+    assert (
+        advice(800, waiting)
+        == "gradient noise scale: cannot tell yet: only 2 windows in its horizon so far"
+    )
+    for text in (above, below, inside):
+        assert "-" not in text.replace("B_simple", "").replace("better-parallelized", "")
+        assert not any(w in text for w in ("nan", "inf", "None"))

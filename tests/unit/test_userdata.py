@@ -91,16 +91,22 @@ def test_the_cache_is_read_back_and_keyed_by_the_data(tmp_path):
     assert changed["key"] != first["key"]
 
 
-def test_steps_are_a_pure_function_of_the_step_with_a_ragged_epoch_end(tmp_path):
+def test_batches_are_a_pure_function_of_the_position_with_a_ragged_epoch_end(tmp_path):
     data = jsonl(tmp_path / "d.jsonl", [{"text": f"line {i:03d}"} for i in range(30)])
     loaded = load_sequences(data, byte_encoder(64), seq_len=10, eval_fraction=0, seed=0)
     one = SequenceData(loaded, seed=1, logits=lambda m, x: m(x))
     two = SequenceData(loaded, seed=1, logits=lambda m, x: m(x))
     n = len(one.ids)
-    per_epoch = one.steps_per_epoch(8)
-    sizes = [len(one.batch(k, 8)["input_ids"]) for k in range(per_epoch)]
-    assert sum(sizes) == n and sizes[-1] == n - 8 * (per_epoch - 1)  # each sequence once
-    assert torch.equal(one.batch(5, 8)["input_ids"], two.batch(5, 8)["input_ids"])
+    assert one.epoch_samples() == n
+    position, rows = 0, []
+    while position < n:  # windows of 8, then the epoch's ragged rest
+        rows.append(one.batch(position, 8)["input_ids"])
+        position += len(rows[-1])
+    assert [len(r) for r in rows] == [8] * (n // 8) + ([n % 8] if n % 8 else [])
+    assert len({tuple(r.tolist()) for r in torch.cat(rows)}) == n  # each sequence once
+    # the stream does not depend on the window sizes that cut it
+    assert torch.equal(torch.cat([one.batch(0, 3)["input_ids"], one.batch(3, 5)["input_ids"]]), rows[0])
+    assert torch.equal(one.batch(40, 8)["input_ids"], two.batch(40, 8)["input_ids"])
 
 
 @pytest.mark.parametrize(

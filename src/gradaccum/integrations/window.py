@@ -125,7 +125,7 @@ class FrameworkWindow:
         b_simple = self._b_simple()
         if self.noise is not None:
             if finite:
-                b_simple = self.noise.end_window(grad_norm**2, total, self.sync.distributed)
+                b_simple = self.noise.end_window(grad_norm**2, total, self.sync.distributed).value
             else:
                 self.noise.drop_window()
         return WindowEnd(total, loss / total, grad_norm, finite, b_simple)

@@ -1,9 +1,10 @@
 """Built-in models and data for the CLI and the examples; nothing is downloaded.
 
 A recipe names a model, its loss in the ``(loss_sum, count)`` form, a sample batch at the
-largest shape the model will see (what the planner measures), and its data: the samples of
-optimizer step ``k`` are a pure function of ``(seed, k)``, so the data position of a run is
-its step count and a resumed run reads exactly what an uninterrupted one would.
+largest shape the model will see (what the planner measures), and its data: a stream of
+samples in which sample ``i`` is a pure function of ``(seed, i)``. A run's data position is
+the number of samples it has read, whatever size its windows had, so a resumed run reads
+exactly what an uninterrupted one would, under a changing batch size too.
 """
 
 from __future__ import annotations
@@ -21,15 +22,24 @@ import torch
 from gradaccum.batching import split
 from gradaccum.loss import causal_lm_loss, sample_mean
 
-__all__ = ["RECIPES", "Recipe", "TaskData", "get_recipe", "held_out_loss", "hf_recipe"]
+__all__ = [
+    "RECIPES",
+    "Recipe",
+    "TaskData",
+    "epoch_order",
+    "get_recipe",
+    "held_out_loss",
+    "hf_recipe",
+]
 
 
 class TaskData(Protocol):
-    def batch(self, step: int, size: int) -> Any:
-        """The samples of optimizer step ``step`` (0-based), ``size`` of them or, at the end
-        of an epoch, fewer: a ragged last window."""
+    def batch(self, position: int, size: int) -> Any:
+        """Samples ``position`` to ``position + size`` of the stream (``position`` = samples
+        read so far), or fewer at the end of an epoch: a ragged last window."""
 
-    def steps_per_epoch(self, size: int) -> int: ...
+    def epoch_samples(self) -> int:
+        """Samples in one pass over the training data."""
 
     def evaluate(self, model: torch.nn.Module, micro_size: int) -> dict[str, float]:
         """Held-out metrics; ``loss`` at least."""
@@ -71,6 +81,18 @@ def _gpt_sample(n: int) -> dict[str, torch.Tensor]:
     return full_length_batch(corpus_bytes(), n, _GPT["max_len"], seed=0)
 
 
+_BLOCK = 1024  # samples drawn together in TextData's stream
+
+
+def epoch_order(n: int, seed: int, position: int, size: int) -> torch.Tensor:
+    """Indices of samples ``position`` to ``position + size`` of a stream that visits ``n``
+    samples once per epoch, each epoch in a fresh seeded order; cut at the epoch's end (a
+    ragged last window)."""
+    epoch, offset = divmod(position, n)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return order[offset : min(offset + size, n)]
+
+
 class TextData:
     """Random full-length windows of a byte (or token) stream; the last 10% is held out."""
 
@@ -91,14 +113,26 @@ class TextData:
         starts = torch.linspace(0, len(self.held_out) - length - 1, eval_sequences).long()
         self.eval_ids = torch.stack([self.held_out[s : s + length] for s in starts.tolist()])
 
-    def batch(self, step: int, size: int) -> dict[str, torch.Tensor]:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.train) - self.length, (size,), generator=gen)
+    def batch(self, position: int, size: int) -> dict[str, torch.Tensor]:
+        # Sample i's start is drawn in blocks of _BLOCK seeded by (seed, i // _BLOCK): the
+        # stream does not depend on how it is cut into windows.
+        first, last = position // _BLOCK, (position + size - 1) // _BLOCK
+        starts = torch.cat(
+            [
+                torch.randint(
+                    0,
+                    len(self.train) - self.length,
+                    (_BLOCK,),
+                    generator=torch.Generator().manual_seed(self.seed * 1_000_003 + block),
+                )
+                for block in range(first, last + 1)
+            ]
+        )[position - first * _BLOCK :][:size]
         ids = torch.stack([self.train[s : s + self.length] for s in starts.tolist()])
         return {"input_ids": ids, "labels": ids.clone()}
 
-    def steps_per_epoch(self, size: int) -> int:
-        return max(1, math.ceil(len(self.train) / (size * (self.length - 1))))
+    def epoch_samples(self) -> int:
+        return max(1, math.ceil(len(self.train) / (self.length - 1)))
 
     def evaluate(self, model: torch.nn.Module, micro_size: int) -> dict[str, float]:
         return held_out_loss(model, self.logits, self.eval_ids, self.eval_ids, micro_size)
@@ -194,16 +228,11 @@ class DigitsData:
         self.test_x, self.test_y = x[order[cut:]], y[order[cut:]]
         self.seed = seed
 
-    def steps_per_epoch(self, size: int) -> int:
-        return math.ceil(len(self.y) / size)
+    def epoch_samples(self) -> int:
+        return len(self.y)
 
-    def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        per_epoch = self.steps_per_epoch(size)
-        epoch, index = divmod(step, per_epoch)
-        perm = torch.randperm(
-            len(self.y), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        )
-        chosen = perm[index * size : (index + 1) * size]  # the epoch's last window is ragged
+    def batch(self, position: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chosen = epoch_order(len(self.y), self.seed, position, size)
         return self.x[chosen], self.y[chosen]
 
     @torch.no_grad()

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from gradaccum.recipes import held_out_loss
+from gradaccum.recipes import epoch_order, held_out_loss
 
 __all__ = [
     "DataError",
@@ -290,19 +290,16 @@ class SequenceData:
         self.eval_ids, self.eval_labels = loaded["eval"]
         self.seed, self.logits = seed, logits
 
-    def steps_per_epoch(self, size: int) -> int:
-        return max(1, math.ceil(len(self.ids) / size))
+    def epoch_samples(self) -> int:
+        return len(self.ids)
 
     def sample(self, n: int) -> dict[str, torch.Tensor]:
         """``n`` training sequences, for the planner: every sequence has the same shape."""
         rows = torch.arange(n) % len(self.ids)
         return {"input_ids": self.ids[rows], "labels": self.labels[rows]}
 
-    def batch(self, step: int, size: int) -> dict[str, torch.Tensor]:
-        per_epoch = self.steps_per_epoch(size)
-        epoch, index = divmod(step, per_epoch)
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        order = torch.randperm(len(self.ids), generator=gen)[index * size : (index + 1) * size]
+    def batch(self, position: int, size: int) -> dict[str, torch.Tensor]:
+        order = epoch_order(len(self.ids), self.seed, position, size)
         return {"input_ids": self.ids[order], "labels": self.labels[order]}
 
     def evaluate(self, model: torch.nn.Module, micro_size: int) -> dict[str, float]:

@@ -211,7 +211,7 @@ def noise_scale(rank: int, world: int, out: str) -> None:
         model.weight.copy_((w_star + delta)[None])
     model = DistributedDataParallel(model)
     acc = ga.Accumulator(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), noise=NoiseScale(ema=0.99)
+        model, torch.optim.SGD(model.parameters(), lr=0.0), noise=NoiseScale()
     )
 
     def loss_fn(model, mb):
@@ -222,7 +222,7 @@ def noise_scale(rank: int, world: int, out: str) -> None:
     found = {}
     for micro in (16, 32):  # 4 micro-batches per rank; then 2, where the reduced window (the
         # global batch) is the only second batch size to fit the local prefix against
-        acc.noise = NoiseScale(ema=0.99)
+        acc.noise = NoiseScale()
         for _ in range(300):
             x = torch.randn(64, d, generator=g)
             y = x @ w_star + s * torch.randn(64, generator=g)
