@@ -308,12 +308,13 @@ def run_metrics(run: Path) -> list[dict]:
 
 
 def sigterm_then_resume_matches(
-    tmp_path: Path, args: list, stop_after: int, steps: int, straight: Path | None = None
+    tmp_path: Path, args: list, stop_after: int, steps: int | None, straight: Path | None = None
 ) -> int:
     """Train ``gradaccum train ARGS`` straight through (or take ``straight``, a run of the same
     ARGS), and again stopped by SIGTERM once ``stop_after`` steps are recorded, then resumed:
-    the final weights must be bitwise equal and every step's loss the same. Returns the step
-    the stopped run checkpointed at."""
+    the final weights must be bitwise equal and every step's loss the same. ``steps``: the
+    run's length, or None for the straight run's (a run measured in samples). Returns the
+    step the stopped run checkpointed at."""
     import signal
     import time
 
@@ -321,6 +322,7 @@ def sigterm_then_resume_matches(
     if straight is None:
         straight = tmp_path / "straight"
         cli("train", *args, "--out", straight)
+    steps = steps or len(run_metrics(straight))
     proc = subprocess.Popen(
         [sys.executable, "-m", "gradaccum", "train", *map(str, args), "--out", str(stopped)],
         cwd=ROOT,

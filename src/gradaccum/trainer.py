@@ -556,7 +556,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     saved = folder.load_checkpoint(device) if resuming else None
     if saved is not None:
         _check_signature(saved["signature"], signature, folder.path / CHECKPOINT)
-        saved.setdefault("schedule", _constant_schedule_state(saved, cfg))
+        if "schedule" not in saved:
+            saved["schedule"] = _constant_schedule_state(saved, cfg)
         # Before 0.3 a LambdaLR held the learning rate; it is now a function of the position.
         saved["accumulator"]["scheduler"] = None
         done = saved["schedule"]["samples"] if total_samples else saved["step"]

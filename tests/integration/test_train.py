@@ -28,6 +28,7 @@ def check_run_folder(run: Path, steps: int) -> list[dict]:
         "summary.json",
         "loss.png",
         "memory.png",
+        "batch.png",
     ):
         assert (run / name).is_file(), f"{name} missing from {run}"
     lines = metrics(run)
@@ -147,10 +148,56 @@ def test_local_hugging_face_model_trains(tmp_path):
     check_run_folder(run2, 2)
 
 
-def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path):
-    args = ["--steps", 24, "--effective-batch", 8, "--micro-batch", 3]
-    args += ["--checkpoint-every", 100, "--eval-every", 100]
-    sigterm_then_resume_matches(tmp_path, args, stop_after=6, steps=24)
+def test_sigterm_mid_ramp_then_resume_equals_an_uninterrupted_run(tmp_path):
+    """A linear ramp of the effective batch from 8 to 24 over the first 120 samples, in
+    micro-batches of 4 (the last one of each window of 8 ragged at 3 would not be whole:
+    batches are rounded to 4s), stopped while it ramps."""
+    args = ["--samples", 240, "--effective-batch", 8, "--micro-batch", 4]
+    args += ["--batch-schedule", "linear:120=24", "--checkpoint-every", 100, "--eval-every", 100]
+    sigterm_then_resume_matches(tmp_path, args, stop_after=4, steps=None)
+    lines = metrics(tmp_path / "straight")
+    batches = [x["effective_batch"] for x in lines]
+    assert batches[0] == 8 and max(batches) == 24 and batches == sorted(batches[:-1]) + batches[-1:]
+    assert all(b % 4 == 0 for b in batches[:-1]) and lines[-1]["samples"] == 240
+    stopped = torch.load(tmp_path / "stopped" / "checkpoint.pt", weights_only=True)
+    assert stopped["schedule"]["samples"] == 240
+
+
+def test_auto_batch_schedule_from_the_cli(tmp_path):
+    """auto on digits: a micro-batch as large as the starting batch is halved (the noise
+    scale needs 2+ micro-batches), batches only grow, in whole micro-batches, within the
+    ceiling, and --samples is met exactly."""
+    run = tmp_path / "auto"
+    out = cli(
+        "train",
+        "--recipe",
+        "digits",
+        "--effective-batch",
+        16,
+        "--micro-batch",
+        16,
+        "--batch-schedule",
+        "auto",
+        "--max-effective-batch",
+        64,
+        "--samples",
+        1600,
+        "--eval-every",
+        1000,
+        "--out",
+        run,
+    ).stdout
+    assert "needs 2+ micro-batches per window: micro-batch 8" in out
+    assert "schedule: auto: from 16" in out
+    lines = metrics(run)
+    # (a window that ends an epoch of 1,437 images, or the run, takes what is left)
+    whole = [x["effective_batch"] for x in lines[:-1] if x["samples"] % 1437]
+    assert whole == sorted(whole) and max(whole) <= 64 and all(b % 8 == 0 for b in whole)
+    assert lines[-1]["samples"] == 1600
+    summary = json.loads((run / "summary.json").read_text())
+    print("auto on digits:", summary["batch_changes"], summary["noise_advice"])
+    assert summary["samples"] == 1600 and (run / "batch.png").is_file()
+    assert summary["noise_advice"].startswith("gradient noise scale")
 
 
 @pytest.mark.parametrize(

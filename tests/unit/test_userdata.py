@@ -105,7 +105,9 @@ def test_batches_are_a_pure_function_of_the_position_with_a_ragged_epoch_end(tmp
     assert [len(r) for r in rows] == [8] * (n // 8) + ([n % 8] if n % 8 else [])
     assert len({tuple(r.tolist()) for r in torch.cat(rows)}) == n  # each sequence once
     # the stream does not depend on the window sizes that cut it
-    assert torch.equal(torch.cat([one.batch(0, 3)["input_ids"], one.batch(3, 5)["input_ids"]]), rows[0])
+    assert torch.equal(
+        torch.cat([one.batch(0, 3)["input_ids"], one.batch(3, 5)["input_ids"]]), rows[0]
+    )
     assert torch.equal(one.batch(40, 8)["input_ids"], two.batch(40, 8)["input_ids"])
 
 

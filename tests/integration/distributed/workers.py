@@ -210,9 +210,7 @@ def noise_scale(rank: int, world: int, out: str) -> None:
     with torch.no_grad():
         model.weight.copy_((w_star + delta)[None])
     model = DistributedDataParallel(model)
-    acc = ga.Accumulator(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), noise=NoiseScale()
-    )
+    acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), noise=NoiseScale())
 
     def loss_fn(model, mb):
         x, y = mb
