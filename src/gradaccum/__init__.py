@@ -9,15 +9,18 @@ from gradaccum.batching import shard, split, windows
 from gradaccum.diagnose import batchnorm_momentum, check, convert_batchnorm
 from gradaccum.engine import Accumulator, AccumulatorState, StepResult
 from gradaccum.loss import causal_lm_loss, sample_mean, token_cross_entropy
-from gradaccum.noise import NoiseScale
+from gradaccum.noise import NoiseReading, NoiseScale
 from gradaccum.oom import OOMReplay
 from gradaccum.plan import Plan, plan
 from gradaccum.precision import Precision
 from gradaccum.recompute import disable_checkpointing, enable_checkpointing
+from gradaccum.schedule import BatchSchedule
 
 __all__ = [
     "Accumulator",
     "AccumulatorState",
+    "BatchSchedule",
+    "NoiseReading",
     "NoiseScale",
     "OOMReplay",
     "Plan",

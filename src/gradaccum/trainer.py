@@ -992,7 +992,9 @@ def _summary_table(s: dict[str, Any]) -> str:
 
     rows = [
         ("optimizer steps", s["steps"]),
+        ("samples seen", s["samples"]),
         ("items seen", s["items"]),
+        ("effective batch at the end", s["effective_batch_final"]),
         ("time (this session)", f"{s['seconds_this_session']:.1f} s"),
         (
             "train loss (first -> last 10 steps)",

@@ -1,8 +1,6 @@
 """The gradient noise scale against its closed form, its interval's coverage, and that it
 changes nothing else."""
 
-import math
-
 import pytest
 import torch
 from helpers import make_model, params
@@ -44,7 +42,8 @@ def test_noise_scale_matches_the_closed_form_on_linear_regression():
         y = x @ w_star + s * torch.randn(128, generator=g)
         result = acc.step(ga.split((x, y), 16), loss_fn)
     print(
-        f"B_simple estimated {result.noise_scale:.1f} {result.noise_interval}, analytic {analytic:.1f}"
+        f"B_simple estimated {result.noise_scale:.1f} {result.noise_interval}, "
+        f"analytic {analytic:.1f}"
     )
     assert result.noise_scale == pytest.approx(analytic, rel=0.15)
     low, high = result.noise_interval
@@ -106,8 +105,8 @@ def test_no_reading_while_the_gradient_is_not_clearly_positive():
 
 def test_the_horizon_follows_the_items_and_a_long_run_stays_small():
     """Windows of different sizes (a batch-size schedule): the horizon is the last half of
-    the items, not of the windows. Beyond 2,048 entries neighbours merge (3,000 windows: one merge), and the means stay
-    the plain means of every window in the horizon."""
+    the items, not of the windows. Beyond 2,048 entries neighbours merge (3,000 windows: one
+    merge), and the means stay the plain means of every window in the horizon."""
     noise = ga.NoiseScale(horizon=1.0)
     pairs = []
     for w in range(3000):
