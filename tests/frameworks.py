@@ -139,14 +139,19 @@ class Regression:
 
         return ga.sample_mean(0.5 * (model(x).squeeze(1) - y) ** 2)
 
+    @staticmethod
+    def noise() -> object:
+        """The estimator for this stationary problem: every window averaged (horizon 1)."""
+        import gradaccum as ga
+
+        return ga.NoiseScale(horizon=1.0)
+
     def accumulator_b_simple(self) -> float:
         """The Accumulator's B_simple on the same windows, in micro-batches of 16."""
         import gradaccum as ga
 
         model = self.model()
-        acc = ga.Accumulator(
-            model, torch.optim.SGD(model.parameters(), lr=0.0), noise=ga.NoiseScale()
-        )
+        acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), noise=self.noise())
         for i in range(len(self.x) // 128):
             window = (self.x[128 * i : 128 * (i + 1)], self.y[128 * i : 128 * (i + 1)])
             result = acc.step(ga.split(window, 16), lambda m, mb: self.loss(m, *mb))
