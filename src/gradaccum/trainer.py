@@ -1053,17 +1053,22 @@ def _batch_plot(plt, out: Path, lines: list[dict[str, Any]]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.step(seen, [x["count"] for x in lines], where="pre", label="effective batch (items)")
     noise = [(n, x) for n, x in zip(seen, lines, strict=True) if x.get("noise_scale")]
+    # A log scale down to a tenth of the smallest value shown: an interval reaching 0 is
+    # drawn to the bottom edge rather than stretching the axis to nothing.
+    shown = [x["count"] for x in lines if x["count"]] + [x["noise_scale"] for _, x in noise]
+    bottom = 0.1 * min(shown, default=1)
     if noise:
         at = [n for n, _ in noise]
         ax.plot(at, [x["noise_scale"] for _, x in noise], label="B_simple")
         ax.fill_between(
             at,
-            [max(x["noise_low"], 1e-9) for _, x in noise],
+            [max(x["noise_low"], bottom) for _, x in noise],
             [x["noise_high"] for _, x in noise],
             alpha=0.25,
-            label="its interval",
+            label="its 90% interval",
         )
     ax.set_yscale("log")
+    ax.set_ylim(bottom=bottom)
     ax.set_xlabel("samples seen")
     ax.set_ylabel("items per step")
     ax.set_title(f"{out.name}: effective batch and critical batch")
