@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from gradaccum.sync import collective_device
 
-__all__ = ["any_rank", "broadcast", "init_from_env", "is_main", "shutdown"]
+__all__ = ["any_rank", "broadcast", "init_from_env", "is_main", "main_int", "shutdown"]
 
 
 def init_from_env() -> tuple[int, int]:
@@ -54,3 +54,11 @@ def any_rank(flag: bool) -> bool:
     t = torch.tensor([int(flag)], device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def main_int(value: int) -> int:
+    """Rank 0's integer on every rank, in one small tensor broadcast (a decision each rank
+    would otherwise make from its own numbers, e.g. auto's next effective batch)."""
+    t = torch.tensor([int(value)], device=collective_device())
+    dist.broadcast(t, src=0)
+    return int(t.item())

@@ -795,6 +795,9 @@ def _loop(run: _Run, log, stop: list[int]) -> None:
                 batch = to_device(batch, run.device)
             result = run.acc.step(split(batch, run.micro), run.recipe.loss_fn)
             schedule.update(result, samples)
+            if run.world > 1 and schedule.kind == "auto":
+                # Each rank reads the noise off its own prefixes: rank 0's decision holds.
+                schedule.current = launch.main_int(schedule.current)
             step = schedule.step
             items += result.count
             interval = result.noise_interval or (None, None)

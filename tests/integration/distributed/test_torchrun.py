@@ -13,7 +13,8 @@ import torch
 from helpers import max_rel_err
 from launch import free_port
 
-# 45 images per step: rank 0 trains 23 (micro-batches of 16 + 7), rank 1 trains 22 (16 + 6).
+# 45 images per step: rank 0 trains 23 (micro-batches of 16 + 7), rank 1 trains 22 (16 + 6);
+# from step 3 on (a batch schedule), 96: 48 each, in 3 micro-batches of 16.
 ARGS = [
     "train",
     "--recipe",
@@ -26,6 +27,8 @@ ARGS = [
     "16",
     "--eval-every",
     "3",
+    "--batch-schedule",
+    "steps:3=96",
 ]
 
 
@@ -62,7 +65,8 @@ def test_torchrun_two_processes_train_the_global_batch_into_one_run_folder(tmp_p
         assert (two / name).is_file(), name
     lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, 7))  # once, by rank 0
-    assert all(x["count"] == 45 for x in lines)  # the global batch, counted over both ranks
+    # the global batch, counted over both ranks
+    assert [x["count"] for x in lines] == [45, 45, 45, 96, 96, 96]
     assert "on each of 2 processes" in proc.stdout
 
     # The same run in one process: same losses and parameters within fp32 rounding. Tight on
