@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import cli as run_cli
 
@@ -246,6 +247,11 @@ def test_config_files_as_people_write_them(tmp_path):
     twice.write_text("effective-batch = 16\neffective_batch = 32\n")
     one_line(cli("train", "--config", twice), "effective-batch and effective_batch")
     one_line(cli("train", *DIGITS, "--steps", 5, "--epochs", 2), "steps and epochs")
+    from gradaccum.cli import parser
+    from gradaccum.cli.train import resolve
+
+    with pytest.raises(ValueError, match="steps and samples .* both given"):
+        resolve(parser().parse_args(["train", "--steps", "5", "--samples", "200"]))
 
 
 def test_a_folder_that_is_not_a_run_or_is_in_use_is_refused(tmp_path):

@@ -114,11 +114,12 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         problems += _check_types(from_file, flags["config"])
         values.update(from_file)
     values.update(flags)
-    if ("steps" in flags or "steps" in from_file) and values.get("epochs") is not None:
-        problems.append(
-            f"steps and epochs (here {values['epochs']!r}) both given: epochs decides how long "
-            "the run trains, so give one of them"
-        )
+    for other in ("epochs", "samples"):
+        if ("steps" in flags or "steps" in from_file) and values.get(other) is not None:
+            problems.append(
+                f"steps and {other} (here {values[other]!r}) both given: {other} decides how "
+                "long the run trains, so give one of them"
+            )
     if problems:
         raise ValueError(invalid_configuration(problems))
     cfg = TrainConfig(**values)
