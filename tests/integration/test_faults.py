@@ -29,6 +29,13 @@ def cli(*args, check=False, **kw):
     return run_cli(*args, check=check, threads=1, **kw)
 
 
+def _ctrl_c_as_at_a_terminal() -> None:
+    # A suite started in the background (`make test &`, nohup) runs with SIGINT ignored, and
+    # an ignored signal is inherited: Python then never installs its Ctrl-C handler. The
+    # tests send SIGINT as a terminal would, so the child starts with the default action.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(*args, **kw) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "gradaccum", *map(str, args)],
@@ -37,6 +44,7 @@ def start(*args, **kw) -> subprocess.Popen:
         text=True,
         cwd=ROOT,
         env=ENV,
+        preexec_fn=kw.pop("preexec_fn", _ctrl_c_as_at_a_terminal),
         **kw,
     )
 
