@@ -4,12 +4,14 @@ ramp and auto, 3 seeds each, and the samples and time each needs to reach a held
 
 Every run is `gradaccum train` (the byte GPT of `make demo`, AdamW, warm-up over the first
 320 samples then cosine decay over the run's samples) on 9,600 samples, micro-batches of 16
-(the demo's plan), 2 threads. The learning-rate sweep runs on seed 0 (three rates around
-the square-root rule from 3e-3 at 64, extended while the best is at an edge); the best rate
-(lowest final held-out loss) then runs on seeds 1 and 2. The ramp and auto start at 32
-with the best rate of the fixed 32 and the default square-root rule (--lr-scaling sqrt).
+(so the smallest batch, 32, is 2 micro-batches: the noise scale needs 2), 2 threads. The
+learning-rate sweep runs on seed 0 (three rates around the square-root rule from 3e-3 at
+64, extended while the best is at an edge); the best rate (lowest final held-out loss)
+then runs on seeds 1 and 2. The ramp and auto start at 32 with the best rate of the fixed
+32 and the default square-root rule (--lr-scaling sqrt).
 
-Writes bench/results/schedule.md and bench/results/schedule.png. About 40 minutes on 2 cores.
+Writes bench/results/schedule.md and bench/results/schedule.png. About 40 minutes on 2 cores
+(runs are cached by their arguments in $SCHEDULE_CACHE, default the temp folder).
 """
 
 from __future__ import annotations
@@ -215,7 +217,8 @@ def main() -> None:
         f"torch {torch.__version__}, 2 threads, {time.perf_counter() - began:.0f} s in all.",
         "",
         f"`gradaccum train` (the byte GPT of `make demo`), {SAMPLES:,} samples, micro-batches "
-        f"of {MICRO}, AdamW with warm-up and cosine decay over the samples. Fixed batches at "
+        f"of {MICRO} (32 is then 2 micro-batches, what the noise scale needs), AdamW with "
+        "warm-up and cosine decay over the samples. Fixed batches at "
         "their best learning rate (seed 0's sweep below: three rates, extended while the best was "
         "at an edge); warm-up over the first 320 samples; the ramp (linear from 32 "
         f"to 256 over the first {SAMPLES // 2:,} samples) and auto (from 32, at most 256) "
