@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLES, MICRO, SEEDS = 9600, 16, (0, 1, 2)
 FIXED = (32, 64, 256)
 EVAL_SAMPLES = 640  # an evaluation about every 640 samples
+RUN_SECONDS: list[float] = []  # training seconds of each run the report uses
 WARMUP_SAMPLES = 320  # warm-up over the same samples whatever the batch (10 steps of 32)
 CACHE = Path(os.environ.get("SCHEDULE_CACHE", Path(tempfile.gettempdir()) / "gradaccum-schedule"))
 
@@ -44,7 +44,9 @@ def run(args: list, seed: int, eval_every: int) -> list[dict]:
     key = hashlib.sha256(json.dumps([list(map(str, args)), seed, eval_every, SAMPLES]).encode())
     cached = CACHE / f"{key.hexdigest()[:20]}.json"
     if cached.is_file():
-        return json.loads(cached.read_text())
+        lines = json.loads(cached.read_text())
+        RUN_SECONDS.append(sum(x["seconds"] for x in lines))
+        return lines
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "gradaccum", "train", "--samples", str(SAMPLES)]
@@ -55,6 +57,7 @@ def run(args: list, seed: int, eval_every: int) -> list[dict]:
         lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     CACHE.mkdir(parents=True, exist_ok=True)
     cached.write_text(json.dumps(lines))
+    RUN_SECONDS.append(sum(x["seconds"] for x in lines))
     return lines
 
 
@@ -87,7 +90,6 @@ def reach(points: list[tuple[int, float, float]], target: float) -> tuple[float,
 
 
 def main() -> None:
-    began = time.perf_counter()
     results: dict[str, list[list[tuple[int, float, float]]]] = {}
     chosen: dict[str, float] = {}
     sweep_rows = []
@@ -165,6 +167,8 @@ def main() -> None:
             f"({min(spread):.4f} to {max(spread):.4f}) | {' | '.join(cells)} | "
             f"{seconds:.0f} s ({SAMPLES / seconds:.0f} samples/s) |"
         )
+    # each run's training seconds, summed (the report may be redrawn from CACHE)
+    runs_made, trained = len(RUN_SECONDS), sum(RUN_SECONDS)
     rate = {
         n: SAMPLES / statistics.median(r[-1][1] for r in results[n])
         for n in names
@@ -214,7 +218,8 @@ def main() -> None:
         "# Batch-size schedules on the default recipe",
         "",
         f"Measured by `bench/schedule.py` on {platform.processor() or platform.machine()}, "
-        f"torch {torch.__version__}, 2 threads, {time.perf_counter() - began:.0f} s in all.",
+        f"torch {torch.__version__}, 2 threads; {runs_made} runs, {trained:.0f} s of training "
+        "in all.",
         "",
         f"`gradaccum train` (the byte GPT of `make demo`), {SAMPLES:,} samples, micro-batches "
         f"of {MICRO} (32 is then 2 micro-batches, what the noise scale needs), AdamW with "
