@@ -4,6 +4,7 @@ saves the parameters to argv[2]. Run by test_frameworks_torchrun.py."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -99,5 +100,14 @@ if __name__ == "__main__":
     if dist.is_initialized():
         if dist.get_rank() == 0:
             torch.save({n: p.detach() for n, p in model.named_parameters()}, sys.argv[2])
+        # As in launch.py: free the frameworks' reference cycles (the DDP reducer among them)
+        # while the group still lives, pass the last collective together, tear the group
+        # down, and leave without the interpreter's finalization, where gloo's worker
+        # threads could still hold work ("terminate called without an active exception",
+        # pytorch/pytorch#179291; seen once in CI after the results were written).
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
