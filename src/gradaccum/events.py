@@ -1,0 +1,84 @@
+"""TensorBoard event files for a run, written beside metrics.jsonl (which stays the record).
+
+One point per optimizer step for each scalar the metrics line defines: the train loss, the
+learning rate, the gradient norm before clipping and the clip ratio (the factor clipping
+multiplied the gradient by: 1 when it did not clip), the effective batch in samples and in
+micro-batches, items per second, peak training memory, the run's skipped windows and
+out-of-memory replays so far, B_simple and its interval once the noise scale gives a reading,
+and the held-out metrics at each evaluation. Needs the ``tensorboard`` package (``pip install
+'gradaccum[tensorboard]'``); torch.utils.tensorboard writes the files.
+
+A resumed or rolled-back run opens its writer with ``purge_step`` at the step after its
+checkpoint: TensorBoard's readers then drop the earlier session's points from there on, so
+no step is shown twice, as metrics.jsonl is cut back.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EventLog", "available", "scalars"]
+
+
+def available() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def scalars(line: dict[str, Any], max_grad_norm: float | None, totals: Any) -> dict[str, float]:
+    """The tags and values of one metrics line; ``totals`` is the run's counters so far
+    (the Accumulator's state: skipped windows and OOM replays)."""
+    out = {
+        "train/lr": line["lr"],
+        "batch/effective_batch": line["effective_batch"],
+        "batch/micro_batches": line["micro_batches"],
+        "speed/items_per_second": line["count"] / max(line["seconds"], 1e-9),
+        "memory/peak_mib": line["peak_memory"] / 2**20,
+        "health/skipped_windows": totals.skipped_windows,
+        "health/oom_replays": totals.oom_replays,
+    }
+    if line["loss"] is not None:
+        out["train/loss"] = line["loss"]
+    norm = line["grad_norm"]
+    if norm is not None and math.isfinite(norm):
+        out["train/grad_norm"] = norm
+        clip = 1.0 if not max_grad_norm or norm <= max_grad_norm else max_grad_norm / norm
+        out["train/clip_ratio"] = clip
+    for key, tag in (("noise_scale", ""), ("noise_low", "_low"), ("noise_high", "_high")):
+        if line.get(key) is not None:
+            out[f"noise/b_simple{tag}"] = line[key]
+    for key, value in line.items():
+        if key.startswith("eval_") and value is not None:
+            out[f"eval/{key[5:]}"] = value
+    return out
+
+
+class EventLog:
+    """A SummaryWriter on ``folder/tensorboard``, from ``start + 1`` on."""
+
+    def __init__(self, folder: Path, start: int, max_grad_norm: float | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = Path(folder) / "tensorboard"
+        self.max_grad_norm = max_grad_norm
+        self._writer = SummaryWriter(str(self.path), purge_step=start + 1 if start else None)
+
+    def restart(self, start: int) -> None:
+        """Continue from ``start`` (a rollback): later points of this file are dropped."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer.close()
+        self._writer = SummaryWriter(str(self.path), purge_step=start + 1)
+
+    def write(self, line: dict[str, Any], totals: Any) -> None:
+        for tag, value in scalars(line, self.max_grad_norm, totals).items():
+            self._writer.add_scalar(tag, value, line["step"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

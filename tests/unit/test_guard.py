@@ -1,0 +1,104 @@
+"""The incident guard's judgement, on loss and gradient-norm sequences with known spikes."""
+
+import random
+
+import pytest
+
+from gradaccum.guard import IncidentGuard
+
+
+def feed(guard, values, norms=None, skipped=None):
+    """Judge each window; the indices (and kinds) of those found to be incidents."""
+    found = []
+    for i, loss in enumerate(values):
+        norm = 1.0 if norms is None else norms[i]
+        incident = guard.check(loss, norm, bool(skipped and i in skipped))
+        if incident is not None:
+            found.append((i, incident.kind))
+    return found
+
+
+def noisy(n, level=2.5, noise=0.05, seed=0):
+    rng = random.Random(seed)
+    return [level + rng.gauss(0, noise) for _ in range(n)]
+
+
+def test_a_steady_noisy_run_raises_no_alarm():
+    for seed in range(5):
+        assert feed(IncidentGuard(), noisy(500, seed=seed), noisy(500, 1.0, 0.2, seed + 9)) == []
+
+
+def test_a_falling_loss_is_training_not_an_incident():
+    losses = [5.5 * 0.97**i + 0.02 * random.Random(i).random() for i in range(300)]
+    assert feed(IncidentGuard(), losses) == []
+
+
+def test_a_loss_spike_is_caught_where_it_happens_and_not_learned():
+    losses = noisy(100)
+    losses[60] = 4.0  # far above 2.5 +- 0.05
+    losses[61] = 4.0  # a second one right after: the first did not widen the band
+    found = feed(IncidentGuard(), losses)
+    assert found == [(60, "loss spike"), (61, "loss spike")]
+
+
+def test_a_gradient_spike_with_an_ordinary_loss_is_caught():
+    norms = noisy(100, 1.0, 0.1, seed=3)
+    norms[70] = 9.0
+    assert feed(IncidentGuard(), noisy(100), norms) == [(70, "gradient spike")]
+
+
+def test_nothing_is_judged_during_warmup():
+    losses = noisy(30)
+    losses[5] = 50.0
+    assert feed(IncidentGuard(warmup=20), losses) == []
+
+
+def test_the_floor_keeps_a_plateau_from_alarming_on_a_wobble():
+    flat = [2.0] * 60 + [2.05]  # no spread at all, then 2.5% higher
+    assert feed(IncidentGuard(), flat) == []
+    assert feed(IncidentGuard(), [2.0] * 60 + [3.0]) == [(60, "loss spike")]
+
+
+def test_a_run_of_skipped_windows_is_an_incident_blaming_them_all():
+    guard = IncidentGuard(skipped_windows=3)
+    found = []
+    for i in range(10):
+        incident = guard.check(None, float("inf"), skipped=i in (2, 4, 5, 6))
+        if incident is not None:
+            found.append((i, incident.kind, incident.windows))
+    assert found == [(6, "skipped windows", 3)]  # 2 alone is not a run
+
+
+def test_state_round_trip_judges_alike():
+    losses = noisy(80, seed=4)
+    losses[75] = 9.0
+    whole = IncidentGuard()
+    first = feed(whole, losses)
+    part = IncidentGuard()
+    feed(part, losses[:50])
+    again = IncidentGuard()
+    again.load_state_dict(part.state_dict())
+    second = [(i + 50, kind) for i, kind in feed(again, losses[50:])]
+    assert first == second == [(75, "loss spike")]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"history": 0}, {"warmup": 60, "history": 50}, {"threshold": -1}, {"skipped_windows": 1.5}],
+)
+def test_bad_settings_are_refused_naming_the_value(kwargs):
+    with pytest.raises(
+        ValueError, match=next(iter(kwargs)) if "warmup" not in kwargs else "warmup"
+    ):
+        IncidentGuard(**kwargs)
+
+
+def test_margins_place_a_window_against_the_band():
+    guard = IncidentGuard(warmup=20, floor=0.0)
+    losses = noisy(40, level=2.0, noise=0.05, seed=11)
+    assert guard.margins(9.0, 1.0) is None  # warm-up: nothing judged yet
+    feed(guard, losses)
+    median, highest = guard.band(guard._losses)
+    assert guard.margins(median, 1.0)["loss"] == 0.0
+    assert abs(guard.margins(highest, 1.0)["loss"] - 1.0) < 1e-12
+    assert guard.check(highest + 1e-9, 1.0, False).kind == "loss spike"
