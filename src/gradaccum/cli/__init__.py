@@ -11,7 +11,7 @@ from gradaccum import __version__
 
 
 def parser() -> argparse.ArgumentParser:
-    from gradaccum.cli import check, plan, train
+    from gradaccum.cli import check, plan, report, train
 
     root = argparse.ArgumentParser(
         prog="gradaccum",
@@ -26,6 +26,7 @@ def parser() -> argparse.ArgumentParser:
     train.add_parser(sub)
     plan.add_parser(sub)
     check.add_parser(sub)
+    report.add_parser(sub)
     return root
 
 

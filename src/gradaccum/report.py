@@ -1,0 +1,506 @@
+"""The run report: one self-contained HTML page about a run folder.
+
+``render(run_dir)`` reads what the run folder holds (config.json, plan.json, metrics.jsonl,
+summary.json, incidents.jsonl, resumes.jsonl and the plots) and returns the page;
+``write_report(run_dir, out=None)`` writes it to RUN_DIR/report.html, or to ``out``.
+
+The page needs nothing but itself: inline CSS, no script, the plots embedded as data: URIs,
+and a Content-Security-Policy that forbids every fetch, so it reads the same from a mail
+attachment or an archive as from the run folder. Every string from the files is escaped.
+Keys the page does not know are shown as they are rather than dropped: a newer run's field
+is never hidden by an older reader, and a missing one (an older run) only drops its row.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from gradaccum import __version__
+from gradaccum.runfolder import RunFolder
+
+__all__ = ["render", "write_report"]
+
+REPORT = "report.html"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+EXPECTED = "give a run folder written by gradaccum train"
+
+# The plots the trainer draws, in the page's order, with what each shows (their alt text).
+PLOTS = {
+    "loss.png": "training loss per window and held-out loss against the optimizer step",
+    "memory.png": "peak training memory so far, in MiB, against the optimizer step",
+    "batch.png": "effective batch per window and the critical batch B_simple with its "
+    "interval, in items per step, against the samples seen",
+}
+
+STOPS = {
+    "target_loss": "the loss target",
+    "target_accuracy": "the accuracy target",
+    "max_time": "its time limit",
+    "max_memory": "its memory limit",
+}
+
+TARGETS = {  # key: (label, how its limit and value read)
+    "target_loss": ("target loss", "number"),
+    "target_accuracy": ("target accuracy", "number"),
+    "max_time": ("time limit", "seconds"),
+    "max_memory": ("memory limit", "bytes"),
+}
+
+STYLE = """
+body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;
+ color:#1b1b1b;background:#fff;max-width:72rem;margin:1.5rem auto;padding:0 1rem}
+h1{font-size:1.45rem;margin:0 0 .6rem}
+h2{font-size:1.1rem;margin:1.8rem 0 .5rem;padding-bottom:.2rem;border-bottom:1px solid #ddd}
+nav{font-size:.9rem;margin-bottom:1rem}
+nav a{margin-right:.9rem;color:#0b57d0;text-decoration:none}
+table{border-collapse:collapse;margin:.3rem 0 .6rem}
+th,td{text-align:left;vertical-align:top;padding:.22rem 1.1rem .22rem 0;
+ border-bottom:1px solid #eee}
+th{font-weight:600;border-bottom:1px solid #ccc}
+td.key{color:#444;white-space:nowrap}
+code,.mono{font:13px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
+.lines{white-space:pre-line}
+.status{padding:.5rem .8rem;border-left:4px solid #888;background:#f5f6f7}
+.ok{border-color:#2e7d32}.warn{border-color:#c77700}
+td.ok{color:#1b5e20}td.warn{color:#a15c00}
+.dim{color:#777}
+.plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(26rem,1fr));gap:1rem}
+figure{margin:0}
+figure img{display:block;max-width:100%;height:auto;border:1px solid #e4e4e4}
+figcaption{font-size:.9rem;color:#555;margin-top:.25rem}
+footer{margin-top:2.5rem;font-size:.85rem;color:#777}
+"""
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the run's page to ``out`` (default RUN_DIR/report.html) whole, and return where."""
+    page = render(run_dir)
+    file = Path(out) if out is not None else Path(run_dir) / REPORT
+    if not file.parent.is_dir():
+        raise ValueError(f"cannot write {file}: folder {file.parent} does not exist")
+    tmp = file.with_name(file.name + ".tmp")
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, file)  # a reader never sees half a page
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"cannot write {file}: {err.strerror or err}") from None
+    return file
+
+
+def render(run_dir: str | Path) -> str:
+    """The page about the run in ``run_dir``. Raises ValueError (one line, naming the path)
+    when there is no run there or one of its files cannot be read."""
+    folder = _open(run_dir)
+    config = _object(folder, "config.json")
+    plan = _object(folder, "plan.json") if (folder.path / "plan.json").exists() else None
+    summary = _object(folder, "summary.json") if (folder.path / "summary.json").exists() else None
+    metrics = _lines(folder.path / "metrics.jsonl")
+    incidents = _lines(folder.path / "incidents.jsonl")
+    resumes = _lines(folder.path / "resumes.jsonl")
+    name = folder.path.resolve().name or str(folder.path)
+
+    sections = [
+        ("summary", "Summary", _summary(summary, metrics)),
+        ("targets", "Targets and limits", _targets(summary)),
+        ("incidents", "Incidents", _incidents(incidents, summary)),
+        ("plots", "Plots", _plots(folder.path)),
+        ("plan", "Plan", _mapping(plan) if plan is not None else _p("no plan.json", "dim")),
+        ("config", "Configuration", _mapping(config)),
+        ("resumes", "Resumes", _resumes(resumes) if resumes else None),
+    ]
+    sections = [s for s in sections if s[2] is not None]
+    status, tone = _status(summary, metrics, folder.path)
+    body = [
+        f"<h1>gradaccum run {_e(name)}</h1>",
+        "<nav>" + "".join(f'<a href="#{key}">{title}</a>' for key, title, _ in sections) + "</nav>",
+        f'<p class="status {tone}">{_e(status)}</p>',
+    ]
+    for key, title, content in sections:
+        body.append(f'<h2 id="{key}">{title}</h2>\n{content}')
+    body.append(
+        f"<footer>written by gradaccum {_e(__version__)} from the files in the run folder</footer>"
+    )
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        # Nothing on this page may fetch anything: no network, no file beside it.
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
+        "img-src data:; style-src 'unsafe-inline'\">\n"
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>gradaccum run {_e(name)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
+        + "\n".join(body)
+        + "\n</body>\n</html>\n"
+    )
+
+
+# -- reading the run folder -------------------------------------------------------------------
+
+
+def _open(run_dir: str | Path) -> RunFolder:
+    folder = RunFolder(run_dir)
+    path = folder.path
+    if not path.exists():
+        raise ValueError(f"{path} does not exist; {EXPECTED}")
+    if not path.is_dir():
+        raise ValueError(f"{path} is a file, not a folder; {EXPECTED}")
+    if not folder.holds_run():
+        raise ValueError(f"{path} holds no gradaccum run (no config.json); {EXPECTED}")
+    return folder
+
+
+def _object(folder: RunFolder, name: str) -> dict[str, Any]:
+    value = folder.read_json(name)
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{folder.path / name} holds {type(value).__name__}, not a JSON object; it was "
+            "changed outside gradaccum: restore it, or start a new run"
+        )
+    return value
+
+
+def _lines(file: Path) -> list[dict[str, Any]]:
+    """A .jsonl file's objects ([] when it is absent). A crash while appending can leave half
+    a last line: that line is skipped; a damaged line anywhere else is an error."""
+    if not file.exists():
+        return []
+    try:
+        text = file.read_text()
+    except OSError as err:
+        raise ValueError(f"cannot read {file}: {err.strerror or err}") from None
+    raw = text.splitlines()
+    out = []
+    for number, line in enumerate(raw, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(raw) and not text.endswith("\n"):
+                continue
+            raise ValueError(
+                f"{file} line {number} is not valid JSON ({err.msg}); it was damaged outside "
+                "gradaccum: restore it, or remove that line"
+            ) from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{file} line {number} is not a JSON object")
+        out.append(value)
+    return out
+
+
+# -- formatting values ------------------------------------------------------------------------
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if v != v or v in (float("inf"), float("-inf")):
+            return str(v)
+        return f"{v:.4f}" if v == 0 or 1e-3 <= abs(v) < 1e6 else f"{v:.4g}"
+    return v if isinstance(v, str) else _json(v)
+
+
+def _bytes(n: Any) -> str:
+    """As gradaccum.memory.format_bytes writes them (repeated here: that module needs torch)."""
+    if not _is_number(n):
+        return _num(n)
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _seconds(s: Any) -> str:
+    if not _is_number(s):
+        return _num(s)
+    if s < 60:
+        return f"{s:.1f} s"
+    minutes, sec = divmod(round(s), 60)
+    if minutes < 60:
+        return f"{minutes} min {sec:02d} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def _changes(v: Any) -> str:
+    """[[step, batch], ...] as "from step 10: 64, from step 20: 128"."""
+    if not v:
+        return "none"
+    return ", ".join(f"from step {_num(step)}: {_num(batch)}" for step, batch in v)
+
+
+def _json(v: Any) -> str:
+    return json.dumps(v, default=str, ensure_ascii=False)
+
+
+def _raw(v: Any) -> str:
+    """A setting as written: strings bare, everything else as compact JSON."""
+    return v if isinstance(v, str) else _json(v)
+
+
+def _label(key: str) -> str:
+    return key.replace("_", " ")
+
+
+# -- building blocks --------------------------------------------------------------------------
+
+Cell = str | tuple[str, str]  # text, or (text, CSS class); text is escaped here
+
+
+def _table(head: list[str] | None, rows: list[list[Cell]]) -> str:
+    def cell(tag: str, c: Cell) -> str:
+        text, cls = (c, "") if isinstance(c, str) else c
+        attr = f' class="{cls}"' if cls else ""
+        return f"<{tag}{attr}>{_e(text)}</{tag}>"
+
+    out = ["<table>"]
+    if head:
+        out.append("<tr>" + "".join(cell("th", h) for h in head) + "</tr>")
+    out += ["<tr>" + "".join(cell("td", c) for c in row) + "</tr>" for row in rows]
+    out.append("</table>")
+    return "\n".join(out)
+
+
+def _p(text: str, cls: str = "") -> str:
+    return f'<p class="{cls}">{_e(text)}</p>' if cls else f"<p>{_e(text)}</p>"
+
+
+def _mapping(obj: dict[str, Any]) -> str:
+    if not obj:
+        return _p("(empty)", "dim")
+    return _table(None, [[(k, "key mono"), (_raw(v), "mono")] for k, v in obj.items()])
+
+
+# -- the sections -----------------------------------------------------------------------------
+
+
+def _status(
+    summary: dict[str, Any] | None, metrics: list[dict[str, Any]], path: Path
+) -> tuple[str, str]:
+    last = metrics[-1].get("step") if metrics else None
+    if summary is None:
+        seen = f"metrics up to step {last}" if last is not None else "no metrics yet"
+        return f"not finished: no summary.json; {seen}", "warn"
+    steps = summary.get("steps")
+    at = f" at step {steps}" if steps is not None else ""
+    by = summary.get("stopped_by")
+    targets = summary.get("targets") if isinstance(summary.get("targets"), dict) else {}
+    if by is None or by == "length":
+        text, tone = f"finished: trained its full length, {_num(steps)} optimizer steps", "ok"
+    elif by in ("target_loss", "target_accuracy"):
+        t = targets.get(by) if isinstance(targets.get(by), dict) else {}
+        limit = f" ({_num(t['limit'])})" if t.get("limit") is not None else ""
+        when = t.get("step") if t.get("step") is not None else steps
+        text, tone = f"finished early: met {STOPS[by]}{limit} at step {_num(when)}", "ok"
+    elif by in STOPS:
+        t = targets.get(by) if isinstance(targets.get(by), dict) else {}
+        fmt = _bytes if by == "max_memory" else _seconds
+        limit = f" ({fmt(t['limit'])})" if t.get("limit") is not None else ""
+        text, tone = f"stopped by {STOPS[by]}{limit}{at}", "warn"
+    elif by == "guard":
+        text = f"stopped by the incident guard{at}: it gave up (see the incidents below)"
+        tone = "warn"
+    elif by == "signal":
+        text = f"stopped by a signal{at}; continue it with: gradaccum train --resume {path}"
+        tone = "warn"
+    else:
+        text, tone = f"stopped by {by}{at}", "warn"
+    if _is_number(last) and _is_number(steps) and last > steps:
+        # summary.json is from an earlier session; a later one trained on and did not finish
+        text += f" (an earlier session's summary: metrics.jsonl goes on to step {last})"
+        tone = "warn"
+    return text, tone
+
+
+SUMMARY_ROWS = {  # key: (label, formatter), in the page's order; held_out_* follow the losses
+    "steps": ("optimizer steps", _num),
+    "samples": ("samples seen", _num),
+    "items": ("items seen", _num),
+    "effective_batch_final": ("effective batch at the end", _num),
+    "seconds_this_session": ("time (this session)", _seconds),
+    "first_loss": ("train loss, first step", _num),
+    "final_train_loss": ("train loss, mean of the last 10 steps", _num),
+    "peak_memory": ("peak training memory", _bytes),
+    "device": ("device", _num),
+    "windows": ("windows", _num),
+    "skipped_windows": ("skipped windows", _num),
+    "oom_replays": ("out-of-memory replays", _num),
+    "incidents": ("incidents", _num),
+    "batch_changes": ("effective batch changes", _changes),
+    "noise_scale": ("gradient noise scale B_simple (items)", _num),
+    "noise_interval": ("its 90% interval", lambda v: " to ".join(map(_num, v)) if v else "—"),
+    "noise_advice": ("noise scale advice", _num),
+}
+SHOWN_ELSEWHERE = {"targets", "stopped_by"}
+
+
+def _summary(summary: dict[str, Any] | None, metrics: list[dict[str, Any]]) -> str:
+    if summary is None:
+        if not metrics:
+            return _p("no summary.json and no metrics yet", "dim")
+        last = metrics[-1]
+        return _p("no summary.json (the run did not finish); its last metrics line:", "dim") + (
+            _table(None, [[(_label(k), "key"), _num(v)] for k, v in last.items()])
+        )
+    rows: list[list[Cell]] = []
+    held_out = [k for k in summary if k.startswith("held_out_")]
+    for key, (label, fmt) in SUMMARY_ROWS.items():
+        if key in summary:
+            try:
+                value = fmt(summary[key])
+            except (TypeError, ValueError):  # an unexpected shape: show it as it is
+                value = _raw(summary[key])
+            rows.append([(label, "key"), value])
+        if key == "final_train_loss":
+            rows += [[("held-out " + _label(k[9:]), "key"), _num(summary[k])] for k in held_out]
+    known = set(SUMMARY_ROWS) | set(held_out) | SHOWN_ELSEWHERE
+    rows += [[(_label(k), "key"), _num(v)] for k, v in summary.items() if k not in known]
+    return _table(None, rows)
+
+
+def _targets(summary: dict[str, Any] | None) -> str | None:
+    targets = None if summary is None else summary.get("targets")
+    if targets is None:
+        return None  # a run from before targets existed, or an unfinished one
+    if not isinstance(targets, dict):
+        return _p(_raw(targets), "mono")
+    if all(isinstance(t, dict) and t.get("status") == "not set" for t in targets.values()):
+        return _p("no targets or limits were set", "dim")
+    order = [k for k in TARGETS if k in targets] + [k for k in targets if k not in TARGETS]
+    rows: list[list[Cell]] = []
+    extra_keys = {"limit", "status", "value", "step", "samples", "seconds"}
+    any_extra = False
+    for key in order:
+        t = targets[key]
+        label, kind = TARGETS.get(key, (_label(key), "number"))
+        if not isinstance(t, dict):
+            rows.append([(label, "key"), _raw(t), "", "", "", ""])
+            continue
+        fmt = {"bytes": _bytes, "seconds": _seconds}.get(kind, _num)
+        status = str(t.get("status", "—"))
+        tone = {"met": "ok", "within": "ok", "missed": "warn", "reached": "warn"}.get(status, "dim")
+        when = [
+            text
+            for text in (
+                f"step {_num(t['step'])}" if t.get("step") is not None else "",
+                f"{_num(t['samples'])} samples" if t.get("samples") is not None else "",
+                _seconds(t["seconds"]) if t.get("seconds") is not None else "",
+            )
+            if text
+        ]
+        extra = "\n".join(f"{k}: {_raw(v)}" for k, v in t.items() if k not in extra_keys)
+        any_extra = any_extra or bool(extra)
+        rows.append(
+            [
+                (label, "key"),
+                fmt(t.get("limit")),
+                (status, tone),
+                fmt(t.get("value")),
+                ", ".join(when) or "—",
+                (extra, "lines"),
+            ]
+        )
+    head = ["", "limit", "status", "value", "when"] + (["other"] if any_extra else [])
+    return _table(head, [r if any_extra else r[:5] for r in rows])
+
+
+INCIDENT_KEYS = ("step", "samples", "kind", "seen", "action", "rolled_back_to", "retry")
+
+
+def _incidents(incidents: list[dict[str, Any]], summary: dict[str, Any] | None) -> str:
+    counted = None if summary is None else summary.get("incidents")
+    if not incidents:
+        if _is_number(counted) and counted > 0:
+            return _p(f"summary.json counts {counted} incidents, but incidents.jsonl is missing")
+        return _p("no incidents")
+    rows: list[list[Cell]] = []
+    any_extra = False
+    for x in incidents:
+        samples = x.get("samples")
+        if isinstance(samples, list) and len(samples) == 2 and all(map(_is_number, samples)):
+            samples = f"[{samples[0]:,}, {samples[1]:,})"
+        seen = x.get("seen")
+        if isinstance(seen, dict):
+            seen = "\n".join(f"{k}: {_num(v)}" for k, v in seen.items())
+        back = x.get("rolled_back_to")
+        extra = "\n".join(f"{k}: {_raw(v)}" for k, v in x.items() if k not in INCIDENT_KEYS)
+        any_extra = any_extra or bool(extra)
+        rows.append(
+            [
+                _num(x.get("step")),
+                _raw(samples) if samples is not None else "—",
+                _num(x.get("kind")),
+                (_raw(seen) if seen is not None else "—", "lines mono"),
+                _num(x.get("action")),
+                f"step {_num(back)}" if back is not None else "no",
+                _num(x.get("retry")),
+                (extra, "lines mono"),
+            ]
+        )
+    head = ["step", "samples", "kind", "seen", "action", "rolled back to", "retry"]
+    if any_extra:
+        head.append("other")
+    return _table(head, [r if any_extra else r[:7] for r in rows])
+
+
+def _plots(path: Path) -> str:
+    names = [n for n in PLOTS if (path / n).is_file()]
+    names += sorted(p.name for p in path.glob("*.png") if p.is_file() and p.name not in PLOTS)
+    if not names:
+        return _p("no plots in the run folder", "dim")
+    out = ['<div class="plots">']
+    for name in names:
+        try:
+            data = (path / name).read_bytes()
+        except OSError as err:
+            out.append(_p(f"{name}: cannot read it ({err.strerror or err})", "dim"))
+            continue
+        if not data.startswith(PNG_SIGNATURE):
+            out.append(_p(f"{name} is not a PNG image; not shown", "dim"))
+            continue
+        alt = PLOTS.get(name, f"the plot {name} from the run folder")
+        src = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+        out.append(
+            f'<figure><img src="{src}" alt="{_e(alt)}">'
+            f"<figcaption>{_e(name)}: {_e(alt)}</figcaption></figure>"
+        )
+    return "\n".join(out + ["</div>"])
+
+
+def _resumes(resumes: list[dict[str, Any]]) -> str:
+    rows: list[list[Cell]] = []
+    for r in resumes:
+        changed = r.get("changed")
+        if isinstance(changed, dict):
+            text = "\n".join(
+                f"{k}: {_raw(v[0])} → {_raw(v[1])}"
+                if isinstance(v, list) and len(v) == 2
+                else f"{k}: {_raw(v)}"
+                for k, v in changed.items()
+            )
+            text = text or "nothing"
+        else:
+            text = _raw(changed)
+        extra = {k: v for k, v in r.items() if k not in ("step", "changed")}
+        if extra:
+            text += "\n" + "\n".join(f"{k}: {_raw(v)}" for k, v in extra.items())
+        rows.append([_num(r.get("step")), (text, "lines mono")])
+    return _table(["resumed at step", "what changed"], rows)

@@ -1,0 +1,286 @@
+"""The run report: one self-contained page from a real run folder, with every number where it
+belongs, nothing fetched from outside, every string escaped, and the CLI's exit statuses."""
+
+import base64
+import json
+import re
+import shutil
+from html.parser import HTMLParser
+
+import pytest
+import torch
+
+from gradaccum.cli import main
+from gradaccum.report import render, write_report
+from gradaccum.trainer import TrainConfig, train
+
+torch.set_num_threads(1)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+# Attributes that make a browser fetch or navigate somewhere.
+LINKS = {"src", "href", "action", "formaction", "poster", "data", "background", "srcset"}
+
+
+class Page(HTMLParser):
+    """The parts of a page the tests look at: tags with their attributes, table rows as
+    lists of cell texts, the status line, the title and the style sheet."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, dict]] = []
+        self.rows: list[list[str]] = []
+        self.title = self.status = self.style = ""
+        self._cell: list[str] | None = None
+        self._in = ""
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.tags.append((tag, attrs))
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+        elif tag in ("title", "style") or (tag == "p" and "status" in attrs.get("class", "")):
+            self._in = "status" if tag == "p" else tag
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self.rows[-1].append("".join(self._cell))
+            self._cell = None
+        elif tag in ("title", "style", "p"):
+            self._in = ""
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+        if self._in:
+            setattr(self, self._in, getattr(self, self._in) + data)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run = tmp_path_factory.mktemp("trained") / "digits-run"
+    cfg = TrainConfig(
+        recipe="digits",
+        steps=4,
+        micro_batch=16,
+        effective_batch=32,
+        eval_every=2,
+        checkpoint_every=2,
+        out=str(run),
+        noise_scale=False,
+    )
+    train(cfg, log=lambda *a, **k: None)
+    return run
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+    """A copy of the trained run folder that a test may change."""
+    copy = tmp_path / trained.name
+    shutil.copytree(trained, copy, ignore=shutil.ignore_patterns("checkpoint.pt", ".lock"))
+    return copy
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def test_the_page_holds_the_runs_numbers_and_its_plots(run):
+    summary = json.loads((run / "summary.json").read_text())
+    page = Page(render(run))
+    assert page.title == "gradaccum run digits-run"
+    assert page.status == "finished: trained its full length, 4 optimizer steps"
+    rows = page.rows
+    assert ["optimizer steps", "4"] in rows
+    assert ["samples seen", "128"] in rows
+    assert ["held-out loss", f"{summary['held_out_loss']:.4f}"] in rows
+    assert ["held-out accuracy", f"{summary['held_out_accuracy']:.4f}"] in rows
+    assert ["peak training memory", mib(summary["peak_memory"])] in rows
+    assert ["micro_size", "16"] in rows  # the plan
+    assert ["effective_batch", "32"] in rows and ["recipe", "digits"] in rows  # the config
+    assert ["lora", "null"] in rows
+
+    images = [attrs for tag, attrs in page.tags if tag == "img"]
+    plots = sorted(run.glob("*.png"))
+    assert len(plots) == 3 and len(images) == len(plots)
+    for attrs in images:
+        prefix = "data:image/png;base64,"
+        assert attrs["src"].startswith(prefix)
+        data = base64.b64decode(attrs["src"][len(prefix) :], validate=True)
+        assert data.startswith(PNG)
+        assert attrs.get("alt", "").strip()
+    embedded = {base64.b64decode(a["src"].split(",", 1)[1]) for a in images}
+    assert embedded == {p.read_bytes() for p in plots}
+
+
+def test_the_page_references_nothing_outside_itself(run):
+    text = render(run)
+    page = Page(text)
+    for tag, attrs in page.tags:
+        assert tag not in ("script", "link", "iframe", "object", "embed", "base"), tag
+        for name, value in attrs.items():
+            value = value or ""
+            if name in LINKS:
+                assert value.startswith(("data:", "#")), (tag, name, value[:80])
+            assert "url(" not in value, (tag, name, value)
+    assert not re.findall(r"url\(\s*['\"]?(?!data:)", page.style)
+    assert "@import" not in page.style
+    # Outside the embedded images (base64 may hold "//"), no address of any kind.
+    bare = re.sub(r"data:image/png;base64,[A-Za-z0-9+/=]+", "data:", text)
+    for marker in ("http:", "https:", "//", "ws:", "file:"):
+        assert marker not in bare, marker
+    # and the browser is told to fetch nothing, should anything slip in
+    csp = [a["content"] for t, a in page.tags if a.get("http-equiv") == "Content-Security-Policy"]
+    assert csp and "default-src 'none'" in csp[0] and "img-src data:" in csp[0]
+
+
+def test_targets_stop_incidents_and_unknown_keys_show_escaped(run):
+    summary = json.loads((run / "summary.json").read_text())
+    summary["stopped_by"] = "target_loss"
+    summary["incidents"] = 1
+    summary["future_field"] = "<b>bold</b>"
+    not_set = {"limit": None, "status": "not set", "value": None, "step": None}
+    summary["targets"] = {
+        "target_loss": {"limit": 2.0, "status": "met", "value": 1.9, "step": 3, "samples": 96,
+                        "seconds": 0.25},
+        "target_accuracy": not_set,
+        "max_time": {"limit": 3600, "status": "within", "value": 12.5, "step": None},
+        "max_memory": {"limit": 2**30, "status": "within", "value": 3 * 2**20, "step": None},
+    }  # fmt: skip
+    (run / "summary.json").write_text(json.dumps(summary))
+    incident = {
+        "step": 3,
+        "samples": [64, 96],
+        "kind": "loss spike",
+        "seen": {"loss": 9.5, "loss_median": 2.25, "loss_threshold": 6.0},
+        "action": "rolled back <script>alert(1)</script> & retried",
+        "rolled_back_to": 2,
+        "retry": 1,
+        "new_key": "<i>x</i>",
+    }
+    (run / "incidents.jsonl").write_text(json.dumps(incident) + "\n")
+
+    text = render(run)
+    assert "<script>" not in text and "<b>bold</b>" not in text and "<i>x</i>" not in text
+    assert "rolled back &lt;script&gt;alert(1)&lt;/script&gt; &amp; retried" in text
+    page = Page(text)
+    assert not [t for t, _ in page.tags if t in ("script", "b", "i")]
+    assert page.status == "finished early: met the loss target (2.0000) at step 3"
+    rows = page.rows
+    assert ["", "limit", "status", "value", "when"] in rows
+    assert ["target loss", "2.0000", "met", "1.9000", "step 3, 96 samples, 0.2 s"] in rows
+    assert ["target accuracy", "—", "not set", "—", "—"] in rows
+    assert ["time limit", "1 h 00 min", "within", "12.5 s", "—"] in rows
+    assert ["memory limit", "1.0 GiB", "within", "3.0 MiB", "—"] in rows
+    head = ["step", "samples", "kind", "seen", "action", "rolled back to", "retry", "other"]
+    assert head in rows
+    row = rows[rows.index(head) + 1]
+    assert row[:3] == ["3", "[64, 96)", "loss spike"]
+    assert row[3] == "loss: 9.5000\nloss_median: 2.2500\nloss_threshold: 6.0000"
+    assert row[4:] == [incident["action"], "step 2", "1", "new_key: <i>x</i>"]
+    assert ["future field", "<b>bold</b>"] in rows  # unknown keys are shown, not dropped
+    assert ["incidents", "1"] in rows
+
+
+@pytest.mark.parametrize(
+    "stopped_by, status",
+    [
+        ("guard", "stopped by the incident guard at step 4: it gave up (see the incidents below)"),
+        ("max_time", "stopped by its time limit (10.0 s) at step 4"),
+        ("length", "finished: trained its full length, 4 optimizer steps"),
+        ("something new", "stopped by something new at step 4"),
+    ],
+)
+def test_the_status_line_names_what_stopped_the_run(run, stopped_by, status):
+    summary = json.loads((run / "summary.json").read_text())
+    summary["stopped_by"] = stopped_by
+    summary["targets"] = {"max_time": {"limit": 10.0, "status": "reached", "value": 10.2}}
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert Page(render(run)).status == status
+
+
+def test_an_unfinished_run_and_a_resume(run):
+    (run / "summary.json").unlink()
+    (run / "metrics.jsonl").write_text(
+        (run / "metrics.jsonl").read_text() + '{"step": 5, "loss": 1.'  # a crash's half line
+    )
+    (run / "resumes.jsonl").write_text(json.dumps({"step": 2, "changed": {"steps": [2, 4]}}))
+    page = Page(render(run))
+    assert page.status == "not finished: no summary.json; metrics up to step 4"
+    assert ["step", "4"] in page.rows  # the last whole metrics line stands in for the summary
+    assert ["resumed at step", "what changed"] in page.rows
+    assert ["2", "steps: 2 → 4"] in page.rows
+
+
+def test_no_incidents_and_no_targets_say_so(run):
+    summary = json.loads((run / "summary.json").read_text())
+    for key in ("targets", "stopped_by", "incidents"):  # as a run from before they existed
+        summary.pop(key, None)
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "incidents.jsonl").unlink(missing_ok=True)
+    text = render(run)
+    assert "<p>no incidents</p>" in text
+    assert 'id="targets"' not in text  # no section at all
+    assert Page(text).status == "finished: trained its full length, 4 optimizer steps"
+    not_set = {"limit": None, "status": "not set", "value": None}
+    summary["targets"] = {"target_loss": not_set, "max_time": not_set}
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert '<p class="dim">no targets or limits were set</p>' in render(run)
+
+
+def test_damaged_files_are_one_line_errors_naming_the_file(run):
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([lines[0], "{oops", *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl line 2 is not valid JSON") as err:
+        render(run)
+    assert "\n" not in str(err.value)
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (run / "summary.json").write_text('{"steps": 4,')
+    with pytest.raises(ValueError, match=r"summary\.json is not valid JSON") as err:
+        render(run)
+    assert "\n" not in str(err.value)
+    (run / "summary.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"summary\.json holds list, not a JSON object"):
+        render(run)
+
+
+def test_no_run_there(tmp_path):
+    with pytest.raises(ValueError, match=r"holds no gradaccum run \(no config\.json\)"):
+        render(tmp_path)
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"file\.txt is a file, not a folder"):
+        render(tmp_path / "file.txt")
+    with pytest.raises(ValueError, match=r"missing does not exist"):
+        render(tmp_path / "missing")
+
+
+def test_write_report_default_and_out(run, tmp_path):
+    written = write_report(run)
+    assert written == run / "report.html"
+    assert written.read_text() == render(run)
+    elsewhere = write_report(run, tmp_path / "elsewhere.html")
+    assert elsewhere.read_text() == written.read_text()
+    assert not list(tmp_path.glob("*.tmp")) and not list(run.glob("*.tmp"))
+    with pytest.raises(ValueError, match=r"folder .*no-such-folder does not exist"):
+        write_report(run, tmp_path / "no-such-folder" / "r.html")
+
+
+def test_cli_report(run, tmp_path, capsys):
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == str(run / "report.html")
+    assert Page((run / "report.html").read_text()).title == "gradaccum run digits-run"
+    assert main(["report", str(run), "--out", str(tmp_path / "r.html")]) == 0
+    assert (tmp_path / "r.html").is_file()
+    capsys.readouterr()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["report", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("gradaccum: error: ")
+    assert str(empty) in err and "config.json" in err
+    assert not (empty / "report.html").exists()
