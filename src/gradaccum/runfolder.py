@@ -5,7 +5,10 @@
     resumes.jsonl   one line per resume: the step it resumed at and what it changed
     metrics.jsonl   one line per optimizer step, cut back to the checkpoint's step on resume
     checkpoint.pt   at window boundaries (torch.load(..., weights_only=True)), written atomically
-    summary.json, loss.png, memory.png    the report at the end
+    checkpoints/    with the incident guard: the last K checkpoints, step-N.pt, to roll back to
+    incidents.jsonl one line per incident the guard found: what it saw and what it did
+    tensorboard/    TensorBoard event files (when the tensorboard package is installed)
+    summary.json, loss.png, memory.png, batch.png, report.html    the report at the end
     .lock           held while a process trains here
 
 A folder is new (missing or empty), a run (it holds config.json), or something else, which
@@ -22,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,7 @@ __all__ = ["CHECKPOINT_FORMAT", "RunFolder"]
 CHECKPOINT_FORMAT = "gradaccum.run/1"
 CONFIG, PLAN, RESUMES = "config.json", "plan.json", "resumes.jsonl"
 METRICS, CHECKPOINT, LOCK = "metrics.jsonl", "checkpoint.pt", ".lock"
+KEPT, INCIDENTS = "checkpoints", "incidents.jsonl"
 
 
 class RunFolder:
@@ -133,9 +138,12 @@ class RunFolder:
     def save_checkpoint(self, state: dict[str, Any]) -> None:
         self._write(CHECKPOINT, lambda tmp: torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp))
 
-    def load_checkpoint(self, device: torch.device) -> dict[str, Any] | None:
-        """The checkpoint, or None when the run stopped before its first one."""
-        file = self.path / CHECKPOINT
+    def load_checkpoint(
+        self, device: torch.device, file: Path | None = None
+    ) -> dict[str, Any] | None:
+        """The checkpoint (checkpoint.pt, or ``file``), or None when the run stopped before
+        its first one."""
+        file = file or self.path / CHECKPOINT
         if not file.exists():
             return None
         try:
@@ -153,6 +161,35 @@ class RunFolder:
         if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{file} is not a gradaccum run checkpoint")
         return saved
+
+    def keep_checkpoint(self, step: int, keep: int) -> None:
+        """Keep checkpoint.pt as checkpoints/step-N.pt (a hard link, so no second copy while
+        both exist; a copy where links are not supported), and only the last ``keep``."""
+        kept = self.path / KEPT
+        target = kept / f"step-{step:08d}.pt"
+        tmp = target.with_name(target.name + ".tmp")
+        try:
+            kept.mkdir(exist_ok=True)
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(self.path / CHECKPOINT, tmp)
+            except OSError:
+                shutil.copyfile(self.path / CHECKPOINT, tmp)
+            os.replace(tmp, target)
+            for _, old in self.kept_checkpoints()[:-keep]:
+                old.unlink()
+        except OSError as err:
+            raise ValueError(f"cannot keep a checkpoint in {kept}: {_reason(err)}") from None
+
+    def kept_checkpoints(self) -> list[tuple[int, Path]]:
+        """(step, file) of the kept checkpoints, oldest first."""
+        found = []
+        for file in (self.path / KEPT).glob("step-*.pt"):
+            try:
+                found.append((int(file.stem[5:]), file))
+            except ValueError:
+                continue
+        return sorted(found)
 
     # -- metrics ------------------------------------------------------------------------------
 
@@ -176,7 +213,13 @@ class RunFolder:
             raise ValueError(f"cannot write {file}: {_reason(err)}") from None
 
     def metrics(self) -> list[dict[str, Any]]:
-        file = self.path / METRICS
+        return self.lines(METRICS)
+
+    def lines(self, name: str) -> list[dict[str, Any]]:
+        """A .jsonl file's objects; none when it does not exist."""
+        file = self.path / name
+        if not file.exists():
+            return []
         return [json.loads(x) for x in file.read_text().splitlines() if x.strip()]
 
 

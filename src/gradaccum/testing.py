@@ -9,7 +9,7 @@ import torch
 
 from gradaccum.batching import batch_size
 
-__all__ = ["inject_oom"]
+__all__ = ["corrupt_samples", "inject_oom"]
 
 
 def inject_oom(loss_fn: Callable[..., Any], max_fitting_size: int) -> Callable[..., Any]:
@@ -27,3 +27,46 @@ def inject_oom(loss_fn: Callable[..., Any], max_fitting_size: int) -> Callable[.
         return loss_fn(model, micro_batch)
 
     return wrapped
+
+
+def corrupt_samples(
+    ranges: list[tuple[int, int]], kind: str = "labels", factor: float = 100.0, seed: int = 0
+) -> Callable[[int, Any], Any]:
+    """A ``faults`` hook for ``gradaccum.trainer.train``: the samples of the stream whose
+    positions fall in ``ranges`` ([first, end) each) are damaged, as bad data would be.
+    ``kind`` "labels" draws a wrong label for each (a classifier's class, or every token of
+    a language model's labels); "scale" multiplies float inputs by ``factor``."""
+    if kind not in ("labels", "scale"):
+        raise ValueError(f"kind must be 'labels' or 'scale', got {kind!r}")
+
+    def hook(position: int, batch: Any) -> Any:
+        n = batch_size(batch)
+        hit = torch.tensor(
+            [any(a <= position + i < b for a, b in ranges) for i in range(n)], dtype=torch.bool
+        )
+        if not hit.any():
+            return batch
+        gen = torch.Generator().manual_seed(seed * 7919 + position)
+        if isinstance(batch, dict):
+            batch = dict(batch)
+            if kind == "labels":
+                labels = batch["labels"].clone()
+                high = int(batch["labels"].max()) + 1
+                noise = torch.randint(0, max(high, 2), labels[hit].shape, generator=gen)
+                labels[hit] = noise
+                batch["labels"] = labels
+            else:
+                raise ValueError("kind 'scale' needs float inputs; a token batch has none")
+            return batch
+        x, y = batch
+        if kind == "labels":
+            classes = int(y.max()) + 1
+            y = y.clone()
+            shift = torch.randint(1, max(classes, 2), y[hit].shape, generator=gen)
+            y[hit] = (y[hit] + shift) % max(classes, 2)  # never the right class
+        else:
+            x = x.clone()
+            x[hit] = x[hit] * factor
+        return x, y
+
+    return hook

@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from gradaccum import launch
+from gradaccum import launch, plots
 from gradaccum.batching import batch_size, shard, split, to_device
 from gradaccum.engine import Accumulator
+from gradaccum.guard import Incident, IncidentGuard
 from gradaccum.measure import fresh_process_verifier
 from gradaccum.memory import TrainingMemory, format_bytes, parse_bytes
 from gradaccum.noise import NoiseScale, advice
@@ -42,8 +43,9 @@ from gradaccum.precision import PRECISIONS
 from gradaccum.recipes import RECIPES, Recipe, get_recipe, hf_recipe
 from gradaccum.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
 from gradaccum.recompute import enable_checkpointing
-from gradaccum.runfolder import CHECKPOINT, CONFIG, METRICS, PLAN, RESUMES, RunFolder
+from gradaccum.runfolder import CHECKPOINT, CONFIG, INCIDENTS, METRICS, PLAN, RESUMES, RunFolder
 from gradaccum.schedule import LR_RULES, BatchSchedule, lr_factor, schedule_problems
+from gradaccum.targets import Targets, parse_seconds
 from gradaccum.validate import int_problem, invalid_configuration
 
 __all__ = ["Interrupted", "TrainConfig", "train"]
@@ -198,6 +200,61 @@ class TrainConfig:
     )
     eval_every: int = field(default=50, metadata={"help": "held-out evaluation every N steps"})
     checkpoint_every: int = field(default=50, metadata={"help": "checkpoint every N steps"})
+    keep_checkpoints: int = field(
+        default=2,
+        metadata={
+            "help": "with the guard, keep the last K checkpoints under checkpoints/ (hard "
+            "links: no extra space while they are also checkpoint.pt)",
+            "metavar": "K",
+        },
+    )
+    guard: bool = field(
+        default=True,
+        metadata={
+            "help": "the incident guard: a window whose loss or gradient norm is far above "
+            "the recent ones, or a run of skipped windows, rolls the run back to its last "
+            "checkpoint and skips those windows' samples (incidents.jsonl); --no-guard "
+            "turns it off"
+        },
+    )
+    target_loss: float | None = field(
+        default=None,
+        metadata={
+            "help": "stop when the held-out loss reaches this (checked at each evaluation: "
+            "--eval-every)",
+            "metavar": "LOSS",
+        },
+    )
+    target_accuracy: float | None = field(
+        default=None,
+        metadata={
+            "help": "stop when the held-out accuracy reaches this, in (0, 1] (recipes that "
+            "measure accuracy: digits)",
+            "metavar": "ACC",
+        },
+    )
+    max_time: str | None = field(
+        default=None,
+        metadata={
+            "help": "stop after this much training time over all sessions of the run: "
+            "seconds, or 90s, 15m, 2h",
+            "metavar": "TIME",
+        },
+    )
+    max_memory: str | None = field(
+        default=None,
+        metadata={
+            "help": "stop if the peak training memory reaches this: bytes or 2GiB, 1500MB, ...",
+            "metavar": "BYTES",
+        },
+    )
+    tensorboard: bool = field(
+        default=True,
+        metadata={
+            "help": "write TensorBoard event files under RUN/tensorboard when the tensorboard "
+            "package is installed; --no-tensorboard turns them off"
+        },
+    )
     out: str | None = field(
         default=None, metadata={"help": "run folder (default: runs/RECIPE-TIME)", "metavar": "DIR"}
     )
@@ -265,6 +322,8 @@ class TrainConfig:
             out.append(f"lr_scaling must be one of {', '.join(LR_RULES)}, got {self.lr_scaling!r}")
         positive_int("eval_every")
         positive_int("checkpoint_every")
+        positive_int("keep_checkpoints")
+        out.extend(self._target_problems())
         positive_int("warmup_steps", minimum=0)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             out.append(f"seed must be an integer, got {self.seed!r}")
@@ -315,6 +374,48 @@ class TrainConfig:
             out.append(f"recipe must be one of {', '.join(sorted(RECIPES))}, got {self.recipe!r}")
         return out
 
+    def _target_problems(self) -> list[str]:
+        out = []
+        for name, low, high in (("target_loss", None, None), ("target_accuracy", 0, 1)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or (low is not None and not low < value <= high)
+            ):
+                what = "a number in (0, 1]" if low is not None else "a finite number"
+                out.append(f"{name} must be {what}, got {value!r}")
+        if self.target_accuracy is not None:
+            recipe = RECIPES.get(self.recipe)
+            if self.hf_model or self.data or recipe is None or "accuracy" not in recipe.metrics:
+                measured = [n for n, r in sorted(RECIPES.items()) if "accuracy" in r.metrics]
+                out.append(
+                    "target_accuracy needs a recipe whose evaluation measures accuracy "
+                    f"({', '.join(measured)}); this run measures held-out loss: use --target-loss"
+                )
+        if self.max_time is not None:
+            try:
+                parse_seconds(self.max_time)
+            except ValueError as err:
+                out.append(f"max_time: {err}")
+        if self.max_memory is not None:
+            try:
+                parse_bytes(self.max_memory)
+            except (ValueError, TypeError) as err:
+                out.append(f"max_memory: {err}")
+        return out
+
+    def targets(self) -> Targets:
+        return Targets(
+            target_loss=self.target_loss,
+            target_accuracy=self.target_accuracy,
+            max_time=None if self.max_time is None else parse_seconds(self.max_time),
+            max_memory=None if self.max_memory is None else parse_bytes(self.max_memory),
+        )
+
 
 class Interrupted(Exception):  # noqa: N818 - it is a stop, not an error
     """Training stopped on a signal (SIGINT, SIGTERM, SIGHUP) or a closed output pipe, after
@@ -330,6 +431,7 @@ class Interrupted(Exception):  # noqa: N818 - it is a stop, not an error
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+GUARD_RETRIES = 3  # rollbacks in a row (no checkpoint between) before the guard stops the run
 # What a resumed run may change: how long it trains and how it reports. Everything else
 # defines the run and must stay as it was (a different run belongs in its own folder).
 RESUMABLE = (
@@ -341,6 +443,12 @@ RESUMABLE = (
     "noise_scale",
     "export_every",
     "merge_lora",
+    "keep_checkpoints",
+    "target_loss",
+    "target_accuracy",
+    "max_time",
+    "max_memory",
+    "tensorboard",
 )
 
 
@@ -429,6 +537,12 @@ class _Run:
     start: int  # the step this session began at
     total_steps: int | None
     total_samples: int | None
+    targets: Targets = field(default_factory=Targets)
+    guard: IncidentGuard | None = None
+    skips: list[list[int]] = field(default_factory=list)  # [first, end) samples set aside
+    retries: int = 0  # rollbacks since the last regular checkpoint
+    elapsed: float = 0.0  # training seconds over all sessions, as of the last window
+    stopped_by: str = "length"
 
     @property
     def main(self) -> bool:
@@ -442,6 +556,15 @@ class _Run:
 
     def done(self) -> bool:
         return self.progress() >= 1
+
+    def skip_ahead(self) -> None:
+        """A window that would begin at samples the guard set aside begins after them."""
+        moved = True
+        while moved:
+            moved = False
+            for first, end in self.skips:
+                if first <= self.schedule.samples < end:
+                    self.schedule.samples, moved = end, True
 
     def next_size(self) -> int:
         """The next window's samples: the schedule's, cut to what the run has left."""
@@ -473,10 +596,13 @@ class _Run:
         return f"{self.total_steps} steps"
 
 
-def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
+def train(cfg: TrainConfig, *, log=print, faults=None) -> dict[str, Any]:
     """Run (or resume) a training run; returns the summary. Raises ``Interrupted`` after
     checkpointing on SIGINT/SIGTERM/SIGHUP or a closed output pipe, ValueError on bad
-    configuration or an unusable run folder (one line each)."""
+    configuration or an unusable run folder (one line each).
+
+    ``faults``: for tests of the incident guard only, ``faults(position, batch) -> batch``
+    may damage the samples of chosen windows (see ``gradaccum.testing.corrupt_samples``)."""
     problems = cfg.problems()
     if problems:
         raise ValueError(invalid_configuration(problems))
@@ -488,7 +614,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     run = _build(cfg, rank, world, log)
     try:
         began = time.perf_counter()
-        _loop(run, log, stop)
+        _loop(run, log, stop, faults)
         if not run.main:
             return {"rank": rank}
         return _report(run, log, time.perf_counter() - began)
@@ -613,7 +739,10 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     )
     if saved is not None:
         acc.load_state_dict(saved["accumulator"])
-    return _Run(
+    guard = IncidentGuard() if cfg.guard else None
+    if guard is not None and saved is not None and saved.get("guard") is not None:
+        guard.load_state_dict(saved["guard"])
+    run = _Run(
         cfg,
         folder,
         rank,
@@ -631,7 +760,16 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         schedule.step,
         total_steps,
         total_samples,
+        targets=cfg.targets(),
+        guard=guard,
     )
+    if saved is not None:
+        run.skips = [list(r) for r in saved.get("skips", [])]
+        run.retries = int(saved.get("retries", 0))
+        run.elapsed = float(saved.get("elapsed", 0.0))
+        run.targets.observed = dict(saved.get("targets", {}))
+    run.skip_ahead()
+    return run
 
 
 def _constant_schedule_state(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, Any]:
@@ -763,9 +901,10 @@ def _plan_info(cfg, model, optimizer, recipe, device, main, world, log) -> dict[
     return info
 
 
-def _loop(run: _Run, log, stop: list[int]) -> None:
+def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
     """Window by window from the run's position: a metrics line per step, a checkpoint every
-    checkpoint_every steps, at the end, and at the boundary after a stop was asked for."""
+    checkpoint_every steps, at the end, and at the boundary after a stop was asked for or a
+    target was met; with the guard, a rollback after each incident."""
     cfg, folder, schedule = run.cfg, run.folder, run.schedule
     windows = math.ceil(math.ceil(cfg.effective_batch / run.world) / run.micro)
     across = f" on each of {run.world} processes" if run.world > 1 else ""
@@ -775,11 +914,19 @@ def _loop(run: _Run, log, stop: list[int]) -> None:
         + ("" if schedule.kind == "constant" else f"; schedule: {schedule.describe()}")
         + f"; {run.data.epoch_samples():,} samples per epoch; run folder {folder.path}"
     )
+    if run.targets.describe():
+        log(f"targets: {run.targets.describe()}")
     previous = {s: signal.signal(s, lambda signum, _: stop.append(signum)) for s in STOP_SIGNALS}
     memory = TrainingMemory(run.model, run.device)
     bar = _progress(run) if run.main else None
     metrics = folder.open_metrics(run.start) if run.main else open(os.devnull, "w")
+    events = _events(run, log)
     began, items, last = time.perf_counter(), 0, run.start
+    before = run.elapsed  # training seconds of earlier sessions
+    # (step, first sample, end sample) of the latest windows: what an incident blames
+    recent: list[tuple[int, int, int]] = []
+    if run.guard is not None and not folder.kept_checkpoints() and run.main:
+        _checkpoint(run, run.start, last)  # something to roll back to from the first window
     try:
         while not run.done():
             t0 = time.perf_counter()
@@ -787,7 +934,10 @@ def _loop(run: _Run, log, stop: list[int]) -> None:
             lr = run.lr(size)
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
-            batch = run.data.batch(schedule.samples, size)
+            first = schedule.samples
+            batch = run.data.batch(first, size)
+            if faults is not None:
+                batch = faults(first, batch)
             samples = batch_size(batch)  # fewer than size at the end of an epoch
             if run.world > 1:
                 batch = shard(batch, run.rank, run.world)
@@ -799,6 +949,29 @@ def _loop(run: _Run, log, stop: list[int]) -> None:
                 # Each rank reads the noise off its own prefixes: rank 0's decision holds.
                 schedule.current = launch.main_int(schedule.current)
             step = schedule.step
+            recent = [*recent[-20:], (step, first, first + samples)]
+            run.elapsed = before + time.perf_counter() - began
+            # The loss and gradient norm are global, so every rank judges alike.
+            incident = (
+                None
+                if run.guard is None
+                else run.guard.check(result.loss, result.grad_norm, result.skipped is not None)
+            )
+            if incident is not None:
+                gave_up = _rollback(run, incident, recent[-incident.windows :], log)
+                metrics.close()
+                metrics = folder.open_metrics(schedule.step) if run.main else open(os.devnull, "w")
+                if events is not None:
+                    events.restart(schedule.step)
+                if bar is not None:
+                    bar.n = schedule.samples if run.total_samples is not None else schedule.step
+                    bar.refresh()
+                recent, last = [], schedule.step
+                if gave_up:
+                    run.stopped_by = "guard"
+                    break
+                continue
+            run.skip_ahead()
             items += result.count
             interval = result.noise_interval or (None, None)
             line = {
@@ -809,6 +982,7 @@ def _loop(run: _Run, log, stop: list[int]) -> None:
                 "lr": lr,
                 "grad_norm": result.grad_norm,
                 "count": result.count,
+                "micro_batches": result.micro_batches,
                 "seconds": time.perf_counter() - t0,
                 "peak_memory": memory.peak(),
                 "skipped": result.skipped,
@@ -818,27 +992,123 @@ def _loop(run: _Run, log, stop: list[int]) -> None:
                 "noise_high": interval[1],
             }
             end = run.done()
-            if run.main and (step % cfg.eval_every == 0 or end):
+            limit = run.targets.limit_reached(run.elapsed, line["peak_memory"])
+            if run.main and (step % cfg.eval_every == 0 or end or limit):
                 evaluated = run.data.evaluate(run.model, run.micro)
                 line.update({f"eval_{k}": v for k, v in evaluated.items()})
+            hit = run.targets.check(line, run.elapsed) if run.main else None
             _write_line(metrics, line, folder, last)
+            if events is not None:
+                events.write(line, run.acc.state)
             rate = items / max(time.perf_counter() - began, 1e-9)
             _report_step(bar, log, line, rate, run, progress)
-            if run.world > 1 and launch.any_rank(bool(stop)) and not stop:
-                stop.append(signal.SIGTERM)  # another rank was signalled: stop together
-            if stop or step % cfg.checkpoint_every == 0 or end:
+            if run.world > 1:
+                hit = launch.broadcast(hit)  # rank 0 evaluates: its verdict stops every rank
+                if launch.any_rank(bool(stop)) and not stop:
+                    stop.append(signal.SIGTERM)  # another rank was signalled: stop together
+            if stop or hit or step % cfg.checkpoint_every == 0 or end:
+                run.retries = 0  # the windows up to here passed the guard
                 _checkpoint(run, step, last)
                 last = step
-            if cfg.export_every and step % cfg.export_every == 0 or end:
+            if cfg.export_every and step % cfg.export_every == 0 or end or hit:
                 _export(run, log)
             if stop:
                 raise Interrupted(step, folder.path, stop[0])
+            if hit:
+                run.stopped_by = hit
+                log(f"stopping at step {step}: {_hit_text(run.targets, hit)}")
+                break
     finally:
         metrics.close()
+        if events is not None:
+            events.close()
         if bar is not None:
             bar.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _hit_text(targets: Targets, name: str) -> str:
+    seen = targets.observed[name]["value"]
+    if name == "target_loss":
+        return f"held-out loss {seen:.4f} <= target {targets.target_loss:g}"
+    if name == "target_accuracy":
+        return f"held-out accuracy {seen:.4f} >= target {targets.target_accuracy:g}"
+    if name == "max_time":
+        return f"{seen:.1f} s of training reached --max-time ({targets.max_time:g} s)"
+    return (
+        f"peak memory {format_bytes(seen)} reached --max-memory "
+        f"({format_bytes(targets.max_memory or 0)})"
+    )
+
+
+def _events(run: _Run, log):
+    """The TensorBoard writer (rank 0, when asked for and installed), else None."""
+    from gradaccum import events
+
+    if not (run.main and run.cfg.tensorboard):
+        return None
+    if not events.available():
+        log(
+            "TensorBoard: the tensorboard package is not installed, so no event files "
+            "(pip install 'gradaccum[tensorboard]'); metrics.jsonl has every number"
+        )
+        return None
+    return events.EventLog(run.folder.path, run.start, run.cfg.max_grad_norm or None)
+
+
+def _rollback(run: _Run, incident: Incident, blamed: list[tuple[int, int, int]], log) -> bool:
+    """Back to the newest kept checkpoint from before the blamed windows, their samples set
+    aside, the incident recorded. Returns True when the guard gives up: after as many
+    rollbacks in a row as GUARD_RETRIES without a checkpoint between, the run stops there."""
+    step = blamed[-1][0]
+    kept = [(s, f) for s, f in run.folder.kept_checkpoints() if s < blamed[0][0]]
+    if not kept:  # cannot happen while the folder is intact: the run keeps its first state
+        raise ValueError(
+            f"the incident guard found a {incident.kind} at step {step} but {run.folder.path} "
+            "holds no kept checkpoint to roll back to; resume with --no-guard"
+        )
+    back, file = kept[-1]
+    saved = run.folder.load_checkpoint(run.device, file)
+    run.acc.load_state_dict(saved["accumulator"])
+    run.schedule.load_state_dict(saved["schedule"])
+    if saved.get("guard") is not None:
+        run.guard.load_state_dict(saved["guard"])
+    run.targets.observed = dict(saved.get("targets", {}))
+    gave_up = run.retries >= GUARD_RETRIES
+    span = [blamed[0][1], blamed[-1][2]]
+    if gave_up:
+        action = (
+            f"stopped: {run.retries} rollbacks in a row did not get past it; the run is back "
+            f"at step {back}, its last good checkpoint"
+        )
+    else:
+        run.retries += 1
+        for _, first, end in blamed:
+            if [first, end] not in run.skips:
+                run.skips.append([first, end])
+        run.skip_ahead()
+        action = (
+            f"rolled back to step {back}; samples {span[0]:,} to {span[1]:,} set aside "
+            f"(rollback {run.retries} of at most {GUARD_RETRIES} in a row)"
+        )
+    if run.main:
+        # The checkpoint again, now with the samples set aside: a resumed run decides alike.
+        _checkpoint(run, back, back)
+        seen = {k: round(v, 6) for k, v in incident.seen.items()}
+        record = {
+            "step": step,
+            "samples": span,
+            "kind": incident.kind,
+            "seen": seen,
+            "action": action,
+            "rolled_back_to": back,
+            "retry": run.retries,
+        }
+        run.folder.append_line(INCIDENTS, record)
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in incident.seen.items())
+    log(f"incident at step {step}: {incident.kind} ({shown}); {action}")
+    return gave_up
 
 
 def _write_line(metrics, line: dict[str, Any], folder: RunFolder, last: int) -> None:
@@ -860,9 +1130,16 @@ def _checkpoint(run: _Run, step: int, last: int) -> None:
         "signature": run.signature,
         "schedule": run.schedule.state_dict(),
         "accumulator": run.acc.state_dict(),
+        "guard": None if run.guard is None else run.guard.state_dict(),
+        "skips": run.skips,
+        "retries": run.retries,
+        "elapsed": run.elapsed,
+        "targets": run.targets.observed,
     }
     try:
         run.folder.save_checkpoint(state)
+        if run.guard is not None:
+            run.folder.keep_checkpoint(step, run.cfg.keep_checkpoints)
     except ValueError as err:
         raise ValueError(_stopped(run.folder, str(err), last)) from None
 
@@ -912,11 +1189,12 @@ def _report(run: _Run, log, seconds: float) -> dict[str, Any]:
     last_eval = {}
     if lines:
         last_eval = {k[5:]: v for k, v in lines[-1].items() if k.startswith("eval_")}
-    if run.schedule.step == run.start:
+    if run.schedule.step == run.start and run.stopped_by == "length":
         log(f"{out} already trained {run.length()}; nothing to do")
-        if not last_eval:
-            last_eval = run.data.evaluate(run.model, run.micro)
+    if not last_eval:  # nothing trained, or the guard stopped the run at a rollback
+        last_eval = run.data.evaluate(run.model, run.micro)
     summary = _summarize(lines, acc, last_eval, seconds, run.device)
+    incidents = run.folder.lines(INCIDENTS)
     schedule = run.schedule
     reading = None if acc.noise is None else acc.noise.reading()
     # B_simple is in items (tokens for the language models); the batch is in samples.
@@ -929,10 +1207,17 @@ def _report(run: _Run, log, seconds: float) -> dict[str, Any]:
             "noise_scale": None if reading is None else reading.value,
             "noise_interval": None if reading is None else reading.interval,
             "noise_advice": advice(batch_items, reading),
+            "run_folder": str(out),
+            "stopped_by": run.stopped_by,
+            "targets": run.targets.summary(),
+            "incidents": len(incidents),
         }
     )
     run.folder.write_json("summary.json", summary)
-    _plots(out, lines)
+    plots.draw(out, lines, incidents)
+    from gradaccum.report import write_report
+
+    write_report(out)
     log(_summary_table(summary))
     if cfg.noise_scale:
         log(summary["noise_advice"])
@@ -1007,76 +1292,31 @@ def _summary_table(s: dict[str, Any]) -> str:
         ("peak training memory", format_bytes(s["peak_memory"])),
         ("skipped windows", s["skipped_windows"]),
         ("out-of-memory replays", s["oom_replays"]),
+        ("incidents (rolled back)", s["incidents"]),
+        ("stopped by", _STOPPED[s["stopped_by"]]),
+        *[
+            (name.replace("_", " "), _target_text(t))
+            for name, t in s["targets"].items()
+            if t["status"] != "not set"
+        ],
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(["", "summary", "-" * (width + 24)] + [f"{k:<{width}}  {v}" for k, v in rows])
 
 
-def _plots(out: Path, lines: list[dict[str, Any]]) -> None:
-    import matplotlib  # imported here: slow to import, and only the end of a run plots
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [x["step"] for x in lines if x["loss"] is not None]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot(steps, [x["loss"] for x in lines if x["loss"] is not None], label="train (window)")
-    evals = [x for x in lines if "eval_loss" in x]
-    if evals:
-        ax.plot(
-            [x["step"] for x in evals],
-            [x["eval_loss"] for x in evals],
-            marker="o",
-            label="held-out",
-        )
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss per item")
-    ax.set_title(f"{out.name}: loss")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot([x["step"] for x in lines], [x["peak_memory"] / 2**20 for x in lines])
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("peak training memory so far (MiB)")
-    ax.set_title(f"{out.name}: memory")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "memory.png", dpi=110)
-    plt.close(fig)
-    _batch_plot(plt, out, lines)
+_STOPPED = {
+    "length": "its length (trained all it was asked)",
+    "target_loss": "--target-loss met",
+    "target_accuracy": "--target-accuracy met",
+    "max_time": "--max-time reached",
+    "max_memory": "--max-memory reached",
+    "guard": "the incident guard (see incidents.jsonl)",
+}
 
 
-def _batch_plot(plt, out: Path, lines: list[dict[str, Any]]) -> None:
-    """batch.png: the effective batch of each window against B_simple and its interval, both
-    in items, over the samples seen."""
-    seen = [x.get("samples", x["step"]) for x in lines]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.step(seen, [x["count"] for x in lines], where="pre", label="effective batch (items)")
-    noise = [(n, x) for n, x in zip(seen, lines, strict=True) if x.get("noise_scale")]
-    # A log scale down to a tenth of the smallest value shown: an interval reaching 0 is
-    # drawn to the bottom edge rather than stretching the axis to nothing.
-    shown = [x["count"] for x in lines if x["count"]] + [x["noise_scale"] for _, x in noise]
-    bottom = 0.1 * min(shown, default=1)
-    if noise:
-        at = [n for n, _ in noise]
-        ax.plot(at, [x["noise_scale"] for _, x in noise], label="B_simple")
-        ax.fill_between(
-            at,
-            [max(x["noise_low"], bottom) for _, x in noise],
-            [x["noise_high"] for _, x in noise],
-            alpha=0.25,
-            label="its 90% interval",
-        )
-    ax.set_yscale("log")
-    ax.set_ylim(bottom=bottom)
-    ax.set_xlabel("samples seen")
-    ax.set_ylabel("items per step")
-    ax.set_title(f"{out.name}: effective batch and critical batch")
-    ax.legend()
-    ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(out / "batch.png", dpi=110)
-    plt.close(fig)
+def _target_text(t: dict[str, Any]) -> str:
+    def show(v: Any) -> str:
+        return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    when = f" at step {t['step']}" if t["step"] is not None else ""
+    return f"{t['status']}{when} (limit {show(t['limit'])}, observed {show(t['value'])})"

@@ -86,7 +86,10 @@ def _check_types(values: dict[str, Any], source: str) -> list[str]:
                 values[key] = value = float(value)
             except ValueError:
                 pass
-        if key == "budget" and isinstance(value, int) and not isinstance(value, bool):
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key in ("budget", "max_memory") and numeric and isinstance(value, int):
+            values[key] = value = str(value)
+        if key == "max_time" and numeric:
             values[key] = value = str(value)
         ok = (
             (value is None and type(None) in typing.get_args(hints[key]))
@@ -133,7 +136,15 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     cfg = resolve(args)
     try:
-        train(cfg)
+        summary = train(cfg)
+        if summary.get("stopped_by") == "guard":  # it gave up: the run did not finish
+            if is_main():
+                print(
+                    f"gradaccum: the incident guard stopped the run (see "
+                    f"{Path(summary['run_folder']) / 'incidents.jsonl'})",
+                    file=sys.stderr,
+                )
+            return 1
     except Interrupted as stop:
         if is_main():  # every rank stops; one says so
             print(f"\n{stop}", file=sys.stderr)

@@ -58,6 +58,7 @@ class Recipe:
     # get logits from token ids. None for a recipe that does not read text.
     encoder: Callable[[], Any] | None = None
     logits: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
+    metrics: tuple[str, ...] = ("loss",)  # what its held-out evaluation measures
 
 
 # -- byte-level GPT on the standard library's source -------------------------------------------
@@ -363,6 +364,7 @@ RECIPES: dict[str, Recipe] = {
         sample_batch=lambda n: (torch.zeros(n, 1, 8, 8), torch.zeros(n, dtype=torch.long)),
         make_data=DigitsData,
         signature={"recipe": "digits"},
+        metrics=("loss", "accuracy"),
     ),
 }
 

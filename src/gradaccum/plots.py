@@ -1,0 +1,89 @@
+"""A run's plots, drawn from its metrics lines at the end of a run: loss.png (train and
+held-out loss, incidents marked), memory.png (peak training memory) and batch.png (the
+effective batch against the critical batch B_simple and its interval)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["batch_plot", "draw"]
+
+
+def draw(out: Path, lines: list[dict[str, Any]], incidents: list[dict[str, Any]]) -> None:
+    """loss.png (incidents marked), memory.png and batch.png in the run folder ``out``."""
+    import matplotlib  # imported here: slow to import, and only the end of a run plots
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [x["step"] for x in lines if x["loss"] is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(steps, [x["loss"] for x in lines if x["loss"] is not None], label="train (window)")
+    evals = [x for x in lines if "eval_loss" in x]
+    if evals:
+        ax.plot(
+            [x["step"] for x in evals],
+            [x["eval_loss"] for x in evals],
+            marker="o",
+            label="held-out",
+        )
+    for i, incident in enumerate(incidents):
+        ax.axvline(
+            incident["step"],
+            color="tab:red",
+            alpha=0.5,
+            linestyle="--",
+            label="incident (rolled back)" if i == 0 else None,
+        )
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss per item")
+    ax.set_title(f"{out.name}: loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot([x["step"] for x in lines], [x["peak_memory"] / 2**20 for x in lines])
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("peak training memory so far (MiB)")
+    ax.set_title(f"{out.name}: memory")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=110)
+    plt.close(fig)
+    batch_plot(plt, out, lines)
+
+
+def batch_plot(plt, out: Path, lines: list[dict[str, Any]]) -> None:
+    """batch.png: the effective batch of each window against B_simple and its interval, both
+    in items, over the samples seen."""
+    seen = [x.get("samples", x["step"]) for x in lines]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.step(seen, [x["count"] for x in lines], where="pre", label="effective batch (items)")
+    noise = [(n, x) for n, x in zip(seen, lines, strict=True) if x.get("noise_scale")]
+    # A log scale down to a tenth of the smallest value shown: an interval reaching 0 is
+    # drawn to the bottom edge rather than stretching the axis to nothing.
+    shown = [x["count"] for x in lines if x["count"]] + [x["noise_scale"] for _, x in noise]
+    bottom = 0.1 * min(shown, default=1)
+    if noise:
+        at = [n for n, _ in noise]
+        ax.plot(at, [x["noise_scale"] for _, x in noise], label="B_simple")
+        ax.fill_between(
+            at,
+            [max(x["noise_low"], bottom) for _, x in noise],
+            [x["noise_high"] for _, x in noise],
+            alpha=0.25,
+            label="its 90% interval",
+        )
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=bottom)
+    ax.set_xlabel("samples seen")
+    ax.set_ylabel("items per step")
+    ax.set_title(f"{out.name}: effective batch and critical batch")
+    ax.legend()
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(out / "batch.png", dpi=110)
+    plt.close(fig)

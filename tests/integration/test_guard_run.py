@@ -1,0 +1,124 @@
+"""The incident guard in a real run: corrupted windows are found, rolled back and skipped,
+sample for sample, and the guarded run then trains exactly as a clean run that never saw
+those samples (an independent reference: its data stream remapped, no guard involved)."""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from gradaccum.recipes import DigitsData
+from gradaccum.testing import corrupt_samples
+from gradaccum.trainer import Interrupted, TrainConfig, train
+
+torch.set_num_threads(1)
+
+BATCH, STEPS, BAD_STEPS = 32, 40, (25, 26, 33)  # all in digits' first epoch (1,437 samples)
+
+
+def run(out, guard=True, faults=None, **kwargs):
+    settings = {
+        "recipe": "digits",
+        "steps": STEPS,
+        "effective_batch": BATCH,
+        "micro_batch": 16,
+        "checkpoint_every": 10,
+        "eval_every": 1000,
+        "noise_scale": False,
+        "tensorboard": False,
+        "guard": guard,
+        "out": str(out),
+    }
+    cfg = TrainConfig(**{**settings, **kwargs})
+    return train(cfg, log=lambda *a, **k: None, faults=faults)
+
+
+def lines(folder, name="metrics.jsonl"):
+    return [json.loads(x) for x in (folder / name).read_text().splitlines()]
+
+
+def weights(folder):
+    saved = torch.load(folder / "checkpoint.pt", weights_only=True)
+    return saved["accumulator"]["model"]
+
+
+def test_guard_rolls_back_and_skips_exactly_the_corrupted_windows(tmp_path):
+    clean = run(tmp_path / "clean")
+    assert clean["incidents"] == 0  # no false alarm on the clean run
+    ends = {0: 0, **{x["step"]: x["samples"] for x in lines(tmp_path / "clean")}}
+    bad = [[ends[s - 1], ends[s]] for s in BAD_STEPS]  # those windows' samples exactly
+
+    guarded = run(tmp_path / "guard", faults=corrupt_samples(bad))
+    incidents = lines(tmp_path / "guard", "incidents.jsonl")
+    assert [i["samples"] for i in incidents] == bad
+    assert [(i["step"], i["rolled_back_to"], i["kind"]) for i in incidents] == [
+        (25, 20, "loss spike"),
+        (25, 20, "loss spike"),  # window 26's samples arrive at step 25 after the skip
+        (31, 30, "loss spike"),  # window 33's at step 31
+    ]
+    assert guarded["incidents"] == 3 and guarded["steps"] == STEPS
+    assert [x["step"] for x in lines(tmp_path / "guard")] == list(range(1, STEPS + 1))
+
+    # The reference: no corruption, no guard; position p reads the clean stream from p + the
+    # samples set aside before it, so it never sees them.
+    data = DigitsData(0)
+
+    def sum_before(position):
+        shift = 0
+        for a, b in bad:
+            if a <= position + shift:
+                shift += b - a
+        return shift
+
+    def shifted(position, batch):
+        return data.batch(position + sum_before(position), len(batch[1]))
+
+    run(tmp_path / "reference", guard=False, faults=shifted)
+    mine, ref = lines(tmp_path / "guard"), lines(tmp_path / "reference")
+    assert [x["loss"] for x in mine] == [x["loss"] for x in ref]
+    for name, tensor in weights(tmp_path / "reference").items():
+        assert torch.equal(weights(tmp_path / "guard")[name], tensor), name
+
+    # Without the guard the corrupted windows are trained on: their loss is there to see,
+    # and the damage to the held-out loss is measured against the clean run.
+    unguarded = run(tmp_path / "noguard", guard=False, faults=corrupt_samples(bad))
+    spikes = [x["loss"] for x in lines(tmp_path / "noguard") if x["step"] in BAD_STEPS]
+    assert min(spikes) > 3 * max(x["loss"] for x in ref[20:24])
+    print(
+        f"held-out loss: clean {clean['held_out_loss']:.4f}, guarded "
+        f"{guarded['held_out_loss']:.4f}, unguarded {unguarded['held_out_loss']:.4f}"
+    )
+
+
+def test_a_resumed_run_makes_the_same_decision(tmp_path):
+    """SIGTERM after the first two rollbacks (the checkpoint rolled back to holds the samples
+    set aside), then resumed: it ends exactly as the uninterrupted guarded run."""
+    ends = [0]
+    data = DigitsData(0)
+    for _ in range(STEPS):
+        ends.append(ends[-1] + len(data.batch(ends[-1], BATCH)[1]))
+    bad = [[ends[s - 1], ends[s]] for s in BAD_STEPS]
+    whole = tmp_path / "whole"
+    run(whole, faults=corrupt_samples(bad))
+
+    corrupt, signalled = corrupt_samples(bad), []
+
+    def stop_at_step_27(position, batch):
+        if position == ends[28] and not signalled:  # step 27's window, after the skips
+            signalled.append(os.getpid())
+            os.kill(os.getpid(), signal.SIGTERM)  # checkpointed at the window's end
+        return corrupt(position, batch)
+
+    part = tmp_path / "part"
+    with pytest.raises(Interrupted):
+        run(part, faults=stop_at_step_27)
+    assert len(lines(part, "incidents.jsonl")) == 2
+    assert torch.load(part / "checkpoint.pt", weights_only=True)["step"] == 27
+    resumed = run(part, faults=corrupt, resume=str(part))
+    assert resumed["incidents"] == 3
+    assert lines(part, "incidents.jsonl") == lines(whole, "incidents.jsonl")
+    assert [x["loss"] for x in lines(part)] == [x["loss"] for x in lines(whole)]
+    for name, tensor in weights(whole).items():
+        assert torch.equal(weights(part)[name], tensor), name

@@ -1,0 +1,123 @@
+"""Targets and TensorBoard in real runs: a run stops when its target is met or its limit is
+reached, checkpointed, and says so; TensorBoard's own reader finds every scalar, one point
+per step, equal to metrics.jsonl, across a rollback too."""
+
+import json
+import math
+
+import torch
+from helpers import cli
+
+from gradaccum.cli import main
+from gradaccum.testing import corrupt_samples
+from gradaccum.trainer import TrainConfig, train
+
+torch.set_num_threads(1)
+
+
+def lines(folder, name="metrics.jsonl"):
+    return [json.loads(x) for x in (folder / name).read_text().splitlines()]
+
+
+def test_target_loss_on_the_gpt_recipe_stops_there_checkpointed(tmp_path):
+    run = tmp_path / "gpt"
+    out = cli(
+        "train", "--effective-batch", 16, "--micro-batch", 16, "--steps", 150,
+        "--eval-every", 5, "--target-loss", 3.3, "--out", run, threads=1,
+    )  # fmt: skip
+    metrics = lines(run)
+    evals = [x for x in metrics if "eval_loss" in x]
+    first_met = next(x for x in evals if x["eval_loss"] <= 3.3)
+    assert metrics[-1]["step"] == first_met["step"] < 150  # stopped at the first evaluation
+    assert all(x["eval_loss"] > 3.3 for x in evals[:-1])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_by"] == "target_loss"
+    met = summary["targets"]["target_loss"]
+    assert met["status"] == "met" and met["step"] == first_met["step"]
+    assert met["value"] == first_met["eval_loss"] and met["samples"] == first_met["samples"]
+    assert summary["targets"]["max_time"]["status"] == "not set"
+    saved = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert saved["step"] == first_met["step"]
+    assert f"stopping at step {first_met['step']}: held-out loss" in out.stdout
+    assert "--target-loss met" in out.stdout and (run / "report.html").is_file()
+
+
+def test_max_time_stops_cleanly_and_counts_every_session(tmp_path):
+    run = tmp_path / "digits"
+    settings = {
+        "recipe": "digits",
+        "micro_batch": 32,
+        "noise_scale": False,
+        "guard": False,
+        "tensorboard": False,
+        "steps": 100000,
+        "out": str(run),
+    }
+    summary = train(TrainConfig(**settings, max_time="1.5s"), log=lambda *a, **k: None)
+    first = summary["steps"]
+    reached = summary["targets"]["max_time"]
+    assert summary["stopped_by"] == "max_time" and reached["status"] == "reached"
+    assert reached["value"] >= 1.5 and reached["step"] == first < 100000
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == first
+    assert "held_out_accuracy" in summary  # evaluated at the stop
+
+    # --max-time may be raised on resume; the earlier session's time counts against it.
+    again = TrainConfig(**settings, max_time="3", resume=str(run))
+    summary = train(again, log=lambda *a, **k: None)
+    assert summary["stopped_by"] == "max_time" and summary["steps"] > first
+    assert summary["targets"]["max_time"]["value"] >= 3
+    assert summary["seconds_this_session"] < summary["targets"]["max_time"]["value"]
+
+
+def test_target_accuracy_is_refused_where_nothing_measures_it(tmp_path, capsys):
+    assert main(["train", "--target-accuracy", "0.9", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "target_accuracy needs a recipe whose evaluation measures accuracy (digits)" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_tensorboard_reads_every_scalar_once_per_step_across_a_rollback(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "tb"
+    steps = 26
+    cfg = TrainConfig(
+        recipe="digits",
+        steps=steps,
+        effective_batch=32,
+        micro_batch=16,
+        eval_every=1,
+        checkpoint_every=10,
+        out=str(run),
+    )
+    bad = [[24 * 32, 25 * 32]]  # window 25: rolled back to step 20 and replayed
+    train(cfg, log=lambda *a, **k: None, faults=corrupt_samples(bad))
+    assert len(lines(run, "incidents.jsonl")) == 1
+    metrics = lines(run)
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    per_step = {
+        "train/loss": "loss",
+        "train/lr": "lr",
+        "train/grad_norm": "grad_norm",
+        "batch/effective_batch": "effective_batch",
+        "batch/micro_batches": "micro_batches",
+        "memory/peak_mib": "peak_memory",
+        "eval/loss": "eval_loss",
+        "eval/accuracy": "eval_accuracy",
+    }
+    others = {"train/clip_ratio", "speed/items_per_second", "health/skipped_windows"}
+    assert set(per_step) | others | {"health/oom_replays"} <= tags
+    for tag in [*per_step, *others, "health/oom_replays"]:
+        assert [e.step for e in events.Scalars(tag)] == list(range(1, steps + 1)), tag
+    for tag, key in per_step.items():
+        got = [e.value for e in events.Scalars(tag)]
+        want = [x[key] / (2**20 if key == "peak_memory" else 1) for x in metrics]
+        assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, want, strict=True)), tag
+    for e, x in zip(events.Scalars("train/clip_ratio"), metrics, strict=True):
+        assert math.isclose(e.value, min(1.0, 1.0 / x["grad_norm"]), rel_tol=1e-6)
+    # B_simple appears where the noise scale gives a reading, and only there
+    with_noise = [x["step"] for x in metrics if x["noise_scale"] is not None]
+    found = [e.step for e in events.Scalars("noise/b_simple")] if with_noise else []
+    assert found == with_noise
