@@ -8,7 +8,10 @@ decision, one window at a time, from robust statistics of the windows it accepte
   ``history`` accepted windows' losses, where ``spread`` is the median absolute deviation
   scaled to a standard deviation (x 1.4826), but never below ``floor`` x the median (a run
   on a plateau has almost no spread, and a tiny wobble there is not an incident);
-- a **gradient spike**: the same test on the gradient norm before clipping;
+- a **gradient spike**: the same test on the gradient norm before clipping, when
+  ``gradient`` is on. The trainer turns it on only without clipping: clipping already bounds
+  the step a gradient spike takes, and language models' gradient norms spike on clean data
+  (bench/results/guard.md), so with clipping the loss is what tells damage from noise;
 - a run of **skipped windows**: ``skipped_windows`` non-finite windows in a row.
 
 Only upward departures count (a loss falling fast is training, not an incident), and nothing
@@ -48,6 +51,7 @@ class IncidentGuard:
     threshold: float = 6.0
     floor: float = 0.05
     skipped_windows: int = 5
+    gradient: bool = True
 
     def __post_init__(self) -> None:
         for name in ("history", "warmup", "skipped_windows"):
@@ -91,10 +95,10 @@ class IncidentGuard:
                 Incident("loss spike", 1, {"loss": loss, "grad_norm": grad_norm}) if warm else None
             )
         if warm:
-            for kind, name, value, past in (
-                ("loss spike", "loss", loss, self._losses),
-                ("gradient spike", "grad_norm", grad_norm, self._norms),
-            ):
+            judged = [("loss spike", "loss", loss, self._losses)]
+            if self.gradient:
+                judged.append(("gradient spike", "grad_norm", grad_norm, self._norms))
+            for kind, name, value, past in judged:
                 median, highest = self.band(past)
                 if value > highest:
                     seen = {name: value, f"{name}_median": median, f"{name}_threshold": highest}

@@ -211,8 +211,9 @@ class TrainConfig:
     guard: bool = field(
         default=True,
         metadata={
-            "help": "the incident guard: a window whose loss or gradient norm is far above "
-            "the recent ones, or a run of skipped windows, rolls the run back to its last "
+            "help": "the incident guard: a window whose loss (without clipping: or gradient "
+            "norm) is far above the recent ones, or a run of skipped windows, rolls the run "
+            "back to its last "
             "checkpoint and skips those windows' samples (incidents.jsonl); --no-guard "
             "turns it off"
         },
@@ -739,7 +740,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     )
     if saved is not None:
         acc.load_state_dict(saved["accumulator"])
-    guard = IncidentGuard() if cfg.guard else None
+    # With clipping, a gradient spike's step is already bounded: the loss tells damage.
+    guard = IncidentGuard(gradient=not cfg.max_grad_norm) if cfg.guard else None
     if guard is not None and saved is not None and saved.get("guard") is not None:
         guard.load_state_dict(saved["guard"])
     run = _Run(

@@ -102,3 +102,11 @@ def test_margins_place_a_window_against_the_band():
     assert guard.margins(median, 1.0)["loss"] == 0.0
     assert abs(guard.margins(highest, 1.0)["loss"] - 1.0) < 1e-12
     assert guard.check(highest + 1e-9, 1.0, False).kind == "loss spike"
+
+
+def test_without_gradient_judgement_only_the_loss_counts():
+    norms = noisy(100, 1.0, 0.1, seed=3)
+    norms[70] = 9.0  # clipping bounded this step: not an incident
+    losses = noisy(100)
+    losses[80] = 4.0
+    assert feed(IncidentGuard(gradient=False), losses, norms) == [(80, "loss spike")]
