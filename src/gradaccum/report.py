@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gradaccum import __version__
+from gradaccum.memory import format_bytes
 from gradaccum.runfolder import RunFolder
 
 __all__ = ["render", "write_report"]
@@ -218,15 +219,7 @@ def _num(v: Any) -> str:
 
 
 def _bytes(n: Any) -> str:
-    """As gradaccum.memory.format_bytes writes them (repeated here: that module needs torch)."""
-    if not _is_number(n):
-        return _num(n)
-    sign, n = ("-" if n < 0 else ""), abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    return format_bytes(n) if _is_number(n) else _num(n)
 
 
 def _seconds(s: Any) -> str:
