@@ -8,6 +8,7 @@ import signal
 
 import pytest
 import torch
+from helpers import cli
 
 from gradaccum.recipes import DigitsData
 from gradaccum.testing import corrupt_samples
@@ -122,3 +123,27 @@ def test_a_resumed_run_makes_the_same_decision(tmp_path):
     assert [x["loss"] for x in lines(part)] == [x["loss"] for x in lines(whole)]
     for name, tensor in weights(whole).items():
         assert torch.equal(weights(part)[name], tensor), name
+
+
+def test_a_run_that_keeps_diverging_stops_at_its_last_good_checkpoint(tmp_path):
+    """A learning rate of 10,000 without clipping: every replay diverges again, whatever data
+    is set aside. After 3 rollbacks the guard stops the run where it was good, exit 1."""
+    out = tmp_path / "div"
+    proc = cli(
+        "train", "--recipe", "digits", "--micro-batch", 32, "--steps", 60, "--lr", 1e4,
+        "--max-grad-norm", 0, "--no-noise-scale", "--no-tensorboard", "--out", out,
+        check=False, threads=1,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"gradaccum: the incident guard stopped the run (see {out / 'incidents.jsonl'})"
+    )
+    incidents = lines(out, "incidents.jsonl")
+    assert [i["retry"] for i in incidents] == [1, 2, 3, 3]
+    assert {i["kind"] for i in incidents} == {"skipped windows"}
+    assert incidents[-1]["action"].startswith("stopped: 3 rollbacks in a row")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_by"] == "guard" and summary["incidents"] == 4
+    back = incidents[-1]["rolled_back_to"]
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == back
+    assert [x["step"] for x in lines(out)] == list(range(1, back + 1))

@@ -1,0 +1,337 @@
+"""Everything a run needs before its first window: the run folder decided and locked, the
+model, data, optimizer and Accumulator, the micro-batch (checkpoint, saved plan, flag or a
+new plan), and the checks a resume must pass."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradaccum import launch
+from gradaccum.engine import Accumulator
+from gradaccum.guard import IncidentGuard
+from gradaccum.measure import fresh_process_verifier
+from gradaccum.noise import NoiseScale
+from gradaccum.oom import OOMReplay
+from gradaccum.plan import plan
+from gradaccum.recipes import Recipe, get_recipe, hf_recipe
+from gradaccum.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
+from gradaccum.recompute import enable_checkpointing
+from gradaccum.runfolder import CHECKPOINT, CONFIG, PLAN, RESUMES, RunFolder
+from gradaccum.schedule import BatchSchedule
+from gradaccum.trainer.config import RESUMABLE, TrainConfig
+from gradaccum.trainer.loop import _Run
+
+
+def _signature(recipe: Recipe, model: torch.nn.Module) -> dict[str, Any]:
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    return {
+        **recipe.signature,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "shapes": shapes,
+    }
+
+
+def _check_signature(saved: dict[str, Any], mine: dict[str, Any], path: Path) -> None:
+    def describe(sig: dict[str, Any]) -> str:
+        head = ", ".join(f"{k} {v}" for k, v in sig.items() if k not in ("shapes", "parameters"))
+        return f"{head} ({sig.get('parameters', '?'):,} parameters)"
+
+    if {k: v for k, v in saved.items() if k != "shapes"} != {
+        k: v for k, v in mine.items() if k != "shapes"
+    } or saved.get("shapes") != mine.get("shapes"):
+        diff = [
+            k for k in saved.get("shapes", {}) if saved["shapes"].get(k) != mine["shapes"].get(k)
+        ]
+        raise ValueError(
+            f"{path} was written for another model: {describe(saved)}; this run builds "
+            f"{describe(mine)}"
+            + (f"; first differing tensors: {', '.join(diff[:3])}" if diff else "")
+        )
+
+
+def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
+    """The run folder decided and locked, the model, data and optimizer, the micro-batch
+    (from the checkpoint, the saved plan, the flag, or a new plan) and the Accumulator."""
+    main = rank == 0
+    if world > cfg.effective_batch:
+        raise ValueError(
+            f"effective_batch {cfg.effective_batch} cannot be split across {world} "
+            "processes: each needs at least one sample"
+        )
+    recipe = hf_recipe(cfg.hf_model) if cfg.hf_model else get_recipe(cfg.recipe)
+    name = "hf" if cfg.hf_model else cfg.recipe
+    # Your own data is read and checked before anything is written: bad data leaves no folder.
+    loaded = _user_data(cfg, recipe) if cfg.data else None
+    folder = RunFolder(cfg.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    resuming = cfg.resume is not None
+    problem = saved_cfg = None
+    if main:
+        try:
+            folder.check_usable(resume=resuming)
+            if resuming:
+                saved_cfg = folder.read_json(CONFIG)
+                _check_unchanged(saved_cfg, cfg, folder.path)
+            folder.create()
+        except ValueError as err:
+            problem = str(err)
+    if world > 1:  # rank 0's folder and verdict, so no rank races another's mkdir
+        folder, problem = launch.broadcast((RunFolder(folder.path), problem))
+    if problem:
+        raise ValueError(problem)
+
+    torch.manual_seed(cfg.seed)
+    model = recipe.build_model()
+    if cfg.lora is not None:
+        from gradaccum import finetune
+
+        targets = cfg.lora_targets.split(",") if cfg.lora_targets else None
+        model = finetune.apply_lora(
+            model, cfg.lora, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=targets
+        )
+        log(f"LoRA r={cfg.lora}: {finetune.trainable_summary(model)}")
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0)
+    model.to(device)
+    if loaded is not None:
+        data = SequenceData(loaded, cfg.seed, recipe.logits)
+        recipe = dataclasses.replace(recipe, sample_batch=data.sample)
+    else:
+        data = recipe.make_data(cfg.seed)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    total_steps = total_samples = None
+    if cfg.samples is not None or cfg.epochs is not None:
+        total_samples = cfg.samples or max(1, round(cfg.epochs * data.epoch_samples()))
+    else:
+        total_steps = cfg.steps
+    signature = _signature(recipe, model)
+    saved = folder.load_checkpoint(device) if resuming else None
+    if saved is not None:
+        _check_signature(saved["signature"], signature, folder.path / CHECKPOINT)
+        if "schedule" not in saved:
+            saved["schedule"] = _constant_schedule_state(saved, cfg)
+        # Before 0.3 a LambdaLR held the learning rate; it is now a function of the position.
+        saved["accumulator"]["scheduler"] = None
+        done = saved["schedule"]["samples"] if total_samples else saved["step"]
+        if done > (total_samples or total_steps):
+            unit = "samples" if total_samples else "steps"
+            raise ValueError(
+                f"--resume {folder.path}: the run has already trained {done} {unit}; give "
+                f"--steps, --samples or --epochs of at least that"
+            )
+    if main and resuming:
+        _record_resume(folder, saved_cfg, cfg, saved["step"] if saved else 0)
+    elif main:
+        folder.write_json(CONFIG, dataclasses.asdict(cfg))  # first: a crash is resumable
+    if main and loaded is not None:
+        save_cache(loaded, folder.path)  # a resume reads the sequences back
+    micro, checkpointing = _micro_batch(
+        cfg, folder, saved, model, optimizer, recipe, device, main, world, log
+    )
+    if cfg.batch_schedule == "auto" and micro * world >= cfg.effective_batch and saved is None:
+        micro = max(1, math.ceil(cfg.effective_batch / world / 2))
+        log(
+            f"--batch-schedule auto measures the noise scale, which needs 2+ micro-batches "
+            f"per window: micro-batch {micro}"
+        )
+    schedule = BatchSchedule(
+        cfg.batch_schedule,
+        start=cfg.effective_batch,
+        unit=micro * world,
+        maximum=cfg.max_effective_batch,
+    )
+    if saved is not None:
+        schedule.load_state_dict(saved["schedule"])
+    if resuming:
+        where = f"step {schedule.step} of {total_steps}"
+        if total_samples is not None:
+            where = f"step {schedule.step}, sample {schedule.samples:,} of {total_samples:,}"
+        log(f"resuming {folder.path} at {where} (micro-batch {micro})")
+
+    train_model = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        train_model = DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None
+        )
+    acc = Accumulator(
+        train_model,
+        optimizer,
+        max_grad_norm=cfg.max_grad_norm or None,
+        precision=cfg.precision,
+        oom=OOMReplay() if world == 1 else None,
+        noise=NoiseScale() if cfg.noise_scale else None,
+    )
+    if saved is not None:
+        acc.load_state_dict(saved["accumulator"])
+    # With clipping, a gradient spike's step is already bounded: the loss tells damage.
+    guard = IncidentGuard(gradient=not cfg.max_grad_norm) if cfg.guard else None
+    if guard is not None and saved is not None and saved.get("guard") is not None:
+        guard.load_state_dict(saved["guard"])
+    run = _Run(
+        cfg,
+        folder,
+        rank,
+        world,
+        recipe,
+        model,
+        device,
+        data,
+        optimizer,
+        acc,
+        micro,
+        checkpointing,
+        signature,
+        schedule,
+        schedule.step,
+        total_steps,
+        total_samples,
+        targets=cfg.targets(),
+        guard=guard,
+    )
+    if saved is not None:
+        run.skips = [list(r) for r in saved.get("skips", [])]
+        run.retries = int(saved.get("retries", 0))
+        run.last_incident = int(saved.get("last_incident", 0))
+        run.elapsed = float(saved.get("elapsed", 0.0))
+        run.targets.observed = dict(saved.get("targets", {}))
+    run.skip_ahead()
+    return run
+
+
+def _constant_schedule_state(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, Any]:
+    """The schedule's state for a checkpoint written before schedules (gradaccum < 0.3): a
+    constant batch, so the position follows from the step."""
+    if cfg.batch_schedule != "constant":
+        raise ValueError("a checkpoint from before batch schedules resumes with a constant batch")
+    step = saved["step"]
+    return {
+        "spec": "constant",
+        "step": step,
+        "samples": step * cfg.effective_batch,
+        "items": saved["accumulator"]["accumulator"]["items"],
+        "current": cfg.effective_batch,
+        "changes": [],
+    }
+
+
+def _user_data(cfg: TrainConfig, recipe: Recipe) -> dict[str, Any]:
+    """--data's sequences (tokenized now, or read back from a resumed run's folder), checked
+    against the model and the effective batch."""
+    if recipe.encoder is None:
+        raise DataError(
+            f"--data needs a language model: --recipe gpt or --hf-model PATH (not {recipe.name})"
+        )
+    encoder = recipe.encoder()
+    seq_len = cfg.seq_len or min(128, encoder.max_len)
+    loaded = load_sequences(
+        cfg.data,
+        encoder,
+        seq_len=seq_len,
+        eval_fraction=cfg.eval_fraction,
+        seed=cfg.seed,
+        text_field=cfg.text_field,
+        cache=Path(cfg.resume) if cfg.resume else None,
+    )
+    if cfg.resume and not (Path(cfg.resume) / f"data-{loaded['key']}.pt").is_file():
+        if any(Path(cfg.resume).glob("data-*.pt")):
+            raise DataError(
+                f"--resume {cfg.resume}: --data {cfg.data} is not the data this run began with "
+                "(its files or the tokenizer changed); start a new run with --out"
+            )
+    sequences = len(loaded["train"][0])
+    if sequences < cfg.effective_batch:
+        raise DataError(
+            f"--data {cfg.data}: {sequences} training sequences of {seq_len} tokens, fewer than "
+            f"one effective batch ({cfg.effective_batch}); lower --effective-batch or --seq-len, "
+            "or add data"
+        )
+    return loaded
+
+
+def _check_unchanged(saved: dict[str, Any], cfg: TrainConfig, path: Path) -> None:
+    """A resumed run may train longer or report differently; anything else would make it a
+    different run recorded as this one. Refuse, naming each change."""
+    mine = dataclasses.asdict(cfg)
+    changed = [
+        f"{k} {saved[k]!r} -> {mine[k]!r}"
+        for k in mine
+        if k not in (*RESUMABLE, "out", "resume", "config") and k in saved and saved[k] != mine[k]
+    ]
+    if changed:
+        allowed = ", ".join("--" + k.replace("_", "-") for k in RESUMABLE)
+        raise ValueError(
+            f"--resume {path}: a resumed run keeps its configuration but for {allowed}; this "
+            f"would change {'; '.join(changed)}. Start a new run with --out for that"
+        )
+
+
+def _record_resume(folder: RunFolder, saved: dict[str, Any], cfg: TrainConfig, start: int) -> None:
+    """config.json becomes what the run now trains with; resumes.jsonl says what changed."""
+    mine = dataclasses.asdict(cfg)
+    changed = {k: [saved.get(k), mine[k]] for k in RESUMABLE if saved.get(k) != mine[k]}
+    folder.append_line(RESUMES, {"step": start, "changed": changed})
+    folder.write_json(CONFIG, {**saved, **{k: mine[k] for k in RESUMABLE}})
+
+
+def _micro_batch(cfg, folder, saved, model, optimizer, recipe, device, main, world, log):
+    """The micro-batch size and whether blocks recompute their activations: the checkpoint's,
+    else the saved plan's (a run that stopped before its first checkpoint), else a new plan
+    (or the flag's size). Whatever the source, checkpointing is applied here, so a resumed
+    run trains as it was planned."""
+    if saved is not None:
+        # (a checkpoint written before checkpointing was recorded: it was never on then)
+        info = {"micro_size": saved["micro_batch"], "checkpointing": saved.get("checkpointing")}
+    elif cfg.resume is not None and (folder.path / PLAN).is_file():
+        info = folder.read_json(PLAN)
+    else:
+        info = _plan_info(cfg, model, optimizer, recipe, device, main, world, log)
+        if main:
+            folder.write_json(PLAN, info)
+    if info["checkpointing"]:
+        enable_checkpointing(model)
+    return info["micro_size"], bool(info["checkpointing"])
+
+
+def _plan_info(cfg, model, optimizer, recipe, device, main, world, log) -> dict[str, Any]:
+    if cfg.micro_batch is not None:
+        return {
+            "micro_size": cfg.micro_batch,
+            "source": "given",
+            "checkpointing": cfg.checkpointing == "on",
+        }
+    per_rank = math.ceil(cfg.effective_batch / world)
+    info = None
+    if main:  # one plan for all ranks (same model and hardware)
+        log(
+            f"planning the micro-batch for an effective batch of {per_rank} per process in "
+            f"{cfg.budget} ({recipe.summary})"
+        )
+        verify = None
+        if not cfg.hf_model and not cfg.data and device.type == "cpu":
+            verify = fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed)
+        planned = plan(
+            model,
+            optimizer,
+            recipe.sample_batch(8),
+            recipe.loss_fn,
+            effective_batch=per_rank,
+            budget=cfg.budget,
+            precision=cfg.precision,
+            checkpointing=cfg.checkpointing,
+            verify=verify,
+        )
+        log(planned.summary())
+        info = {**planned.to_dict(), "source": "planned"}
+    if world > 1:
+        info = launch.broadcast(info)
+    return info

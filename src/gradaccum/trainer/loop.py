@@ -1,0 +1,475 @@
+"""The run's loop: window by window from its position, with its metrics lines, checkpoints,
+targets, the incident guard's rollbacks, and stops on signals."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradaccum import launch
+from gradaccum.batching import batch_size, shard, split, to_device
+from gradaccum.engine import Accumulator
+from gradaccum.guard import Incident, IncidentGuard
+from gradaccum.memory import TrainingMemory, format_bytes
+from gradaccum.recipes import Recipe
+from gradaccum.runfolder import INCIDENTS, METRICS, RunFolder
+from gradaccum.schedule import BatchSchedule, lr_factor
+from gradaccum.targets import Targets
+from gradaccum.trainer.config import TrainConfig
+
+
+class Interrupted(Exception):  # noqa: N818 - it is a stop, not an error
+    """Training stopped on a signal (SIGINT, SIGTERM, SIGHUP) or a closed output pipe, after
+    checkpointing at a window boundary."""
+
+    def __init__(self, step: int, out: Path, signum: int) -> None:
+        why = "its output pipe closing" if signum == signal.SIGPIPE else signal.Signals(signum).name
+        super().__init__(
+            f"stopped by {why} at step {step}; checkpoint saved; "
+            f"continue with: gradaccum train --resume {out}"
+        )
+        self.step, self.out, self.signum = step, out, signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+GUARD_RETRIES = 3  # rollbacks in a row not getting past the incident's step, then a stop
+# What a resumed run may change: how long it trains and how it reports. Everything else
+# defines the run and must stay as it was (a different run belongs in its own folder).
+
+
+class _Output:
+    """The log, surviving a closed pipe (``gradaccum train | head``): the first write that
+    finds the reader gone stops training at the next window boundary, as SIGPIPE would, and
+    later writes go nowhere."""
+
+    def __init__(self, log, stop: list[int]) -> None:
+        self.log, self.stop, self.closed = log, stop, False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        if self.closed:
+            return
+        try:
+            self.log(*args, **kwargs)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            self.closed = True
+            # Point stdout at /dev/null so the interpreter's own flush at exit cannot fail too.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            self.stop.append(signal.SIGPIPE)
+
+
+def _progress(run: _Run):
+    from tqdm import tqdm  # imported here: only a terminal needs it
+
+    if not sys.stderr.isatty():
+        return None
+    # A terminal that reports no size (some ptys) would get an empty bar: fall back to 100.
+    columns = shutil.get_terminal_size((100, 20)).columns or 100
+    if run.total_samples is not None:
+        total, done, unit = run.total_samples, run.schedule.samples, "sample"
+    else:
+        total, done, unit = run.total_steps, run.schedule.step, "step"
+    return tqdm(total=total, initial=done, unit=unit, ncols=columns)
+
+
+@dataclass
+class _Run:
+    """Everything built for a run, for the loop and the report. Its length is in steps
+    (``total_steps``, from --steps) or in samples (``total_samples``, from --samples or
+    --epochs); the schedule holds the position in both."""
+
+    cfg: TrainConfig
+    folder: RunFolder
+    rank: int
+    world: int
+    recipe: Recipe
+    model: torch.nn.Module
+    device: torch.device
+    data: Any
+    optimizer: torch.optim.Optimizer
+    acc: Accumulator
+    micro: int
+    checkpointing: bool
+    signature: dict[str, Any]
+    schedule: BatchSchedule
+    start: int  # the step this session began at
+    total_steps: int | None
+    total_samples: int | None
+    targets: Targets = field(default_factory=Targets)
+    guard: IncidentGuard | None = None
+    skips: list[list[int]] = field(default_factory=list)  # [first, end) samples set aside
+    retries: int = 0  # rollbacks in a row that did not get past the incident's step
+    last_incident: int = 0  # the step of the latest incident
+    elapsed: float = 0.0  # training seconds over all sessions, as of the last window
+    stopped_by: str = "length"
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def progress(self) -> float:
+        """The share of the run done, in its own unit."""
+        if self.total_samples is not None:
+            return self.schedule.samples / self.total_samples
+        return self.schedule.step / self.total_steps
+
+    def done(self) -> bool:
+        return self.progress() >= 1
+
+    def skip_ahead(self) -> None:
+        """A window that would begin at samples the guard set aside begins after them."""
+        moved = True
+        while moved:
+            moved = False
+            for first, end in self.skips:
+                if first <= self.schedule.samples < end:
+                    self.schedule.samples, moved = end, True
+
+    def next_size(self) -> int:
+        """The next window's samples: the schedule's, cut to what the run has left."""
+        size = self.schedule.size()
+        if self.total_samples is not None:
+            size = min(size, self.total_samples - self.schedule.samples)
+        return size
+
+    def lr(self, size: int) -> float:
+        """The learning rate of the next window, a pure function of the position and the
+        window's batch: linear warm-up over --warmup-steps windows, then cosine decay to 10%
+        of --lr over the rest of the run, times the batch rule (--lr-scaling)."""
+        cfg, step = self.cfg, self.schedule.step
+        if step < cfg.warmup_steps:
+            shape = (step + 1) / (cfg.warmup_steps + 1)
+        else:
+            if self.total_samples is not None:
+                done, warm = self.schedule.samples, cfg.warmup_steps * cfg.effective_batch
+                total = self.total_samples
+            else:
+                done, warm, total = step, cfg.warmup_steps, self.total_steps
+            progress = (done - warm) / max(1, total - warm)
+            shape = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
+        return cfg.lr * shape * lr_factor(cfg.lr_scaling, size, cfg.effective_batch)
+
+    def length(self) -> str:
+        if self.total_samples is not None:
+            return f"{self.total_samples:,} samples"
+        return f"{self.total_steps} steps"
+
+
+def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
+    """Window by window from the run's position: a metrics line per step, a checkpoint every
+    checkpoint_every steps, at the end, and at the boundary after a stop was asked for or a
+    target was met; with the guard, a rollback after each incident."""
+    cfg, folder, schedule = run.cfg, run.folder, run.schedule
+    windows = math.ceil(math.ceil(cfg.effective_batch / run.world) / run.micro)
+    across = f" on each of {run.world} processes" if run.world > 1 else ""
+    log(
+        f"training {run.length()}: effective batch {cfg.effective_batch} = {windows} "
+        f"micro-batches of up to {run.micro}{across}"
+        + ("" if schedule.kind == "constant" else f"; schedule: {schedule.describe()}")
+        + f"; {run.data.epoch_samples():,} samples per epoch; run folder {folder.path}"
+    )
+    if run.targets.describe():
+        log(f"targets: {run.targets.describe()}")
+    previous = {s: signal.signal(s, lambda signum, _: stop.append(signum)) for s in STOP_SIGNALS}
+    memory = TrainingMemory(run.model, run.device)
+    bar = _progress(run) if run.main else None
+    metrics = folder.open_metrics(run.start) if run.main else open(os.devnull, "w")
+    events = _events(run, log)
+    began, items, last = time.perf_counter(), 0, run.start
+    before = run.elapsed  # training seconds of earlier sessions
+    # (step, first sample, end sample) of the latest windows: what an incident blames
+    recent: list[tuple[int, int, int]] = []
+    if run.guard is not None and not folder.kept_checkpoints() and run.main:
+        _checkpoint(run, run.start, last)  # something to roll back to from the first window
+    try:
+        while not run.done():
+            t0 = time.perf_counter()
+            size, progress = run.next_size(), run.progress()
+            lr = run.lr(size)
+            for group in run.optimizer.param_groups:
+                group["lr"] = lr
+            first = schedule.samples
+            batch = run.data.batch(first, size)
+            if faults is not None:
+                batch = faults(first, batch)
+            samples = batch_size(batch)  # fewer than size at the end of an epoch
+            if run.world > 1:
+                batch = shard(batch, run.rank, run.world)
+            if run.device.type == "cuda":
+                batch = to_device(batch, run.device)
+            result = run.acc.step(split(batch, run.micro), run.recipe.loss_fn)
+            schedule.update(result, samples)
+            if run.world > 1 and schedule.kind == "auto":
+                # Each rank reads the noise off its own prefixes: rank 0's decision holds.
+                schedule.current = launch.main_int(schedule.current)
+            step = schedule.step
+            recent = [*recent[-20:], (step, first, first + samples)]
+            run.elapsed = before + time.perf_counter() - began
+            # The loss and gradient norm are global, so every rank judges alike.
+            incident = (
+                None
+                if run.guard is None
+                else run.guard.check(result.loss, result.grad_norm, result.skipped is not None)
+            )
+            if incident is not None:
+                gave_up = _rollback(run, incident, recent[-incident.windows :], log)
+                metrics.close()
+                metrics = folder.open_metrics(schedule.step) if run.main else open(os.devnull, "w")
+                if events is not None:
+                    events.restart(schedule.step)
+                if bar is not None:
+                    bar.n = schedule.samples if run.total_samples is not None else schedule.step
+                    bar.refresh()
+                recent, last = [], schedule.step
+                if gave_up:
+                    run.stopped_by = "guard"
+                    break
+                continue
+            run.skip_ahead()
+            if step > run.last_incident:
+                run.retries = 0  # past the trouble: the next incident starts a new count
+            items += result.count
+            interval = result.noise_interval or (None, None)
+            line = {
+                "step": step,
+                "samples": schedule.samples,
+                "effective_batch": samples,
+                "loss": result.loss,
+                "lr": lr,
+                "grad_norm": result.grad_norm,
+                "count": result.count,
+                "micro_batches": result.micro_batches,
+                "seconds": time.perf_counter() - t0,
+                "peak_memory": memory.peak(),
+                "skipped": result.skipped,
+                "oom_replays": result.oom_replays,
+                "noise_scale": result.noise_scale,
+                "noise_low": interval[0],
+                "noise_high": interval[1],
+            }
+            end = run.done()
+            limit = run.targets.limit_reached(run.elapsed, line["peak_memory"])
+            if run.main and (step % cfg.eval_every == 0 or end or limit):
+                evaluated = run.data.evaluate(run.model, run.micro)
+                line.update({f"eval_{k}": v for k, v in evaluated.items()})
+            hit = run.targets.check(line, run.elapsed) if run.main else None
+            _write_line(metrics, line, folder, last)
+            if events is not None:
+                events.write(line, run.acc.state)
+            rate = items / max(time.perf_counter() - began, 1e-9)
+            _report_step(bar, log, line, rate, run, progress)
+            if run.world > 1:
+                hit = launch.broadcast(hit)  # rank 0 evaluates: its verdict stops every rank
+                if launch.any_rank(bool(stop)) and not stop:
+                    stop.append(signal.SIGTERM)  # another rank was signalled: stop together
+            if stop or hit or step % cfg.checkpoint_every == 0 or end:
+                _checkpoint(run, step, last)
+                last = step
+            if cfg.export_every and step % cfg.export_every == 0 or end or hit:
+                _export(run, log)
+            if stop:
+                raise Interrupted(step, folder.path, stop[0])
+            if hit:
+                run.stopped_by = hit
+                log(f"stopping at step {step}: {_hit_text(run.targets, hit)}")
+                break
+    finally:
+        metrics.close()
+        if events is not None:
+            events.close()
+        if bar is not None:
+            bar.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _hit_text(targets: Targets, name: str) -> str:
+    seen = targets.observed[name]["value"]
+    if name == "target_loss":
+        return f"held-out loss {seen:.4f} <= target {targets.target_loss:g}"
+    if name == "target_accuracy":
+        return f"held-out accuracy {seen:.4f} >= target {targets.target_accuracy:g}"
+    if name == "max_time":
+        return f"{seen:.1f} s of training reached --max-time ({targets.max_time:g} s)"
+    return (
+        f"peak memory {format_bytes(seen)} reached --max-memory "
+        f"({format_bytes(targets.max_memory or 0)})"
+    )
+
+
+def _events(run: _Run, log):
+    """The TensorBoard writer (rank 0, when asked for and installed), else None."""
+    from gradaccum import events
+
+    if not (run.main and run.cfg.tensorboard):
+        return None
+    if not events.available():
+        log(
+            "TensorBoard: the tensorboard package is not installed, so no event files "
+            "(pip install 'gradaccum[tensorboard]'); metrics.jsonl has every number"
+        )
+        return None
+    return events.EventLog(run.folder.path, run.start, run.cfg.max_grad_norm or None)
+
+
+def _rollback(run: _Run, incident: Incident, blamed: list[tuple[int, int, int]], log) -> bool:
+    """Back to the newest kept checkpoint from before the blamed windows, their samples set
+    aside, the incident recorded. Returns True when the guard gives up: after GUARD_RETRIES
+    rollbacks in a row that did not get past the incident's step, the run stops there."""
+    step = blamed[-1][0]
+    kept = [(s, f) for s, f in run.folder.kept_checkpoints() if s < blamed[0][0]]
+    if not kept:  # cannot happen while the folder is intact: the run keeps its first state
+        raise ValueError(
+            f"the incident guard found a {incident.kind} at step {step} but {run.folder.path} "
+            "holds no kept checkpoint to roll back to; resume with --no-guard"
+        )
+    back, file = kept[-1]
+    saved = run.folder.load_checkpoint(run.device, file)
+    run.acc.load_state_dict(saved["accumulator"])
+    run.schedule.load_state_dict(saved["schedule"])
+    if saved.get("guard") is not None:
+        run.guard.load_state_dict(saved["guard"])
+    run.targets.observed = dict(saved.get("targets", {}))
+    gave_up = run.retries >= GUARD_RETRIES
+    span = [blamed[0][1], blamed[-1][2]]
+    if gave_up:
+        action = (
+            f"stopped: {run.retries} rollbacks in a row did not get past it; the run is back "
+            f"at step {back}, its last good checkpoint"
+        )
+    else:
+        run.retries += 1
+        run.last_incident = step
+        for _, first, end in blamed:
+            if [first, end] not in run.skips:
+                run.skips.append([first, end])
+        run.skip_ahead()
+        action = (
+            f"rolled back to step {back}; samples {span[0]:,} to {span[1]:,} set aside "
+            f"(rollback {run.retries} of at most {GUARD_RETRIES} in a row)"
+        )
+    if run.main:
+        # The checkpoint again, now with the samples set aside: a resumed run decides alike.
+        _checkpoint(run, back, back)
+        seen = {k: round(v, 6) for k, v in incident.seen.items()}
+        record = {
+            "step": step,
+            "samples": span,
+            "kind": incident.kind,
+            "seen": seen,
+            "action": action,
+            "rolled_back_to": back,
+            "retry": run.retries,
+        }
+        run.folder.append_line(INCIDENTS, record)
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in incident.seen.items())
+    log(f"incident at step {step}: {incident.kind} ({shown}); {action}")
+    return gave_up
+
+
+def _write_line(metrics, line: dict[str, Any], folder: RunFolder, last: int) -> None:
+    try:
+        metrics.write(json.dumps(line) + "\n")
+        metrics.flush()
+    except OSError as err:
+        what = f"cannot write {folder.path / METRICS}: {err.strerror or err}"
+        raise ValueError(_stopped(folder, what, last)) from None
+
+
+def _checkpoint(run: _Run, step: int, last: int) -> None:
+    if not run.main:
+        return
+    state = {
+        "step": step,
+        "micro_batch": run.micro,
+        "checkpointing": run.checkpointing,
+        "signature": run.signature,
+        "schedule": run.schedule.state_dict(),
+        "accumulator": run.acc.state_dict(),
+        "guard": None if run.guard is None else run.guard.state_dict(),
+        "skips": run.skips,
+        "retries": run.retries,
+        "last_incident": run.last_incident,
+        "elapsed": run.elapsed,
+        "targets": run.targets.observed,
+    }
+    try:
+        run.folder.save_checkpoint(state)
+        if run.guard is not None:
+            run.folder.keep_checkpoint(step, run.cfg.keep_checkpoints)
+    except ValueError as err:
+        raise ValueError(_stopped(run.folder, str(err), last)) from None
+
+
+def _export(run: _Run, log) -> None:
+    """The weights in formats other tools load, under ``export/`` in the run folder: the LoRA
+    adapter (PEFT's save_pretrained), with --merge-lora the merged model, and for a full
+    fine-tune of --hf-model the model itself (save_pretrained, safetensors), the tokenizer
+    beside each. Each folder is written whole (a temporary sibling, then a rename)."""
+    cfg = run.cfg
+    if not run.main or cfg.hf_model is None:
+        return
+    from gradaccum import finetune
+
+    tokenizer = _tokenizer(cfg.hf_model)
+    out = run.folder.path / "export"
+    if cfg.lora is not None:
+        written = [finetune.save_adapter(run.model, out / "adapter")]
+        if cfg.merge_lora:
+            written.append(finetune.save_merged(run.model, out / "merged", tokenizer))
+    else:
+        written = [finetune.save_full(run.model, out / "model", tokenizer)]
+    log("exported " + ", ".join(str(w) for w in written))
+
+
+@functools.cache  # read once per run, however often it exports
+def _tokenizer(path: str):
+    if not (Path(path) / "tokenizer.json").is_file():
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _stopped(folder: RunFolder, what: str, last: int) -> str:
+    kept = f"its last checkpoint (step {last}) is kept" if last else "no checkpoint yet"
+    return (
+        f"{what}; training stopped, {kept}; free the space and continue with: "
+        f"gradaccum train --resume {folder.path}"
+    )
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """The log of ranks other than 0: rank 0 speaks for the job."""
+
+
+def _report_step(bar, log, line: dict[str, Any], rate: float, run: _Run, before: float) -> None:
+    """The bar's postfix on a terminal; else a log line at each tenth of the run, at its end
+    and at each evaluation (``before``: the share of the run done before this step)."""
+    loss = "skipped" if line["loss"] is None else f"{line['loss']:.3f}"
+    text = f"loss {loss}  {rate:,.0f} items/s  mem {format_bytes(line['peak_memory'])}" + (
+        f"  held-out {line['eval_loss']:.3f}" if "eval_loss" in line else ""
+    )
+    if bar is not None:
+        bar.set_postfix_str(text)
+        bar.update(line["effective_batch"] if run.total_samples is not None else 1)
+        return
+    now = run.progress()
+    if int(now * 10) > int(before * 10) or now >= 1 or "eval_loss" in line:
+        where = (
+            f"{line['samples']:>7,}/{run.total_samples:,} samples"
+            if run.total_samples is not None
+            else f"{line['step']:>5}/{run.total_steps}"
+        )
+        log(f"step {where}  {text}")

@@ -1,0 +1,129 @@
+"""The end of a run: summary.json, the plots, report.html and the summary table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradaccum import plots
+from gradaccum.engine import Accumulator
+from gradaccum.memory import format_bytes
+from gradaccum.noise import advice
+from gradaccum.runfolder import INCIDENTS
+from gradaccum.trainer.loop import _Run
+
+
+def _report(run: _Run, log, seconds: float) -> dict[str, Any]:
+    """summary.json, the plots and the summary table, from metrics.jsonl and the counters."""
+    cfg, acc, out = run.cfg, run.acc, run.folder.path
+    lines = run.folder.metrics()
+    last_eval = {}
+    if lines:
+        last_eval = {k[5:]: v for k, v in lines[-1].items() if k.startswith("eval_")}
+    if run.schedule.step == run.start and run.stopped_by == "length":
+        log(f"{out} already trained {run.length()}; nothing to do")
+    if not last_eval:  # nothing trained, or the guard stopped the run at a rollback
+        last_eval = run.data.evaluate(run.model, run.micro)
+    summary = _summarize(lines, acc, last_eval, seconds, run.device)
+    incidents = run.folder.lines(INCIDENTS)
+    schedule = run.schedule
+    reading = None if acc.noise is None else acc.noise.reading()
+    # B_simple is in items (tokens for the language models); the batch is in samples.
+    batch_items = round(schedule.size() * acc.state.items / max(schedule.samples, 1))
+    summary.update(
+        {
+            "samples": schedule.samples,
+            "effective_batch_final": schedule.size(),
+            "batch_changes": [list(c) for c in schedule.changes],
+            "noise_scale": None if reading is None else reading.value,
+            "noise_interval": None if reading is None else reading.interval,
+            "noise_advice": advice(batch_items, reading),
+            "run_folder": str(out),
+            "stopped_by": run.stopped_by,
+            "targets": run.targets.summary(),
+            "incidents": len(incidents),
+        }
+    )
+    run.folder.write_json("summary.json", summary)
+    plots.draw(out, lines, incidents)
+    from gradaccum.report import write_report
+
+    write_report(out)
+    log(_summary_table(summary))
+    if cfg.noise_scale:
+        log(summary["noise_advice"])
+    return summary
+
+
+def _summarize(
+    lines: list[dict[str, Any]],
+    acc: Accumulator,
+    last_eval: dict[str, float],
+    seconds: float,
+    device: torch.device,
+) -> dict[str, Any]:
+    losses = [x["loss"] for x in lines if x["loss"] is not None]
+    tail = losses[-10:]
+    summary = {
+        "steps": acc.state.optimizer_steps,
+        "windows": acc.state.windows,
+        "skipped_windows": acc.state.skipped_windows,
+        "oom_replays": acc.state.oom_replays,
+        "items": acc.state.items,
+        "seconds_this_session": seconds,
+        "first_loss": losses[0] if losses else None,
+        "final_train_loss": sum(tail) / len(tail) if tail else None,
+        **{f"held_out_{k}": v for k, v in last_eval.items()},
+        "peak_memory": max((x["peak_memory"] for x in lines), default=0),
+        "device": str(device),
+    }
+    return summary
+
+
+def _summary_table(s: dict[str, Any]) -> str:
+    def fmt(v: Any) -> str:
+        return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+    rows = [
+        ("optimizer steps", s["steps"]),
+        ("samples seen", s["samples"]),
+        ("items seen", s["items"]),
+        ("effective batch at the end", s["effective_batch_final"]),
+        ("time (this session)", f"{s['seconds_this_session']:.1f} s"),
+        (
+            "train loss (first -> last 10 steps)",
+            f"{fmt(s['first_loss'])} -> {fmt(s['final_train_loss'])}",
+        ),
+        *[(k.replace("_", " "), fmt(v)) for k, v in s.items() if k.startswith("held_out")],
+        ("peak training memory", format_bytes(s["peak_memory"])),
+        ("skipped windows", s["skipped_windows"]),
+        ("out-of-memory replays", s["oom_replays"]),
+        ("incidents (rolled back)", s["incidents"]),
+        ("stopped by", _STOPPED[s["stopped_by"]]),
+        *[
+            (name.replace("_", " "), _target_text(t))
+            for name, t in s["targets"].items()
+            if t["status"] != "not set"
+        ],
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(["", "summary", "-" * (width + 24)] + [f"{k:<{width}}  {v}" for k, v in rows])
+
+
+_STOPPED = {
+    "length": "its length (trained all it was asked)",
+    "target_loss": "--target-loss met",
+    "target_accuracy": "--target-accuracy met",
+    "max_time": "--max-time reached",
+    "max_memory": "--max-memory reached",
+    "guard": "the incident guard (see incidents.jsonl)",
+}
+
+
+def _target_text(t: dict[str, Any]) -> str:
+    def show(v: Any) -> str:
+        return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    when = f" at step {t['step']}" if t["step"] is not None else ""
+    return f"{t['status']}{when} (limit {show(t['limit'])}, observed {show(t['value'])})"
