@@ -136,7 +136,8 @@ def test_a_run_that_keeps_diverging_stops_at_its_last_good_checkpoint(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"gradaccum: the incident guard stopped the run (see {out / 'incidents.jsonl'})"
+        f"gradaccum: the incident guard stopped the run (see {out / 'incidents.jsonl'}); "
+        f"to train through it: gradaccum train --resume {out} --no-guard"
     )
     incidents = lines(out, "incidents.jsonl")
     assert [i["retry"] for i in incidents] == [1, 2, 3, 3]
@@ -147,3 +148,9 @@ def test_a_run_that_keeps_diverging_stops_at_its_last_good_checkpoint(tmp_path):
     back = incidents[-1]["rolled_back_to"]
     assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == back
     assert [x["step"] for x in lines(out)] == list(range(1, back + 1))
+
+    # --no-guard on resume trains on past it (every window skipped: no clipping at lr 1e4)
+    cli("train", "--resume", out, "--no-guard", threads=1)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_by"] == "length" and lines(out)[-1]["step"] == 60
+    assert json.loads((out / "resumes.jsonl").read_text())["changed"] == {"guard": [True, False]}

@@ -139,9 +139,11 @@ def run(args: argparse.Namespace) -> int:
         summary = train(cfg)
         if summary.get("stopped_by") == "guard":  # it gave up: the run did not finish
             if is_main():
+                folder = Path(summary["run_folder"])
                 print(
                     f"gradaccum: the incident guard stopped the run (see "
-                    f"{Path(summary['run_folder']) / 'incidents.jsonl'})",
+                    f"{folder / 'incidents.jsonl'}); to train through it: gradaccum train "
+                    f"--resume {folder} --no-guard",
                     file=sys.stderr,
                 )
             return 1

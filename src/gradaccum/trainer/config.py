@@ -399,4 +399,5 @@ RESUMABLE = (
     "max_time",
     "max_memory",
     "tensorboard",
+    "guard",  # the way to train on past a run the guard stopped
 )
