@@ -121,3 +121,24 @@ def test_tensorboard_reads_every_scalar_once_per_step_across_a_rollback(tmp_path
     with_noise = [x["step"] for x in metrics if x["noise_scale"] is not None]
     found = [e.step for e in events.Scalars("noise/b_simple")] if with_noise else []
     assert found == with_noise
+
+
+def test_bad_targets_are_all_reported_at_once():
+    cfg = TrainConfig(
+        recipe="digits",
+        max_time="ten",
+        max_memory="5XB",
+        target_loss=float("nan"),
+        target_accuracy=1.5,
+        keep_checkpoints=0,
+    )
+    problems = "\n".join(cfg.problems())
+    for needle in (
+        "keep_checkpoints must be an integer >= 1, got 0",
+        "target_loss must be a finite number, got nan",
+        "target_accuracy must be a number in (0, 1], got 1.5",
+        "max_time: expected seconds or a duration such as 90s, 15m, 2h, got 'ten'",
+        "max_memory: cannot read '5XB' as a memory size",
+    ):
+        assert needle in problems
+    assert TrainConfig(recipe="digits", max_time="90s", max_memory="1GiB").problems() == []
