@@ -182,16 +182,18 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
     if run.targets.describe():
         log(f"targets: {run.targets.describe()}")
     previous = {s: signal.signal(s, lambda signum, _: stop.append(signum)) for s in STOP_SIGNALS}
+    # Before the memory meter starts: importing TensorBoard and writing step 0's checkpoint
+    # raise the process's resident memory, and neither is training.
+    events = _events(run, log)
+    if run.guard is not None and not folder.kept_checkpoints() and run.main:
+        _checkpoint(run, run.start, run.start)  # something to roll back to from the start
     memory = TrainingMemory(run.model, run.device)
     bar = _progress(run) if run.main else None
     metrics = folder.open_metrics(run.start) if run.main else open(os.devnull, "w")
-    events = _events(run, log)
     began, items, last = time.perf_counter(), 0, run.start
     before = run.elapsed  # training seconds of earlier sessions
     # (step, first sample, end sample) of the latest windows: what an incident blames
     recent: list[tuple[int, int, int]] = []
-    if run.guard is not None and not folder.kept_checkpoints() and run.main:
-        _checkpoint(run, run.start, last)  # something to roll back to from the first window
     try:
         while not run.done():
             t0 = time.perf_counter()
