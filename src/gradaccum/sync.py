@@ -84,6 +84,19 @@ class Sync:
             handle = model.register_forward_pre_hook(count_forward)
             weakref.finalize(self, handle.remove)
 
+    @classmethod
+    def pipeline(cls, group: Any = None) -> Sync:
+        """The stages of one pipeline (``torch.distributed.pipelining``): each holds its own
+        parameters, so the norm sums squares over the stages as over FSDP2's shards; nothing
+        averages a gradient over them (``world`` 1 for the divisor); the last stage alone
+        knows the counts, which ``totals`` sums over the group."""
+        sync = cls.__new__(cls)
+        sync.mode, sync.model, sync.inner = "window", None, None
+        sync.kind, sync.group, sync.distributed, sync.world = "pipeline", group, True, 1
+        sync._device = collective_device(group)
+        sync._pad, sync._forwards = None, None
+        return sync
+
     def __repr__(self) -> str:
         return f"Sync({self.kind}, mode={self.mode!r}, world={self.world})"
 
@@ -228,9 +241,9 @@ class Sync:
         """Global L2 norm of the gradient. DDP gradients are replicated after the reduction
         (bit-identical on every rank), so the local norm is the global one; FSDP2 shards are
         summed as squares over ranks. Non-finite anywhere is non-finite everywhere, so every
-        rank takes the same skip and clipping decision."""
+        rank takes the same skip and clipping decision. A pipeline's stages are summed so too."""
         norm = total_norm(local_grads)
-        if self.kind != "fsdp":
+        if self.kind not in ("fsdp", "pipeline"):
             return norm
         squared = norm.double().square().to(self._device)
         dist.all_reduce(squared, group=self.group)

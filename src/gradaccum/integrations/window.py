@@ -52,12 +52,15 @@ class FrameworkWindow:
     """Counts and losses of the micro-batches of one window at a time, then its one division.
 
     ``model``: the module as the framework runs it (``DistributedDataParallel`` under DDP):
-    ``Sync`` reads the world and the process group off it. ``noise``: a ``NoiseScale`` fed
-    from the window's prefixes, or None.
+    ``Sync`` reads the world and the process group off it; or ``sync``, one built for the
+    purpose (``Sync.pipeline(group)`` for a pipeline's stages). ``noise``: a ``NoiseScale``
+    fed from the window's prefixes, or None.
     """
 
-    def __init__(self, model: torch.nn.Module, noise: NoiseScale | None) -> None:
-        self.sync = Sync(model)
+    def __init__(
+        self, model: torch.nn.Module | None, noise: NoiseScale | None, sync: Sync | None = None
+    ) -> None:
+        self.sync = sync if sync is not None else Sync(model)
         self.noise = noise
         self.micro_batches = 0
         self._count = 0  # counts known on the host
@@ -99,13 +102,20 @@ class FrameworkWindow:
             self.noise.add_prefix(*self._prefix)
             self._prefix = None
 
-    def end(self, grads: list[torch.Tensor], carried: float = 1.0, scale: float = 1.0) -> WindowEnd:
+    def end(
+        self,
+        grads: list[torch.Tensor],
+        carried: float = 1.0,
+        scale: float = 1.0,
+        max_grad_norm: float | None = None,
+    ) -> WindowEnd:
         """Divide the window's gradient (``grads``, in place) once by its global item count.
 
         ``carried``: what the framework already divided the summed losses by before
         backward (Lightning's ``1 / accumulate_grad_batches``), divided out here too;
         ``scale``: an fp16 loss scale still on the gradient, which the framework divides out
-        itself later (only the norm reported here is corrected for it)."""
+        itself later (only the norm reported here is corrected for it); ``max_grad_norm``:
+        clip here, by ``window.finish``'s rule (frameworks that clip themselves leave it None)."""
         count = self._count + tensor_count_total(self._device_counts)
         loss_sum = 0.0 if self._loss is None else self._loss.item()
         total, loss = self.sync.totals(count, loss_sum)
@@ -120,7 +130,7 @@ class FrameworkWindow:
             return WindowEnd(0, None, None, True, self._b_simple())
         # DDP hands back the mean over ranks: the sum over them / world.
         divisor = total * carried / self.sync.world
-        grad_norm, finite = finish(self.sync.local(grads), divisor, None, self.sync.norm)
+        grad_norm, finite = finish(self.sync.local(grads), divisor, max_grad_norm, self.sync.norm)
         grad_norm /= scale
         b_simple = self._b_simple()
         if self.noise is not None:
