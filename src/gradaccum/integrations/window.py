@@ -132,12 +132,12 @@ class FrameworkWindow:
         divisor = total * carried / self.sync.world
         grad_norm, finite = finish(self.sync.local(grads), divisor, max_grad_norm, self.sync.norm)
         grad_norm /= scale
-        b_simple = self._b_simple()
-        if self.noise is not None:
-            if finite:
-                b_simple = self.noise.end_window(grad_norm**2, total, self.sync.distributed).value
-            else:
-                self.noise.drop_window()
+        b_simple = None
+        if self.noise is not None and finite:
+            b_simple = self.noise.end_window(grad_norm**2, total, self.sync.distributed).value
+        elif self.noise is not None:
+            self.noise.drop_window()
+            b_simple = self.noise.value()
         return WindowEnd(total, loss / total, grad_norm, finite, b_simple)
 
     def _b_simple(self) -> float | None:
