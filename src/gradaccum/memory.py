@@ -53,7 +53,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?(?:e\+?\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def parse_bytes(text: str | int) -> int:

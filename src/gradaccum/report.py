@@ -79,9 +79,12 @@ footer{margin-top:2.5rem;font-size:.85rem;color:#777}
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write the run's page to ``out`` (default RUN_DIR/report.html) whole, and return where."""
+    """Write the run's page to ``out`` (default RUN_DIR/report.html; a folder: report.html
+    in it) whole, and return where."""
     page = render(run_dir)
-    file = Path(out) if out is not None else Path(run_dir) / REPORT
+    file = Path(out) if out not in (None, "") else Path(run_dir) / REPORT
+    if file.is_dir():
+        file = file / REPORT
     if not file.parent.is_dir():
         raise ValueError(f"cannot write {file}: folder {file.parent} does not exist")
     tmp = file.with_name(file.name + ".tmp")

@@ -27,7 +27,7 @@ def parse_seconds(text: str | float | int) -> float:
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
     else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|m|min|h)?\s*", str(text))
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE]\+?[0-9]+)?)\s*(s|m|min|h)?\s*", str(text))
         if match is None:
             raise ValueError(f"expected seconds or a duration such as 90s, 15m, 2h, got {text!r}")
         value = float(match.group(1)) * _UNITS[match.group(2) or ""]
@@ -50,6 +50,19 @@ class Targets:
         return (self.max_time is not None and elapsed >= self.max_time) or (
             self.max_memory is not None and peak_memory >= self.max_memory
         )
+
+    def already(self, elapsed: float) -> str | None:
+        """At a resume, before any window: a limit the run has already reached, or a quality
+        target its last evaluation already met (the limits may have changed since)."""
+        if self.max_time is not None and elapsed >= self.max_time:
+            self.observed["max_time"] = {**self.observed.get("max_time", {}), "value": elapsed}
+            return "max_time"
+        for name, (_, sign) in QUALITY.items():
+            limit, seen = getattr(self, name), self.observed.get(name, {})
+            if limit is not None and seen.get("value") is not None:
+                if sign * seen["value"] >= sign * limit:
+                    return name
+        return None
 
     def check(self, line: dict[str, Any], elapsed: float) -> str | None:
         """After a window (its metrics line, the run's training seconds so far): the name of

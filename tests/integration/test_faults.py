@@ -39,7 +39,7 @@ def start(*args, **kw) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "gradaccum", *map(str, args)],
         stdout=kw.pop("stdout", subprocess.DEVNULL),
-        stderr=subprocess.PIPE,
+        stderr=kw.pop("stderr", subprocess.PIPE),
         text=True,
         cwd=ROOT,
         env=ENV,
@@ -161,6 +161,23 @@ def test_a_closed_output_pipe_stops_training_with_a_checkpoint(tmp_path):
     proc.wait(timeout=60)
     assert proc.returncode == 128 + signal.SIGPIPE, err
     assert "output pipe closing" in err and "Traceback" not in err and "BrokenPipe" not in err
+    assert checkpoint_step(run) == steps(run)[-1] < 400
+    summary = json.loads((run / "summary.json").read_text())  # this session's, not a stale one
+    assert summary["stopped_by"] == "signal" and summary["steps"] == steps(run)[-1]
+
+
+def test_a_closed_pipe_that_also_took_stderr_keeps_the_exit_status(tmp_path):
+    """`gradaccum train ... 2>&1 | head -2`: the stop message has nowhere to go; the exit
+    status still says why the run stopped (141), not 1 (the guard's)."""
+    run = tmp_path / "x"
+    proc = start(
+        "train", *DIGITS, "--steps", 400, "--eval-every", 1000, "--out", run,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    assert proc.stdout.readline().startswith("training 400 steps")
+    proc.stdout.close()
+    proc.wait(timeout=60)
+    assert proc.returncode == 128 + signal.SIGPIPE
     assert checkpoint_step(run) == steps(run)[-1] < 400
 
 

@@ -68,6 +68,26 @@ def test_max_time_stops_cleanly_and_counts_every_session(tmp_path):
     assert summary["targets"]["max_time"]["value"] >= 3
     assert summary["seconds_this_session"] < summary["targets"]["max_time"]["value"]
 
+    # Resumed again at the limit it reached: nothing trains, and it says what to change.
+    said = []
+    steps = summary["steps"]
+    summary = train(again, log=lambda *a, **k: said.append(" ".join(map(str, a))))
+    assert summary["steps"] == steps and summary["stopped_by"] == "max_time"
+    assert any("is already stopped" in x and "--max-time" in x for x in said), said
+
+
+def test_none_removes_a_target_and_config_numbers_read_as_bytes_and_seconds(tmp_path):
+    from gradaccum.cli import parser
+    from gradaccum.cli.train import resolve
+
+    config = tmp_path / "run.toml"
+    config.write_text("max-memory = 5e8\nmax-time = 1.5e3\ntarget-loss = 2.5\n")
+    args = parser().parse_args(["train", "--config", str(config), "--target-loss", "none"])
+    cfg = resolve(args)
+    assert cfg.target_loss is None  # the flag's none beats the file's 2.5
+    assert cfg.max_memory == "500000000" and cfg.max_time == "1500.0"
+    assert cfg.targets().max_memory == 500_000_000 and cfg.targets().max_time == 1500
+
 
 def test_target_accuracy_is_refused_where_nothing_measures_it(tmp_path, capsys):
     assert main(["train", "--target-accuracy", "0.9", "--out", str(tmp_path / "x")]) == 2

@@ -16,13 +16,15 @@ from gradaccum.memory import LiveTensorBytes, parse_bytes
         ("512 mib", 512 * 2**20),
         ("64KiB", 65536),
         (4096, 4096),
+        ("1e9", 1_000_000_000),  # as YAML and TOML write large numbers
+        ("1.5e3MB", 1_500_000_000),
     ],
 )
 def test_budgets_parse(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["2 gigs", "", "-5MB", "GiB", "1.5", "0", "1e9", "2GiBs"])
+@pytest.mark.parametrize("text", ["2 gigs", "", "-5MB", "GiB", "1.5", "0", "1e-3", "2GiBs"])
 def test_malformed_budgets_are_refused_with_the_accepted_forms(text):
     with pytest.raises(
         ValueError,

@@ -266,6 +266,9 @@ def test_write_report_default_and_out(run, tmp_path):
     assert not list(tmp_path.glob("*.tmp")) and not list(run.glob("*.tmp"))
     with pytest.raises(ValueError, match=r"folder .*no-such-folder does not exist"):
         write_report(run, tmp_path / "no-such-folder" / "r.html")
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    assert write_report(run, folder) == folder / "report.html"  # a folder: the page in it
 
 
 def test_cli_report(run, tmp_path, capsys):

@@ -30,6 +30,15 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+def say(text: str) -> None:
+    """A line on stderr that survives stderr being a closed pipe (``train 2>&1 | head``):
+    the exit status must stay the one that says why the run stopped."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 1 a check that failed, 2 bad input or an unusable file (one line
     on stderr), 130 Ctrl-C outside training, 128 + N a training run stopped by signal N after
@@ -45,10 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # bad input: one clear line, no traceback
         if debug:
             raise
-        print(f"gradaccum: error: {err}", file=sys.stderr)
+        say(f"gradaccum: error: {err}")
         return 2
     except KeyboardInterrupt:  # Ctrl-C before training began (planning, loading)
         if debug:
             raise
-        print("gradaccum: interrupted", file=sys.stderr)
+        say("gradaccum: interrupted")
         return 130

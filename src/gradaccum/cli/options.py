@@ -1,7 +1,8 @@
 """Config dataclasses as the one source of defaults, help text and parsing for the CLI.
 
 Each field's ``metadata["help"]`` is its --help line; ``choices`` restricts a string; a
-bool becomes a flag. Commands define a keyword-only dataclass and call these two helpers.
+bool becomes a flag; an option that may be None takes ``none`` to set it so. Commands
+define a keyword-only dataclass and call these two helpers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,24 @@ def _base_type(tp: Any) -> Any:
     return tp
 
 
+class _Unset:
+    """A value typed as ``none``: the option set to None (a target removed on --resume)."""
+
+    def __repr__(self) -> str:
+        return "none"
+
+
+UNSET = _Unset()
+
+
+def _or_none(tp: Any) -> Any:
+    def parse(text: str) -> Any:
+        return UNSET if text.strip().lower() == "none" else tp(text)
+
+    parse.__name__ = tp.__name__  # argparse names the type in its errors
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -37,9 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag, action=action, default=None, help=help_text)
             continue
         shown = "" if default is None else f" (default: {default})"
+        optional = type(None) in typing.get_args(hints[f.name])
         parser.add_argument(
             flag,
-            type=tp,
+            type=_or_none(tp) if optional else tp,
             default=None,  # None means "not given", so config files can sit under flags
             choices=f.metadata.get("choices"),
             metavar=f.metadata.get("metavar", f.name.upper()),
@@ -50,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
 def given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The options the user typed (not the defaults)."""
     names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+    given = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return {k: None if v is UNSET else v for k, v in given.items()}
 
 
 def build(cls: type[T], values: dict[str, Any]) -> T:

@@ -21,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--out",
         metavar="FILE",
         default=None,
-        help=f"write the page here instead of RUN_DIR/{REPORT}",
+        help=f"write the page here instead of RUN_DIR/{REPORT} (a folder: {REPORT} in it)",
     )
     parser.set_defaults(run=run)
 

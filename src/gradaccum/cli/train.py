@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import typing
 from pathlib import Path
 from typing import Any
 
-from gradaccum.cli import options
+from gradaccum.cli import options, say
 
 try:
     import tomllib
@@ -87,8 +86,8 @@ def _check_types(values: dict[str, Any], source: str) -> list[str]:
             except ValueError:
                 pass
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if key in ("budget", "max_memory") and numeric and isinstance(value, int):
-            values[key] = value = str(value)
+        if key in ("budget", "max_memory") and numeric and float(value).is_integer():
+            values[key] = value = str(int(value))  # 5e8 in TOML or YAML is a float
         if key == "max_time" and numeric:
             values[key] = value = str(value)
         ok = (
@@ -140,16 +139,15 @@ def run(args: argparse.Namespace) -> int:
         if summary.get("stopped_by") == "guard":  # it gave up: the run did not finish
             if is_main():
                 folder = Path(summary["run_folder"])
-                print(
+                say(
                     f"gradaccum: the incident guard stopped the run (see "
                     f"{folder / 'incidents.jsonl'}); to train through it: gradaccum train "
-                    f"--resume {folder} --no-guard",
-                    file=sys.stderr,
+                    f"--resume {folder} --no-guard"
                 )
             return 1
     except Interrupted as stop:
         if is_main():  # every rank stops; one says so
-            print(f"\n{stop}", file=sys.stderr)
+            say(f"\n{stop}")
         return 128 + stop.signum
     finally:
         shutdown()  # leave a torchrun job's process group cleanly (no-op otherwise)

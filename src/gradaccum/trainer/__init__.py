@@ -43,7 +43,15 @@ def train(cfg: TrainConfig, *, log=print, faults=None) -> dict[str, Any]:
     run = _build(cfg, rank, world, log)
     try:
         began = time.perf_counter()
-        _loop(run, log, stop, faults)
+        try:
+            _loop(run, log, stop, faults)
+        except Interrupted:
+            # The run folder's summary, plots and report describe this session, not the last
+            # one that ended; the table is not printed (the stop message says what to do).
+            if run.main:
+                run.stopped_by = "signal"
+                _report(run, log, time.perf_counter() - began, table=False)
+            raise
         if not run.main:
             return {"rank": rank}
         return _report(run, log, time.perf_counter() - began)

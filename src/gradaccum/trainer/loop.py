@@ -175,13 +175,21 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
     across = f" on each of {run.world} processes" if run.world > 1 else ""
     log(
         f"training {run.length()}: effective batch {cfg.effective_batch} = {windows} "
-        f"micro-batches of up to {run.micro}{across}"
+        f"micro-batch{'es' if windows > 1 else ''} of up to {run.micro}{across}"
         + ("" if schedule.kind == "constant" else f"; schedule: {schedule.describe()}")
         + f"; {run.data.epoch_samples():,} samples per epoch; run folder {folder.path}"
     )
     if run.targets.describe():
         log(f"targets: {run.targets.describe()}")
     previous = {s: signal.signal(s, lambda signum, _: stop.append(signum)) for s in STOP_SIGNALS}
+    reached = run.targets.already(run.elapsed) if run.start else None
+    if reached is not None:  # a resume of a run at its limit or target trains nothing more
+        run.stopped_by = reached
+        log(
+            f"{folder.path} is already stopped: {_hit_text(run.targets, reached)}; change "
+            "that option on --resume to train on"
+        )
+        return
     # Before the memory meter starts: importing TensorBoard and writing step 0's checkpoint
     # raise the process's resident memory, and neither is training.
     events = _events(run, log)

@@ -14,7 +14,7 @@ from gradaccum.runfolder import INCIDENTS
 from gradaccum.trainer.loop import _Run
 
 
-def _report(run: _Run, log, seconds: float) -> dict[str, Any]:
+def _report(run: _Run, log, seconds: float, table: bool = True) -> dict[str, Any]:
     """summary.json, the plots and the summary table, from metrics.jsonl and the counters."""
     cfg, acc, out = run.cfg, run.acc, run.folder.path
     lines = run.folder.metrics()
@@ -50,9 +50,10 @@ def _report(run: _Run, log, seconds: float) -> dict[str, Any]:
     from gradaccum.report import write_report
 
     write_report(out)
-    log(_summary_table(summary))
-    if cfg.noise_scale:
-        log(summary["noise_advice"])
+    if table:
+        log(_summary_table(summary))
+        if cfg.noise_scale:
+            log(summary["noise_advice"])
     return summary
 
 
@@ -99,10 +100,10 @@ def _summary_table(s: dict[str, Any]) -> str:
         ("peak training memory", format_bytes(s["peak_memory"])),
         ("skipped windows", s["skipped_windows"]),
         ("out-of-memory replays", s["oom_replays"]),
-        ("incidents (rolled back)", s["incidents"]),
+        ("incidents", s["incidents"]),
         ("stopped by", _STOPPED[s["stopped_by"]]),
         *[
-            (name.replace("_", " "), _target_text(t))
+            (name.replace("_", " "), _target_text(name, t))
             for name, t in s["targets"].items()
             if t["status"] != "not set"
         ],
@@ -118,12 +119,19 @@ _STOPPED = {
     "max_time": "--max-time reached",
     "max_memory": "--max-memory reached",
     "guard": "the incident guard (see incidents.jsonl)",
+    "signal": "a signal or a closed output pipe (checkpointed; --resume continues)",
 }
 
 
-def _target_text(t: dict[str, Any]) -> str:
+def _target_text(name: str, t: dict[str, Any]) -> str:
     def show(v: Any) -> str:
-        return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+        if v is None:
+            return "-"
+        if name == "max_memory":
+            return format_bytes(v)
+        if name == "max_time":
+            return f"{v:.1f} s"
+        return f"{v:.4g}"
 
     when = f" at step {t['step']}" if t["step"] is not None else ""
     return f"{t['status']}{when} (limit {show(t['limit'])}, observed {show(t['value'])})"
