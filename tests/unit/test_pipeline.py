@@ -1,5 +1,5 @@
 """PipelineWindow's refusals (its exactness runs in 2 processes: tests/integration/distributed/
-test_pipeline.py)."""
+test_pipeline_parallel.py)."""
 
 import pytest
 import torch
