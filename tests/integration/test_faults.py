@@ -232,6 +232,12 @@ def test_damaged_checkpoints_are_one_line_and_never_unpickled(tmp_path):
     assert not Evil.marker.exists()
 
 
+def test_argparse_refusals_are_one_line_too():
+    one_line(in_process("train", "--steps", "abc"), "argument --steps: invalid int value: 'abc'")
+    one_line(in_process("plan", "--bogus"), "unrecognized arguments: --bogus")
+    one_line(in_process("frobnicate"), "invalid choice: 'frobnicate'", "--help")
+
+
 def test_unusable_folders_and_files_are_one_line(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")

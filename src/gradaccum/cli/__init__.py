@@ -6,14 +6,24 @@ import argparse
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from gradaccum import __version__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own refusals (a value of the wrong type, an unknown flag) as one line, like
+    every other error, instead of its usage block (``--help`` still prints it)."""
+
+    def error(self, message: str) -> NoReturn:
+        say(f"gradaccum: error: {message}; see {self.prog} --help")
+        raise SystemExit(2)
 
 
 def parser() -> argparse.ArgumentParser:
     from gradaccum.cli import check, plan, report, train
 
-    root = argparse.ArgumentParser(
+    root = _Parser(
         prog="gradaccum",
         description="Exact gradient accumulation for PyTorch: the large batch's gradient on "
         "the memory you have.",
