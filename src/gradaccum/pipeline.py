@@ -68,6 +68,7 @@ class PipelineWindow:
         self.micro_batches, self.max_grad_norm = micro_batches, max_grad_norm
         self.window = FrameworkWindow(None, None, sync=Sync.pipeline(group))
         self.steps = 0
+        self._losses: list[tuple[torch.Tensor, Any]] = []  # the last stage's, this window
         kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         # Summed losses, no division by the number of micro-batches: the gradient each stage
         # holds after the schedule is the window's sum over its items.
@@ -84,7 +85,7 @@ class PipelineWindow:
         stage may pass both; each uses its own). Every stage returns the same global loss per
         item, count, norm and decision."""
         args = inputs if self.stage.is_first else ()
-        self._losses: list[tuple[torch.Tensor, Any]] = []
+        self._losses = []
         if self.stage.is_last:
             self.schedule.step(*args, target=target)
         else:

@@ -148,13 +148,6 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         unit=micro * world,
         maximum=cfg.max_effective_batch,
     )
-    if saved is not None:
-        schedule.load_state_dict(saved["schedule"])
-    if resuming:
-        where = f"step {schedule.step} of {total_steps}"
-        if total_samples is not None:
-            where = f"step {schedule.step}, sample {schedule.samples:,} of {total_samples:,}"
-        log(f"resuming {folder.path} at {where} (micro-batch {micro})")
 
     train_model = model
     if world > 1:
@@ -171,12 +164,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         oom=OOMReplay() if world == 1 else None,
         noise=NoiseScale() if cfg.noise_scale else None,
     )
-    if saved is not None:
-        acc.load_state_dict(saved["accumulator"])
     # With clipping, a gradient spike's step is already bounded: the loss tells damage.
     guard = IncidentGuard(gradient=not cfg.max_grad_norm) if cfg.guard else None
-    if guard is not None and saved is not None and saved.get("guard") is not None:
-        guard.load_state_dict(saved["guard"])
     run = _Run(
         cfg,
         folder,
@@ -192,18 +181,19 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         checkpointing,
         signature,
         schedule,
-        schedule.step,
+        0,
         total_steps,
         total_samples,
         targets=cfg.targets(),
         guard=guard,
     )
     if saved is not None:
-        run.skips = [list(r) for r in saved.get("skips", [])]
-        run.retries = int(saved.get("retries", 0))
-        run.last_incident = int(saved.get("last_incident", 0))
-        run.elapsed = float(saved.get("elapsed", 0.0))
-        run.targets.observed = dict(saved.get("targets", {}))
+        run.restore(saved)
+    if resuming:
+        where = f"step {schedule.step} of {total_steps}"
+        if total_samples is not None:
+            where = f"step {schedule.step}, sample {schedule.samples:,} of {total_samples:,}"
+        log(f"resuming {folder.path} at {where} (micro-batch {micro})")
     run.skip_ahead()
     return run
 

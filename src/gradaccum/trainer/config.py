@@ -384,6 +384,8 @@ class TrainConfig:
         )
 
 
+# What a resumed run may change: how long it trains and how it reports. Everything else
+# defines the run and must stay as it was (a different run belongs in its own folder).
 RESUMABLE = (
     "steps",
     "epochs",

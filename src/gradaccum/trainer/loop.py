@@ -44,8 +44,6 @@ class Interrupted(Exception):  # noqa: N818 - it is a stop, not an error
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 GUARD_RETRIES = 3  # rollbacks in a row not getting past the incident's step, then a stop
-# What a resumed run may change: how long it trains and how it reports. Everything else
-# defines the run and must stay as it was (a different run belongs in its own folder).
 
 
 class _Output:
@@ -126,6 +124,21 @@ class _Run:
 
     def done(self) -> bool:
         return self.progress() >= 1
+
+    def restore(self, saved: dict[str, Any], *, rollback: bool = False) -> None:
+        """The state ``_checkpoint`` saved. A rollback keeps what the run learned since: the
+        samples set aside, its count of rollbacks and the time it has trained."""
+        self.acc.load_state_dict(saved["accumulator"])
+        self.schedule.load_state_dict(saved["schedule"])
+        if self.guard is not None and saved.get("guard") is not None:
+            self.guard.load_state_dict(saved["guard"])
+        self.targets.observed = dict(saved.get("targets", {}))
+        if not rollback:
+            self.skips = [list(r) for r in saved.get("skips", [])]
+            self.retries = int(saved.get("retries", 0))
+            self.last_incident = int(saved.get("last_incident", 0))
+            self.elapsed = float(saved.get("elapsed", 0.0))
+            self.start = self.schedule.step
 
     def skip_ahead(self) -> None:
         """A window that would begin at samples the guard set aside begins after them."""
@@ -345,12 +358,7 @@ def _rollback(run: _Run, incident: Incident, blamed: list[tuple[int, int, int]],
             "holds no kept checkpoint to roll back to; resume with --no-guard"
         )
     back, file = kept[-1]
-    saved = run.folder.load_checkpoint(run.device, file)
-    run.acc.load_state_dict(saved["accumulator"])
-    run.schedule.load_state_dict(saved["schedule"])
-    if saved.get("guard") is not None:
-        run.guard.load_state_dict(saved["guard"])
-    run.targets.observed = dict(saved.get("targets", {}))
+    run.restore(run.folder.load_checkpoint(run.device, file), rollback=True)
     gave_up = run.retries >= GUARD_RETRIES
     span = [blamed[0][1], blamed[-1][2]]
     if gave_up:
