@@ -18,18 +18,31 @@ the Accumulator's ``end_window``, not a copy of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from gradaccum.checkpoint import AccumulatorState, rng_state, set_rng_state
 from gradaccum.integrations.window import FrameworkWindow
+from gradaccum.memory import format_bytes, saved_activation_bytes
 from gradaccum.sync import Sync
 from gradaccum.window import StepResult
 
-__all__ = ["SCHEDULES", "PipelineWindow"]
+__all__ = [
+    "SCHEDULES",
+    "ChainedStages",
+    "PipelinePlan",
+    "PipelineWindow",
+    "chain",
+    "measure_stage",
+    "plan_micro_batches",
+]
 
 SCHEDULES = ("gpipe", "1f1b")
+FORMAT = "gradaccum.pipeline-stage/1"
 
 
 class PipelineWindow:
@@ -40,7 +53,13 @@ class PipelineWindow:
     stage (a loss summed over the micro-batch's items and how many there are);
     ``micro_batches``: the window's micro-batches (the schedule cuts the batch along dim 0);
     ``schedule``: "gpipe" or "1f1b"; ``max_grad_norm``: clip to this global norm; ``group``:
-    the pipeline's process group (default: the world).
+    the pipeline's process group (default: the world); ``tied``: parameters this stage
+    shares with another (a head tied to the first stage's embedding: the first and the last
+    stage each pass their copy, the others nothing): their gradients are summed over the two
+    stages, counted once in the norm, and both copies take the same step.
+
+    ``state`` counts windows and steps as the Accumulator's does; ``state_dict()`` is this
+    stage's part of a checkpoint (its module, optimizer, counters and random generators).
     """
 
     def __init__(
@@ -53,6 +72,7 @@ class PipelineWindow:
         schedule: str = "gpipe",
         max_grad_norm: float | None = None,
         group: Any = None,
+        tied: Sequence[torch.nn.Parameter] = (),
     ) -> None:
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
@@ -67,13 +87,29 @@ class PipelineWindow:
         self.stage, self.optimizer, self.loss_fn = stage, optimizer, loss_fn
         self.micro_batches, self.max_grad_norm = micro_batches, max_grad_norm
         self.window = FrameworkWindow(None, None, sync=Sync.pipeline(group))
-        self.steps = 0
+        self.group, self.schedule_name = group, schedule
+        self.state = AccumulatorState()
+        self.noise = None  # the noise scale needs each micro-batch's gradient: not here
+        self._tied = list(tied)
+        if self._tied and not (stage.is_first or stage.is_last):
+            raise ValueError("tied parameters are the first and the last stage's copies")
+        if self._tied and stage.is_first and stage.is_last:
+            raise ValueError("tied parameters need two stages: this one is the only one")
         self._losses: list[tuple[torch.Tensor, Any]] = []  # the last stage's, this window
         kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         # Summed losses, no division by the number of micro-batches: the gradient each stage
         # holds after the schedule is the window's sum over its items.
         self.schedule = kind(stage, micro_batches, loss_fn=self._loss, scale_grads=False)
         self._params = [p for group_ in optimizer.param_groups for p in group_["params"]]
+        # The last stage's copies of tied parameters are left out of the norm and the
+        # division: the first stage's copy holds their summed gradient and is sent back.
+        tied_ids = {id(p) for p in self._tied} if stage.is_last else set()
+        self._counted = [p for p in self._params if id(p) not in tied_ids]
+        # The pipeline group's ranks of the first and the last stage, for the tied copies.
+        self._first, self._last = (
+            dist.get_global_rank(group, r) if group is not None else r
+            for r in (0, stage.num_stages - 1)
+        )
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         loss_sum, count = self.loss_fn(output, target)
@@ -100,12 +136,14 @@ class PipelineWindow:
                 )
             for loss_sum, count in self._losses[-self.micro_batches :]:
                 self.window.add(loss_sum, count)
-        grads = [p.grad for p in self._params if p.grad is not None]
+        self._tied_grads(sum_to_first=True)
+        grads = [p.grad for p in self._counted if p.grad is not None]
         end = self.window.end(grads, max_grad_norm=self.max_grad_norm)
         skipped = "zero count" if end.count == 0 else None if end.finite else "non-finite gradient"
         if skipped is None:
+            self._tied_grads(sum_to_first=False)  # the divided, clipped gradient, both copies
             self.optimizer.step()
-            self.steps += 1
+        self.state.count_window(self.micro_batches, end.count, skipped is None)
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(
             loss=end.loss,
@@ -114,5 +152,244 @@ class PipelineWindow:
             stepped=skipped is None,
             skipped=skipped,
             micro_batches=self.micro_batches,
-            step=self.steps,
+            step=self.state.optimizer_steps,
         )
+
+    @property
+    def steps(self) -> int:
+        return self.state.optimizer_steps
+
+    def _tied_grads(self, sum_to_first: bool) -> None:
+        """Before the window ends, the last stage's gradients of the tied parameters are added
+        to the first stage's; after it, the first stage's result replaces the last's."""
+        if not self._tied:
+            return
+        sender = self.stage.is_last if sum_to_first else self.stage.is_first
+        peer = self._first if self.stage.is_last else self._last
+        for p in self._tied:
+            if p.grad is None:  # unused in this window: its gradient is zero
+                p.grad = torch.zeros_like(p)
+            if sender:
+                dist.send(p.grad, peer)
+            elif sum_to_first:
+                other = torch.empty_like(p.grad)
+                dist.recv(other, peer)
+                p.grad.add_(other)
+            else:
+                dist.recv(p.grad, peer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This stage's part of a checkpoint, between windows: its module's parameters, the
+        optimizer, the counters and the random generators (``torch.load(...,
+        weights_only=True)`` reads it)."""
+        return {
+            "format": FORMAT,
+            "stage": self.stage.stage_index,
+            "stages": self.stage.num_stages,
+            "accumulator": asdict(self.state),
+            "model": self.stage.submod.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": rng_state(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``state_dict()`` saved on this stage; refuses another stage's."""
+        where = (state_dict.get("stage"), state_dict.get("stages"))
+        if state_dict.get("format") != FORMAT:
+            raise ValueError(
+                f"not a gradaccum pipeline stage checkpoint (format {state_dict.get('format')!r})"
+            )
+        if where != (self.stage.stage_index, self.stage.num_stages):
+            raise ValueError(
+                f"checkpoint of stage {where[0]} of {where[1]} loaded into stage "
+                f"{self.stage.stage_index} of {self.stage.num_stages}"
+            )
+        self.stage.submod.load_state_dict(state_dict["model"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.state = AccumulatorState(**state_dict["accumulator"])
+        set_rng_state(state_dict["rng"])
+
+
+def chain(module: torch.nn.Module, x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """The stages' forward chained across the pipeline's processes, without a schedule (for
+    evaluation, under ``torch.no_grad``): every stage calls it with the same input, stage k
+    runs on stage k-1's output, and the last stage's output comes back to every stage.
+    Outputs are float32 tensors of up to 8 dimensions."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+
+    def peer(r: int) -> int:
+        return dist.get_global_rank(group, r) if group is not None else r
+
+    def send(t: torch.Tensor, to: int) -> None:
+        header = torch.zeros(9, dtype=torch.long, device=t.device)
+        header[0] = t.dim()
+        header[1 : 1 + t.dim()] = torch.tensor(t.shape)
+        dist.send(header, to)
+        dist.send(t.float().contiguous(), to)
+
+    def receive(source: int, device: torch.device) -> torch.Tensor:
+        header = torch.zeros(9, dtype=torch.long, device=device)
+        dist.recv(header, source)
+        out = torch.empty(header[1 : 1 + int(header[0])].tolist(), device=device)
+        dist.recv(out, source)
+        return out
+
+    device = x.device
+    if rank > 0:
+        x = receive(peer(rank - 1), device)
+    y = module(x)
+    if rank < size - 1:
+        send(y, peer(rank + 1))
+    # The last stage's output to every stage: its shape first, then the values.
+    shape = torch.zeros(9, dtype=torch.long, device=device)
+    if rank == size - 1:
+        shape[0] = y.dim()
+        shape[1 : 1 + y.dim()] = torch.tensor(y.shape)
+    dist.broadcast(shape, peer(size - 1), group=group)
+    out = y.float().contiguous() if rank == size - 1 else None
+    if out is None:
+        out = torch.empty(shape[1 : 1 + int(shape[0])].tolist(), device=device)
+    dist.broadcast(out, peer(size - 1), group=group)
+    return out
+
+
+class ChainedStages(torch.nn.Module):
+    """A pipeline's stages as one model for evaluation: every stage calls it with the same
+    ids and gets the last stage's logits (``gradaccum.pipeline.chain``)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return chain(self.module, ids)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The number of micro-batches ``m`` for an effective batch ``B`` through ``stages``
+    stages: micro-batches of ``B / m``; ``bubble`` = (p - 1) / (m + p - 1); ``predicted``:
+    the fullest stage's peak (its parameters, gradients and optimizer state, plus the
+    activations of the micro-batches it holds at once: m under GPipe, min(m, p) under
+    1F1B); ``why``: how m was chosen; ``table``: every candidate m."""
+
+    micro_batches: int
+    micro_size: int
+    stages: int
+    schedule: str
+    bubble: float
+    predicted: float
+    budget: int
+    static_bytes: int
+    activation_bytes_per_sample: float
+    why: str
+    table: tuple[tuple[int, float, float, bool], ...]  # (m, bubble, predicted, fits)
+
+    def summary(self) -> str:
+        lines = [
+            f"pipeline plan: {self.micro_batches} micro-batches of {self.micro_size} through "
+            f"{self.stages} stages ({self.schedule}): bubble {self.bubble:.0%}, fullest stage "
+            f"{format_bytes(self.predicted)} of {format_bytes(self.budget)}; {self.why}",
+            "      m   bubble   fullest stage",
+        ]
+        for m, bubble, predicted, fits in self.table:
+            mark = "  <-" if m == self.micro_batches else ("" if fits else "  over budget")
+            lines.append(f"  {m:>5}   {bubble:>6.0%}   {format_bytes(predicted):>13}{mark}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_micro_batches(
+    effective_batch: int,
+    stages: int,
+    schedule: str,
+    static_bytes: int,
+    activation_bytes_per_sample: float,
+    budget: int,
+    *,
+    margin: float = 0.15,
+    max_bubble: float = 0.2,
+) -> PipelinePlan:
+    """Choose m among the divisors of ``effective_batch`` (equal micro-batches: a schedule
+    runs one shape). The fewest micro-batches whose bubble is at most ``max_bubble`` and
+    whose fullest stage fits ``budget`` less ``margin``: fewer, larger micro-batches waste
+    less per micro-batch (each is a send, a receive and smaller kernels); if none of those
+    fits, the fewest that fits; if none fits, a ValueError saying what would.
+
+    ``static_bytes`` and ``activation_bytes_per_sample`` are the largest over the stages
+    (``measure_stage``)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    usable = budget * (1 - margin)
+    table = []
+    for m in (d for d in range(1, effective_batch + 1) if effective_batch % d == 0):
+        held = m if schedule == "gpipe" else min(m, stages)
+        predicted = static_bytes + held * (effective_batch // m) * activation_bytes_per_sample
+        bubble = (stages - 1) / (m + stages - 1)
+        table.append((m, bubble, predicted, predicted <= usable))
+    fitting = [row for row in table if row[3]]
+    if not fitting:
+        smallest = min(row[2] for row in table)
+        raise ValueError(
+            f"no number of micro-batches fits {format_bytes(budget)} (less a {margin:.0%} "
+            f"margin) on every stage: the fullest stage needs at least "
+            f"{format_bytes(smallest)}"
+            + (
+                "; GPipe holds every micro-batch's activations at once, 1F1B only "
+                f"{stages}: try --pipeline-schedule 1f1b"
+                if schedule == "gpipe"
+                else ""
+            )
+            + "; raise --budget or use more stages"
+        )
+    short = [row for row in fitting if row[1] <= max_bubble + 1e-12]
+    if short:
+        chosen = short[0]
+        why = f"the fewest micro-batches with a bubble at most {max_bubble:.0%} that fit"
+    else:
+        chosen = fitting[-1]
+        why = (
+            f"no division of {effective_batch} gives a bubble of at most {max_bubble:.0%} "
+            "within the budget: the most micro-batches that fit"
+        )
+    m = chosen[0]
+    return PipelinePlan(
+        micro_batches=m,
+        micro_size=effective_batch // m,
+        stages=stages,
+        schedule=schedule,
+        bubble=chosen[1],
+        predicted=chosen[2],
+        budget=budget,
+        static_bytes=static_bytes,
+        activation_bytes_per_sample=activation_bytes_per_sample,
+        why=why,
+        table=tuple(table),
+    )
+
+
+def measure_stage(
+    module: torch.nn.Module,
+    sample_input: Callable[[int], torch.Tensor],
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    optimizer_slots: int = 2,
+) -> tuple[int, float]:
+    """One stage's memory, counted in tensors: ``static`` = its trainable parameters with
+    their gradients and ``optimizer_slots`` states each (AdamW: 2); activations per sample:
+    what autograd saves in a forward of 2 samples and 4, the difference per sample (the
+    input a stage receives, which it keeps for its backward, included)."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    static = sum(p.numel() * p.element_size() for p in trainable) * (2 + optimizer_slots)
+    saved = []
+    for n in (2, 4):
+        x = sample_input(n)
+        if x.is_floating_point():
+            x.requires_grad_(True)
+        with saved_activation_bytes(module) as total:
+            loss = loss_fn(module(x))
+        loss.backward()
+        module.zero_grad(set_to_none=True)
+        saved.append(total[0] + (x.numel() * x.element_size() if x.is_floating_point() else 0))
+    return static, max(0.0, (saved[1] - saved[0]) / 2)

@@ -6,6 +6,8 @@
     metrics.jsonl   one line per optimizer step, cut back to the checkpoint's step on resume
     checkpoint.pt   at window boundaries (torch.load(..., weights_only=True)), written atomically
     checkpoints/    with the incident guard: the last K checkpoints, step-N.pt, to roll back to
+    stages/         a pipeline's later stages: stage-S-step-N.pt, each stage's part of the
+                    checkpoint of step N (checkpoint.pt holds the first stage's)
     incidents.jsonl one line per incident the guard found: what it saw and what it did
     tensorboard/    TensorBoard event files (when the tensorboard package is installed)
     summary.json, loss.png, memory.png, batch.png, report.html    the report at the end
@@ -37,7 +39,7 @@ __all__ = ["CHECKPOINT_FORMAT", "RunFolder"]
 CHECKPOINT_FORMAT = "gradaccum.run/1"
 CONFIG, PLAN, RESUMES = "config.json", "plan.json", "resumes.jsonl"
 METRICS, CHECKPOINT, LOCK = "metrics.jsonl", "checkpoint.pt", ".lock"
-KEPT, INCIDENTS = "checkpoints", "incidents.jsonl"
+KEPT, INCIDENTS, STAGES = "checkpoints", "incidents.jsonl", "stages"
 
 
 class RunFolder:
@@ -190,6 +192,42 @@ class RunFolder:
             except ValueError:
                 continue
         return sorted(found)
+
+    # -- a pipeline's stages -----------------------------------------------------------------
+    #
+    # Stage S > 0 writes its part of step N's checkpoint as stages/stage-S-step-N.pt before
+    # rank 0 writes checkpoint.pt (the commit); a crash between them leaves the previous
+    # step's files, which the previous checkpoint.pt names. Files of steps no checkpoint
+    # names any more are removed after the commit.
+
+    def save_stage(self, stage: int, step: int, state: dict[str, Any]) -> None:
+        try:
+            (self.path / STAGES).mkdir(exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"cannot write {self.path / STAGES}: {_reason(err)}") from None
+        name = f"{STAGES}/stage-{stage}-step-{step:08d}.pt"
+        self._write(name, lambda tmp: torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp))
+
+    def load_stage(self, stage: int, step: int, device: torch.device) -> dict[str, Any]:
+        file = self.path / STAGES / f"stage-{stage}-step-{step:08d}.pt"
+        if not file.exists():
+            raise ValueError(
+                f"{file} is missing: the checkpoint of step {step} needs every stage's part; "
+                "restore it, or start a new run"
+            )
+        saved = self.load_checkpoint(device, file)
+        assert saved is not None  # it exists
+        return saved
+
+    def prune_stages(self, keep_steps: set[int]) -> None:
+        """Remove the stage files of steps no checkpoint names (``keep_steps``)."""
+        for file in (self.path / STAGES).glob("stage-*-step-*.pt"):
+            try:
+                step = int(file.stem.rsplit("-", 1)[1])
+            except ValueError:
+                continue
+            if step not in keep_steps:
+                file.unlink(missing_ok=True)
 
     # -- metrics ------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from gradaccum.batching import split
 from gradaccum.loss import causal_lm_loss, sample_mean
 
 __all__ = [
+    "GPT_SHAPE",
     "RECIPES",
     "Recipe",
     "TaskData",
@@ -64,6 +65,7 @@ class Recipe:
 # -- byte-level GPT on the standard library's source -------------------------------------------
 
 _GPT = {"max_len": 128, "d_model": 128, "n_heads": 4, "n_layers": 4}
+GPT_SHAPE = _GPT  # the built-in GPT's shape, for what depends on it (pipeline stages)
 
 
 def _gpt_model() -> torch.nn.Module:

@@ -90,3 +90,59 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x))
+
+
+class GPTStage(nn.Module):
+    """Stage ``index`` of ``stages`` of a GPT, for a pipeline (``gradaccum.pipeline``): its
+    share of the blocks (split evenly, earlier stages taking any extra), the embeddings on
+    the first stage, the final norm and the head on the last. The modules are ``model``'s
+    own, and the parameter names are the full model's (``blocks.2.ln1.weight``), so the
+    stages' state_dicts together are the GPT's.
+
+    The head is tied to the token embedding: with two or more stages the first and the last
+    stage each hold a copy; ``tied()`` names it, for ``PipelineWindow(tied=...)`` to sum its
+    two gradients and keep the copies equal."""
+
+    def __init__(self, model: GPT, index: int, stages: int) -> None:
+        super().__init__()
+        n = model.cfg.n_layers
+        if not 1 <= stages <= n:
+            raise ValueError(f"a GPT of {n} blocks splits into 1 to {n} stages, not {stages}")
+        if not 0 <= index < stages:
+            raise ValueError(f"stage index must be in [0, {stages}), got {index}")
+        self.cfg, self.index, self.stages = model.cfg, index, stages
+        self.is_first, self.is_last = index == 0, index == stages - 1
+        lo = index * (n // stages) + min(index, n % stages)
+        hi = lo + n // stages + (index < n % stages)
+        if self.is_first:
+            self.tok, self.pos = model.tok, model.pos
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})
+        if self.is_last:
+            self.ln, self.head = model.ln, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:  # token ids in, the residual stream out
+            if x.shape[1] > self.cfg.max_len:
+                raise ValueError(
+                    f"sequence length {x.shape[1]} exceeds the model's max_len {self.cfg.max_len}"
+                )
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln(x)) if self.is_last else x
+
+    def tied(self) -> list[nn.Parameter]:
+        """This stage's copy of the tied embedding and head, when another stage holds the
+        other copy (the first and the last stage of two or more)."""
+        if self.stages == 1:
+            return []
+        if self.is_first:
+            return [self.tok.weight]
+        return [self.head.weight] if self.is_last else []
+
+    def sample_input(self, n: int) -> torch.Tensor:
+        """``n`` inputs at the longest shape: token ids on the first stage, else the
+        residual stream another stage sends."""
+        if self.is_first:
+            return torch.zeros(n, self.cfg.max_len, dtype=torch.long)
+        return torch.randn(n, self.cfg.max_len, self.cfg.d_model)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from gradaccum import launch
+from gradaccum.checkpoint import preserved_rng
 from gradaccum.engine import Accumulator
 from gradaccum.guard import IncidentGuard
 from gradaccum.measure import fresh_process_verifier
@@ -26,7 +27,7 @@ from gradaccum.recompute import enable_checkpointing
 from gradaccum.runfolder import CHECKPOINT, CONFIG, PLAN, RESUMES, RunFolder
 from gradaccum.schedule import BatchSchedule
 from gradaccum.trainer.config import RESUMABLE, TrainConfig
-from gradaccum.trainer.loop import _Run
+from gradaccum.trainer.loop import _Run, load_saved
 
 
 def _signature(recipe: Recipe, model: torch.nn.Module) -> dict[str, Any]:
@@ -60,9 +61,17 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     """The run folder decided and locked, the model, data and optimizer, the micro-batch
     (from the checkpoint, the saved plan, the flag, or a new plan) and the Accumulator."""
     main = rank == 0
-    if world > cfg.effective_batch:
+    stages = cfg.pipeline_stages
+    if stages > 1 and world != stages:
         raise ValueError(
-            f"effective_batch {cfg.effective_batch} cannot be split across {world} "
+            f"--pipeline-stages {stages} runs one stage per process: launch it with torchrun "
+            f"--nproc-per-node {stages} (this job has {world} process{'es' * (world > 1)}; "
+            "pipeline replicas under data parallelism are not built yet)"
+        )
+    replicas = world // stages  # data-parallel copies; a pipeline's stages share the batch
+    if replicas > cfg.effective_batch:
+        raise ValueError(
+            f"effective_batch {cfg.effective_batch} cannot be split across {replicas} "
             "processes: each needs at least one sample"
         )
     recipe = hf_recipe(cfg.hf_model) if cfg.hf_model else get_recipe(cfg.recipe)
@@ -99,6 +108,11 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0)
+    signature = _signature(recipe, model)  # the whole model's, on every stage
+    if stages > 1:
+        from gradaccum.recipes.gpt import GPTStage
+
+        model = GPTStage(model, rank, stages)  # this process's part; the rest is dropped
     model.to(device)
     if loaded is not None:
         data = SequenceData(loaded, cfg.seed, recipe.logits)
@@ -112,8 +126,7 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         total_samples = cfg.samples or max(1, round(cfg.epochs * data.epoch_samples()))
     else:
         total_steps = cfg.steps
-    signature = _signature(recipe, model)
-    saved = folder.load_checkpoint(device) if resuming else None
+    saved = load_saved(folder, device, rank, stages) if resuming else None
     if saved is not None:
         _check_signature(saved["signature"], signature, folder.path / CHECKPOINT)
         if "schedule" not in saved:
@@ -136,8 +149,13 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     micro, checkpointing = _micro_batch(
         cfg, folder, saved, model, optimizer, recipe, device, main, world, log
     )
-    if cfg.batch_schedule == "auto" and micro * world >= cfg.effective_batch and saved is None:
-        micro = max(1, math.ceil(cfg.effective_batch / world / 2))
+    if stages > 1:
+        return _pipeline_run(
+            cfg, folder, rank, world, recipe, model, device, data, optimizer, micro, signature,
+            total_steps, total_samples, saved, log,
+        )  # fmt: skip
+    if cfg.batch_schedule == "auto" and micro * replicas >= cfg.effective_batch and saved is None:
+        micro = max(1, math.ceil(cfg.effective_batch / replicas / 2))
         log(
             f"--batch-schedule auto measures the noise scale, which needs 2+ micro-batches "
             f"per window: micro-batch {micro}"
@@ -145,12 +163,12 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     schedule = BatchSchedule(
         cfg.batch_schedule,
         start=cfg.effective_batch,
-        unit=micro * world,
+        unit=micro * replicas,
         maximum=cfg.max_effective_batch,
     )
 
     train_model = model
-    if world > 1:
+    if replicas > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         train_model = DistributedDataParallel(
@@ -187,15 +205,73 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         targets=cfg.targets(),
         guard=guard,
     )
+    return _started(run, saved, log)
+
+
+def _started(run: _Run, saved: dict[str, Any] | None, log) -> _Run:
+    """The run at its position: a resume's checkpoint restored, set-aside samples skipped."""
     if saved is not None:
         run.restore(saved)
-    if resuming:
-        where = f"step {schedule.step} of {total_steps}"
-        if total_samples is not None:
-            where = f"step {schedule.step}, sample {schedule.samples:,} of {total_samples:,}"
-        log(f"resuming {folder.path} at {where} (micro-batch {micro})")
+    if run.cfg.resume is not None:
+        schedule = run.schedule
+        where = f"step {schedule.step} of {run.total_steps}"
+        if run.total_samples is not None:
+            where = f"step {schedule.step}, sample {schedule.samples:,} of {run.total_samples:,}"
+        log(f"resuming {run.folder.path} at {where} (micro-batch {run.micro})")
     run.skip_ahead()
     return run
+
+
+def _pipeline_run(
+    cfg, folder, rank, world, recipe, module, device, data, optimizer, micro, signature,
+    total_steps, total_samples, saved, log,
+) -> _Run:  # fmt: skip
+    """A run whose model is cut into stages, one per process: this stage's part of the
+    model, its ``PipelineWindow``, and the chained forward every stage evaluates through."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from gradaccum.loss import causal_lm_loss
+    from gradaccum.pipeline import ChainedStages, PipelineWindow
+
+    m = cfg.effective_batch // micro
+    window = PipelineWindow(
+        PipelineStage(module, rank, world, device),
+        optimizer,
+        causal_lm_loss,
+        m,
+        schedule=cfg.pipeline_schedule,
+        max_grad_norm=cfg.max_grad_norm or None,
+        tied=module.tied(),
+    )
+    if cfg.noise_scale:
+        log(
+            "the noise scale is not measured through a pipeline: the schedule runs the "
+            "window's micro-batches inside one call, so their separate gradients are not seen"
+        )
+    run = _Run(
+        cfg,
+        folder,
+        rank,
+        world,
+        recipe,
+        module,
+        device,
+        data,
+        optimizer,
+        window,
+        micro,
+        False,
+        signature,
+        BatchSchedule("constant", start=cfg.effective_batch, unit=micro),
+        0,
+        total_steps,
+        total_samples,
+        targets=cfg.targets(),
+        guard=IncidentGuard(gradient=not cfg.max_grad_norm) if cfg.guard else None,
+        stages=world,
+        chained=ChainedStages(module),
+    )
+    return _started(run, saved, log)
 
 
 def _constant_schedule_state(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, Any]:
@@ -284,7 +360,10 @@ def _micro_batch(cfg, folder, saved, model, optimizer, recipe, device, main, wor
     elif cfg.resume is not None and (folder.path / PLAN).is_file():
         info = folder.read_json(PLAN)
     else:
-        info = _plan_info(cfg, model, optimizer, recipe, device, main, world, log)
+        if cfg.pipeline_stages > 1:
+            info = _pipeline_plan_info(cfg, model, main, log)
+        else:
+            info = _plan_info(cfg, model, optimizer, recipe, device, main, world, log)
         if main:
             folder.write_json(PLAN, info)
     if info["checkpointing"]:
@@ -325,3 +404,44 @@ def _plan_info(cfg, model, optimizer, recipe, device, main, world, log) -> dict[
     if world > 1:
         info = launch.broadcast(info)
     return info
+
+
+def _pipeline_plan_info(cfg: TrainConfig, module, main: bool, log) -> dict[str, Any]:
+    """The number of micro-batches through the pipeline: each stage counts its own memory
+    (parameters, gradients, AdamW's two states; the activations it saves per sample), the
+    fullest stage's numbers decide (one all-reduce), and rank 0 logs the plan."""
+    import torch.distributed as dist
+
+    from gradaccum.loss import causal_lm_loss
+    from gradaccum.memory import parse_bytes
+    from gradaccum.pipeline import measure_stage, plan_micro_batches
+
+    if cfg.micro_batch is not None:
+        return {"micro_size": cfg.micro_batch, "source": "given", "checkpointing": False}
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        if module.is_last:
+            return causal_lm_loss(out, torch.zeros(out.shape[:2], dtype=torch.long))[0]
+        # Multiplying by its own values makes autograd keep the stage's output, as the
+        # stage keeps it for the gradient the next stage sends back.
+        return (out * out.detach()).sum()
+
+    with preserved_rng():
+        static, per_sample = measure_stage(module, module.sample_input, loss)
+    fullest = torch.tensor([float(static), per_sample], dtype=torch.float64)
+    dist.all_reduce(fullest, op=dist.ReduceOp.MAX)
+    planned = plan_micro_batches(
+        cfg.effective_batch,
+        cfg.pipeline_stages,
+        cfg.pipeline_schedule,
+        int(fullest[0]),
+        float(fullest[1]),
+        parse_bytes(cfg.budget),
+    )
+    log(planned.summary())
+    return {
+        "micro_size": planned.micro_size,
+        "source": "planned",
+        "checkpointing": False,
+        "pipeline": planned.to_dict(),
+    }

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from gradaccum.memory import parse_bytes
+from gradaccum.pipeline import SCHEDULES
 from gradaccum.plan import CHECKPOINTING
 from gradaccum.precision import PRECISIONS
 from gradaccum.recipes import RECIPES
@@ -130,6 +131,23 @@ class TrainConfig:
             "help": "activation checkpointing of the model's repeated blocks: off, on, or auto "
             "(only when the plan finds nothing fits without)",
             "choices": list(CHECKPOINTING),
+        },
+    )
+    pipeline_stages: int = field(
+        default=1,
+        metadata={
+            "help": "cut the model into this many pipeline stages, one per process (under "
+            "torchrun --nproc-per-node S; --recipe gpt): each window's micro-batches stream "
+            "through the stages, exactly",
+            "metavar": "S",
+        },
+    )
+    pipeline_schedule: str = field(
+        default="1f1b",
+        metadata={
+            "help": "the pipeline's schedule: 1f1b (holds at most S micro-batches' "
+            "activations) or gpipe (all of them)",
+            "choices": list(SCHEDULES),
         },
     )
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW)"})
@@ -339,6 +357,52 @@ class TrainConfig:
             out.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.hf_model is None and self.recipe not in RECIPES:
             out.append(f"recipe must be one of {', '.join(sorted(RECIPES))}, got {self.recipe!r}")
+        out.extend(self._pipeline_problems())
+        return out
+
+    def _pipeline_problems(self) -> list[str]:
+        if self.pipeline_schedule not in SCHEDULES:
+            allowed = ", ".join(SCHEDULES)
+            return [f"pipeline_schedule must be one of {allowed}, got {self.pipeline_schedule!r}"]
+        if (problem := int_problem(self.pipeline_stages, "pipeline_stages")) is not None:
+            return [problem]
+        if self.pipeline_stages == 1:
+            return []
+        from gradaccum.recipes import GPT_SHAPE
+
+        out = []
+        # What a pipeline run does not do yet, each with what to use instead.
+        if self.hf_model is not None or self.recipe != "gpt":
+            out.append("pipeline_stages splits the built-in GPT only: use --recipe gpt")
+        elif self.pipeline_stages > GPT_SHAPE["n_layers"]:
+            out.append(
+                f"pipeline_stages {self.pipeline_stages}: the GPT has "
+                f"{GPT_SHAPE['n_layers']} blocks, so at most {GPT_SHAPE['n_layers']} stages"
+            )
+        if self.data is not None:
+            out.append(
+                "pipeline_stages with --data: a pipeline runs micro-batches of one shape, and "
+                "your data's last window of an epoch is shorter; train it without a pipeline"
+            )
+        if self.precision != "fp32":
+            out.append(f"pipeline_stages trains in fp32 only, not precision {self.precision}")
+        if self.batch_schedule != "constant":
+            out.append(
+                "pipeline_stages needs a constant batch (the schedule runs one micro-batch "
+                f"shape), not batch_schedule {self.batch_schedule}"
+            )
+        if self.checkpointing != "off":
+            out.append("pipeline_stages runs without activation checkpointing: --checkpointing off")
+        if (
+            isinstance(self.micro_batch, int)
+            and isinstance(self.effective_batch, int)
+            and self.micro_batch <= self.effective_batch
+            and self.effective_batch % self.micro_batch
+        ):
+            out.append(
+                f"pipeline_stages needs equal micro-batches: micro_batch {self.micro_batch} "
+                f"does not divide effective_batch {self.effective_batch}"
+            )
         return out
 
     def _target_problems(self) -> list[str]:

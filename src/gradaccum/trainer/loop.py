@@ -22,6 +22,7 @@ from gradaccum.batching import batch_size, shard, split, to_device
 from gradaccum.engine import Accumulator
 from gradaccum.guard import Incident, IncidentGuard
 from gradaccum.memory import TrainingMemory, format_bytes
+from gradaccum.pipeline import PipelineWindow
 from gradaccum.recipes import Recipe
 from gradaccum.runfolder import INCIDENTS, METRICS, RunFolder
 from gradaccum.schedule import BatchSchedule, lr_factor
@@ -96,7 +97,7 @@ class _Run:
     device: torch.device
     data: Any
     optimizer: torch.optim.Optimizer
-    acc: Accumulator
+    acc: Accumulator | PipelineWindow
     micro: int
     checkpointing: bool
     signature: dict[str, Any]
@@ -111,10 +112,17 @@ class _Run:
     last_incident: int = 0  # the step of the latest incident
     elapsed: float = 0.0  # training seconds over all sessions, as of the last window
     stopped_by: str = "length"
+    stages: int = 1  # pipeline stages, one per process (--pipeline-stages)
+    chained: torch.nn.Module | None = None  # a pipeline's stages chained, for evaluation
 
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def replicas(self) -> int:
+        """Processes that each train a share of the batch (a pipeline's stages share one)."""
+        return self.world // self.stages
 
     def progress(self) -> float:
         """The share of the run done, in its own unit."""
@@ -184,8 +192,10 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
     checkpoint_every steps, at the end, and at the boundary after a stop was asked for or a
     target was met; with the guard, a rollback after each incident."""
     cfg, folder, schedule = run.cfg, run.folder, run.schedule
-    windows = math.ceil(math.ceil(cfg.effective_batch / run.world) / run.micro)
-    across = f" on each of {run.world} processes" if run.world > 1 else ""
+    windows = math.ceil(math.ceil(cfg.effective_batch / run.replicas) / run.micro)
+    across = f" on each of {run.replicas} processes" if run.replicas > 1 else ""
+    if run.stages > 1:
+        across = f" through {run.stages} pipeline stages ({cfg.pipeline_schedule})"
     log(
         f"training {run.length()}: effective batch {cfg.effective_batch} = {windows} "
         f"micro-batch{'es' if windows > 1 else ''} of up to {run.micro}{across}"
@@ -206,7 +216,10 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
     # Before the memory meter starts: importing TensorBoard and writing step 0's checkpoint
     # raise the process's resident memory, and neither is training.
     events = _events(run, log)
-    if run.guard is not None and not folder.kept_checkpoints() and run.main:
+    first_kept = run.guard is not None and not folder.kept_checkpoints()
+    if run.stages > 1:  # rank 0's reading, taken before any stage writes
+        first_kept = launch.broadcast(first_kept)
+    if first_kept:
         _checkpoint(run, run.start, run.start)  # something to roll back to from the start
     memory = TrainingMemory(run.model, run.device)
     bar = _progress(run) if run.main else None
@@ -227,11 +240,14 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             if faults is not None:
                 batch = faults(first, batch)
             samples = batch_size(batch)  # fewer than size at the end of an epoch
-            if run.world > 1:
-                batch = shard(batch, run.rank, run.world)
+            if run.replicas > 1:
+                batch = shard(batch, run.rank, run.replicas)
             if run.device.type == "cuda":
                 batch = to_device(batch, run.device)
-            result = run.acc.step(split(batch, run.micro), run.recipe.loss_fn)
+            if run.stages > 1:  # the schedule cuts the batch into the window's micro-batches
+                result = run.acc.step(batch["input_ids"], target=batch["labels"])
+            else:
+                result = run.acc.step(split(batch, run.micro), run.recipe.loss_fn)
             schedule.update(result, samples)
             if run.world > 1 and schedule.kind == "auto":
                 # Each rank reads the noise off its own prefixes: rank 0's decision holds.
@@ -283,8 +299,10 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             }
             end = run.done()
             limit = run.targets.limit_reached(run.elapsed, line["peak_memory"])
-            if run.main and (step % cfg.eval_every == 0 or end or limit):
-                evaluated = run.data.evaluate(run.model, run.micro)
+            # Rank 0 evaluates; a pipeline's stages all take part in the chained forward.
+            evaluates = run.main or run.chained is not None
+            if evaluates and (step % cfg.eval_every == 0 or end or limit):
+                evaluated = run.data.evaluate(run.chained or run.model, run.micro)
                 line.update({f"eval_{k}": v for k, v in evaluated.items()})
             hit = run.targets.check(line, run.elapsed) if run.main else None
             _write_line(metrics, line, folder, last)
@@ -315,6 +333,18 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             bar.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def load_saved(
+    folder: RunFolder, device: torch.device, rank: int, stages: int, file: Path | None = None
+) -> dict[str, Any] | None:
+    """The run's checkpoint (checkpoint.pt, or a kept ``file``), with this process's part of
+    the model in ``accumulator``: under a pipeline, stage S > 0 reads its own file of the
+    checkpoint's step."""
+    saved = folder.load_checkpoint(device, file)
+    if saved is not None and stages > 1 and rank > 0:
+        saved["accumulator"] = folder.load_stage(rank, saved["step"], device)["accumulator"]
+    return saved
 
 
 def _hit_text(targets: Targets, name: str) -> str:
@@ -358,7 +388,7 @@ def _rollback(run: _Run, incident: Incident, blamed: list[tuple[int, int, int]],
             "holds no kept checkpoint to roll back to; resume with --no-guard"
         )
     back, file = kept[-1]
-    run.restore(run.folder.load_checkpoint(run.device, file), rollback=True)
+    run.restore(load_saved(run.folder, run.device, run.rank, run.stages, file), rollback=True)
     gave_up = run.retries >= GUARD_RETRIES
     span = [blamed[0][1], blamed[-1][2]]
     if gave_up:
@@ -377,9 +407,9 @@ def _rollback(run: _Run, incident: Incident, blamed: list[tuple[int, int, int]],
             f"rolled back to step {back}; samples {span[0]:,} to {span[1]:,} set aside "
             f"(rollback {run.retries} of at most {GUARD_RETRIES} in a row)"
         )
+    # The checkpoint again, now with the samples set aside: a resumed run decides alike.
+    _checkpoint(run, back, back)
     if run.main:
-        # The checkpoint again, now with the samples set aside: a resumed run decides alike.
-        _checkpoint(run, back, back)
         seen = {k: round(v, 6) for k, v in incident.seen.items()}
         record = {
             "step": step,
@@ -406,6 +436,20 @@ def _write_line(metrics, line: dict[str, Any], folder: RunFolder, last: int) -> 
 
 
 def _checkpoint(run: _Run, step: int, last: int) -> None:
+    """checkpoint.pt written by rank 0; under a pipeline, the later stages' parts first,
+    each stage its own file, all written before rank 0 commits."""
+    if run.stages > 1:
+        problem = None
+        if not run.main:
+            try:
+                state = {"step": step, "accumulator": run.acc.state_dict()}
+                run.folder.save_stage(run.rank, step, state)
+            except ValueError as err:
+                problem = str(err)
+        if launch.any_rank(problem is not None):  # every stage's part, or no commit
+            raise ValueError(
+                _stopped(run.folder, problem or "another stage could not write its part", last)
+            )
     if not run.main:
         return
     state = {
@@ -426,6 +470,8 @@ def _checkpoint(run: _Run, step: int, last: int) -> None:
         run.folder.save_checkpoint(state)
         if run.guard is not None:
             run.folder.keep_checkpoint(step, run.cfg.keep_checkpoints)
+        if run.stages > 1:  # the stage files no checkpoint names any more
+            run.folder.prune_stages({step, *(s for s, _ in run.folder.kept_checkpoints())})
     except ValueError as err:
         raise ValueError(_stopped(run.folder, str(err), last)) from None
 

@@ -25,6 +25,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(processes: int = 2) -> list[str]:
+    """The command that starts torchrun with ``processes`` processes on 127.0.0.1."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(processes),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+    ]
+
+
 def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(

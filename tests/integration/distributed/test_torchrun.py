@@ -11,7 +11,7 @@ import time
 
 import torch
 from helpers import max_rel_err
-from launch import free_port
+from launch import torchrun
 
 # 45 images per step: rank 0 trains 23 (micro-batches of 16 + 7), rank 1 trains 22 (16 + 6);
 # from step 3 on (a batch schedule), 96: 48 each, in 3 micro-batches of 16.
@@ -33,20 +33,6 @@ ARGS = [
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def torchrun() -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-    ]
 
 
 def run(cmd: list[str], cwd) -> subprocess.CompletedProcess:

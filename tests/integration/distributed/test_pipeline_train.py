@@ -1,0 +1,99 @@
+"""`torchrun --nproc-per-node 2 -m gradaccum train --pipeline-stages 2`: the built-in GPT cut
+into 2 stages in 2 real processes (gloo, 127.0.0.1). Its losses equal the same run in one
+process (the independent reference: no pipeline, no stages, autograd over the whole model),
+and a run stopped by SIGTERM and resumed ends bitwise equal to one that never stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from helpers import max_rel_err
+from launch import torchrun
+
+# 20 steps of 16 sequences; no --micro-batch: the pipeline planner chooses the micro-batches.
+ARGS = ["train", "--steps", "20", "--effective-batch", "16", "--eval-every", "10"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run(cmd: list[str], cwd) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def metrics(folder) -> list[dict]:
+    return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def whole_model(folder) -> dict[str, torch.Tensor]:
+    """The stages' parts of the last checkpoint, together: the GPT's state_dict."""
+    first = torch.load(folder / "checkpoint.pt", weights_only=True)
+    files = list((folder / "stages").glob(f"stage-1-step-{first['step']:08d}.pt"))
+    assert len(files) == 1, sorted(p.name for p in (folder / "stages").iterdir())
+    last = torch.load(files[0], weights_only=True)
+    return {**first["accumulator"]["model"], **last["accumulator"]["model"]}
+
+
+def test_two_stages_train_as_one_process_and_resume_bitwise(tmp_path):
+    pipeline = [*torchrun(), "-m", "gradaccum", *ARGS, "--pipeline-stages", "2"]
+    proc = run([*pipeline, "--out", "two"], tmp_path)
+    # The one-process reference at the micro-batch the pipeline planned (any would do).
+    plan = json.loads((tmp_path / "two" / "plan.json").read_text())
+    assert plan["source"] == "planned" and plan["pipeline"]["micro_batches"] == 4, plan
+    assert "pipeline plan: 4 micro-batches of 4 through 2 stages (1f1b)" in proc.stdout
+    micro = str(plan["micro_size"])
+    single = [sys.executable, "-m", "gradaccum", *ARGS, "--micro-batch", micro]
+    run([*single, "--out", "one"], tmp_path)
+
+    two, one = metrics(tmp_path / "two"), metrics(tmp_path / "one")
+    assert [x["step"] for x in two] == list(range(1, 21))
+    for a, b in zip(two, one, strict=True):
+        assert a["count"] == b["count"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a["step"], a["loss"], b["loss"])
+        if "eval_loss" in b:  # evaluated through both stages' chained forward
+            assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * b["eval_loss"]
+    assert sum("eval_loss" in a for a in two) == 2
+    # The first window's norm, before rounding differences pass through AdamW: over both
+    # stages, the tied embedding and head counted once with their two gradients summed.
+    assert abs(two[0]["grad_norm"] - one[0]["grad_norm"]) <= 1e-6 * one[0]["grad_norm"]
+    parts = whole_model(tmp_path / "two")
+    reference = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)
+    assert parts.keys() == reference["accumulator"]["model"].keys()
+    assert max_rel_err(parts, reference["accumulator"]["model"]) <= 1e-5
+    assert torch.equal(parts["tok.weight"], parts["head.weight"])  # the tied copies agree
+
+    # SIGTERM mid-run (to torchrun, which passes it on), then --resume: bitwise the same.
+    stopped = subprocess.Popen(
+        [*pipeline, "--out", "stopped", "--checkpoint-every", "500"],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines = tmp_path / "stopped" / "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and not (lines.exists() and lines.read_text().count("\n") >= 5):
+        time.sleep(0.05)
+    stopped.send_signal(signal.SIGTERM)
+    _, err = stopped.communicate(timeout=60)
+    assert stopped.returncode != 0 and err.count("stopped by SIGTERM at step") == 1, err[-3000:]
+    at = torch.load(tmp_path / "stopped" / "checkpoint.pt", weights_only=True)["step"]
+    assert 5 <= at < 20, at
+    # The stage files of the stop's step alone (and step 0's, which the guard keeps).
+    kept = sorted(p.name for p in (tmp_path / "stopped" / "stages").iterdir())
+    assert kept == ["stage-1-step-00000000.pt", f"stage-1-step-{at:08d}.pt"], kept
+    resumed = run([*torchrun(), "-m", "gradaccum", "train", "--resume", "stopped"], tmp_path)
+    assert f"resuming stopped at step {at} of 20" in resumed.stdout
+
+    again = metrics(tmp_path / "stopped")
+    assert [x["step"] for x in again] == list(range(1, 21))
+    assert [x["loss"] for x in again] == [x["loss"] for x in two]
+    final, want = whole_model(tmp_path / "stopped"), whole_model(tmp_path / "two")
+    assert all(torch.equal(final[k], want[k]) for k in want)
