@@ -19,7 +19,7 @@ from gradaccum import launch
 from gradaccum.trainer.build import _build
 from gradaccum.trainer.config import RESUMABLE, TrainConfig
 from gradaccum.trainer.loop import Interrupted, _loop, _Output, _quiet
-from gradaccum.trainer.summary import _report
+from gradaccum.trainer.summary import _report, final_evaluation
 from gradaccum.validate import invalid_configuration
 
 __all__ = ["RESUMABLE", "Interrupted", "TrainConfig", "train"]
@@ -48,12 +48,14 @@ def train(cfg: TrainConfig, *, log=print, faults=None) -> dict[str, Any]:
         except Interrupted:
             # The run folder's summary, plots and report describe this session, not the last
             # one that ended; the table is not printed (the stop message says what to do).
+            last_eval = final_evaluation(run)
             if run.main:
                 run.stopped_by = "signal"
-                _report(run, log, time.perf_counter() - began, table=False)
+                _report(run, log, time.perf_counter() - began, last_eval, table=False)
             raise
+        last_eval = final_evaluation(run)
         if not run.main:
             return {"rank": rank}
-        return _report(run, log, time.perf_counter() - began)
+        return _report(run, log, time.perf_counter() - began, last_eval)
     finally:
         run.folder.release()

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from gradaccum import plots
+from gradaccum import launch, plots
 from gradaccum.engine import Accumulator
 from gradaccum.memory import format_bytes
 from gradaccum.noise import advice
@@ -14,17 +14,34 @@ from gradaccum.runfolder import INCIDENTS
 from gradaccum.trainer.loop import _Run
 
 
-def _report(run: _Run, log, seconds: float, table: bool = True) -> dict[str, Any]:
-    """summary.json, the plots and the summary table, from metrics.jsonl and the counters."""
+def final_evaluation(run: _Run) -> dict[str, float] | None:
+    """The held-out metrics at the run's last step: metrics.jsonl's, or evaluated now when
+    its last line has none (nothing trained, a stop on a signal, or the guard stopped at a
+    rollback). Rank 0 returns them (the others None); a pipeline's stages all call it, since
+    they evaluate together."""
+    if not (run.main or run.stages > 1):
+        return None
+    known: dict[str, float] = {}
+    if run.main:
+        lines = run.folder.metrics()
+        if lines:
+            known = {k[5:]: v for k, v in lines[-1].items() if k.startswith("eval_")}
+    if run.stages > 1:
+        known = launch.broadcast(known)
+    if not known:
+        known = run.data.evaluate(run.chained or run.model, run.micro)
+    return known if run.main else None
+
+
+def _report(
+    run: _Run, log, seconds: float, last_eval: dict[str, float], table: bool = True
+) -> dict[str, Any]:
+    """summary.json, the plots and the summary table, from metrics.jsonl and the counters
+    (``last_eval``: ``final_evaluation``'s)."""
     cfg, acc, out = run.cfg, run.acc, run.folder.path
     lines = run.folder.metrics()
-    last_eval = {}
-    if lines:
-        last_eval = {k[5:]: v for k, v in lines[-1].items() if k.startswith("eval_")}
     if run.schedule.step == run.start and run.stopped_by == "length":
         log(f"{out} already trained {run.length()}; nothing to do")
-    if not last_eval:  # nothing trained, or the guard stopped the run at a rollback
-        last_eval = run.data.evaluate(run.model, run.micro)
     summary = _summarize(lines, acc, last_eval, seconds, run.device)
     incidents = run.folder.lines(INCIDENTS)
     schedule = run.schedule
