@@ -9,6 +9,7 @@
     stages/         a pipeline's later stages: stage-S-step-N.pt, each stage's part of the
                     checkpoint of step N (checkpoint.pt holds the first stage's)
     incidents.jsonl one line per incident the guard found: what it saw and what it did
+    baseline.json   a recipe's baseline (minilm: the linear probe), measured before training
     tensorboard/    TensorBoard event files (when the tensorboard package is installed)
     summary.json, loss.png, memory.png, batch.png, report.html    the report at the end
     .lock           held while a process trains here
@@ -40,6 +41,7 @@ CHECKPOINT_FORMAT = "gradaccum.run/1"
 CONFIG, PLAN, RESUMES = "config.json", "plan.json", "resumes.jsonl"
 METRICS, CHECKPOINT, LOCK = "metrics.jsonl", "checkpoint.pt", ".lock"
 KEPT, INCIDENTS, STAGES = "checkpoints", "incidents.jsonl", "stages"
+BASELINE = "baseline.json"
 
 
 class RunFolder:

@@ -15,6 +15,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 from gradaccum.launch import is_main, shutdown
+from gradaccum.recipes import RECIPES
 from gradaccum.runfolder import CONFIG, RunFolder
 from gradaccum.trainer import Interrupted, TrainConfig, train
 from gradaccum.validate import invalid_configuration
@@ -115,6 +116,10 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         from_file = read_config_file(flags["config"])
         problems += _check_types(from_file, flags["config"])
         values.update(from_file)
+    if not flags.get("resume"):  # (a resumed run has every value in its saved config)
+        recipe = flags.get("recipe", from_file.get("recipe", "gpt"))
+        if recipe in RECIPES and not (flags.get("hf_model") or from_file.get("hf_model")):
+            values.update({k: v for k, v in RECIPES[recipe].defaults.items() if k not in values})
     values.update(flags)
     for other in ("epochs", "samples"):
         if ("steps" in flags or "steps" in from_file) and values.get(other) is not None:

@@ -14,7 +14,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -45,6 +45,10 @@ class TaskData(Protocol):
     def evaluate(self, model: torch.nn.Module, micro_size: int) -> dict[str, float]:
         """Held-out metrics; ``loss`` at least."""
 
+    # Optionally, ``baseline(model, micro_size) -> {"name": ..., metric: value}``: what the
+    # untrained model scores by a simpler method (a linear probe), measured before training,
+    # for the summary to set the run's result against.
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -60,6 +64,9 @@ class Recipe:
     encoder: Callable[[], Any] | None = None
     logits: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
     metrics: tuple[str, ...] = ("loss",)  # what its held-out evaluation measures
+    # `gradaccum train`'s defaults for this recipe where they differ from TrainConfig's (a
+    # larger effective batch, its own budget and length); flags and config files override.
+    defaults: dict[str, Any] = field(default_factory=dict)
 
 
 # -- byte-level GPT on the standard library's source -------------------------------------------
@@ -369,6 +376,26 @@ RECIPES: dict[str, Recipe] = {
         metrics=("loss", "accuracy"),
     ),
 }
+
+
+def _minilm() -> Recipe:
+    from gradaccum.recipes import minilm
+
+    return Recipe(
+        name="minilm",
+        summary="pretrained all-MiniLM-L6-v2 (22.7M parameters) classifying stdlib docstrings "
+        f"by package ({len(minilm.FAMILIES)} packages)",
+        build_model=minilm.DocstringClassifier,
+        loss_fn=minilm.loss_fn,
+        sample_batch=minilm.sample_batch,
+        make_data=minilm.DocstringData,
+        signature={"recipe": "minilm", "families": list(minilm.FAMILIES)},
+        metrics=("loss", "accuracy"),
+        defaults=minilm.DEFAULTS,
+    )
+
+
+RECIPES["minilm"] = _minilm()
 
 
 def get_recipe(name: str) -> Recipe:

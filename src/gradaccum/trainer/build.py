@@ -24,7 +24,7 @@ from gradaccum.plan import plan
 from gradaccum.recipes import Recipe, get_recipe, hf_recipe
 from gradaccum.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
 from gradaccum.recompute import enable_checkpointing
-from gradaccum.runfolder import CHECKPOINT, CONFIG, PLAN, RESUMES, RunFolder
+from gradaccum.runfolder import BASELINE, CHECKPOINT, CONFIG, PLAN, RESUMES, RunFolder
 from gradaccum.schedule import BatchSchedule
 from gradaccum.trainer.config import RESUMABLE, TrainConfig
 from gradaccum.trainer.loop import _Run, load_saved
@@ -149,6 +149,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     micro, checkpointing = _micro_batch(
         cfg, folder, saved, model, optimizer, recipe, device, main, world, log
     )
+    if main and not resuming and hasattr(data, "baseline"):
+        _baseline(folder, data, model, micro, log)
     if stages > 1:
         return _pipeline_run(
             cfg, folder, rank, world, recipe, model, device, data, optimizer, micro, signature,
@@ -272,6 +274,18 @@ def _pipeline_run(
         chained=ChainedStages(module),
     )
     return _started(run, saved, log)
+
+
+def _baseline(folder: RunFolder, data: Any, model: torch.nn.Module, micro: int, log) -> None:
+    """What the untrained model scores by the recipe's simpler method (a linear probe on the
+    pretrained encoder), measured once before training into baseline.json; the summary sets
+    the run's result against it. Drawn from no generator the run uses."""
+    log("measuring the baseline before training ...")
+    with preserved_rng():
+        result = data.baseline(model, micro)
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "name")
+    log(f"baseline ({result['name']}): held-out {shown}")
+    folder.write_json(BASELINE, result)
 
 
 def _constant_schedule_state(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, Any]:

@@ -23,8 +23,9 @@ class TrainConfig:
     recipe: str = field(
         default="gpt",
         metadata={
-            "help": "built-in model and data: gpt (byte-level GPT on the Python stdlib's source) "
-            "or digits (GroupNorm CNN on scikit-learn's digits)",
+            "help": "built-in model and data: gpt (byte-level GPT on the Python stdlib's source), "
+            "digits (GroupNorm CNN on scikit-learn's digits), minilm (fine-tune pretrained "
+            "MiniLM on stdlib docstrings; sets its own batch, budget and length)",
             "choices": sorted(RECIPES),
         },
     )

@@ -10,7 +10,7 @@ from gradaccum import launch, plots
 from gradaccum.engine import Accumulator
 from gradaccum.memory import format_bytes
 from gradaccum.noise import advice
-from gradaccum.runfolder import INCIDENTS
+from gradaccum.runfolder import BASELINE, INCIDENTS
 from gradaccum.trainer.loop import _Run
 
 
@@ -62,6 +62,8 @@ def _report(
             "incidents": len(incidents),
         }
     )
+    if (out / BASELINE).is_file():
+        summary["baseline"] = _against_baseline(run.folder.read_json(BASELINE), summary)
     run.folder.write_json("summary.json", summary)
     plots.draw(out, lines, incidents)
     from gradaccum.report import write_report
@@ -72,6 +74,16 @@ def _report(
         if cfg.noise_scale:
             log(summary["noise_advice"])
     return summary
+
+
+def _against_baseline(baseline: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    """The baseline's numbers beside the run's held-out ones, with the margin of each."""
+    out = dict(baseline)
+    for metric, value in baseline.items():
+        mine = summary.get(f"held_out_{metric}")
+        if metric != "name" and isinstance(mine, (int, float)):
+            out[f"{metric}_margin"] = mine - value
+    return out
 
 
 def _summarize(
@@ -114,6 +126,7 @@ def _summary_table(s: dict[str, Any]) -> str:
             f"{fmt(s['first_loss'])} -> {fmt(s['final_train_loss'])}",
         ),
         *[(k.replace("_", " "), fmt(v)) for k, v in s.items() if k.startswith("held_out")],
+        *_baseline_rows(s.get("baseline")),
         ("peak training memory", format_bytes(s["peak_memory"])),
         ("skipped windows", s["skipped_windows"]),
         ("out-of-memory replays", s["oom_replays"]),
@@ -127,6 +140,16 @@ def _summary_table(s: dict[str, Any]) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(["", "summary", "-" * (width + 24)] + [f"{k:<{width}}  {v}" for k, v in rows])
+
+
+def _baseline_rows(baseline: dict[str, Any] | None) -> list[tuple[str, str]]:
+    if not baseline:
+        return []
+    return [
+        (f"baseline {metric}", f"{value:.4f} ({baseline['name']}); this run {margin:+.4f}")
+        for metric, value in baseline.items()
+        if (margin := baseline.get(f"{metric}_margin")) is not None
+    ]
 
 
 _STOPPED = {
