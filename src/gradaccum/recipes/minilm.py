@@ -75,9 +75,9 @@ def model_dir() -> Path:
         with zipfile.ZipFile(archive) as zf:
             zf.extractall(tmp)
         os.replace(tmp, target)
-    except FileExistsError:  # another process extracted it first
-        pass
     except OSError as err:
+        if (target / "model.safetensors").is_file():  # another process extracted it first
+            return target
         raise ValueError(f"cannot extract {archive} into {cache}: {err.strerror or err}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
