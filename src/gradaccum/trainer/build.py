@@ -20,6 +20,7 @@ from gradaccum.guard import IncidentGuard
 from gradaccum.measure import fresh_process_verifier
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay
+from gradaccum.pipeline import ChainedStages, PipelineWindow
 from gradaccum.plan import plan
 from gradaccum.recipes import Recipe, get_recipe, hf_recipe
 from gradaccum.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
@@ -151,11 +152,6 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     )
     if main and not resuming and hasattr(data, "baseline"):
         _baseline(folder, data, model, micro, log)
-    if stages > 1:
-        return _pipeline_run(
-            cfg, folder, rank, world, recipe, model, device, data, optimizer, micro, signature,
-            total_steps, total_samples, saved, log,
-        )  # fmt: skip
     if cfg.batch_schedule == "auto" and micro * replicas >= cfg.effective_batch and saved is None:
         micro = max(1, math.ceil(cfg.effective_batch / replicas / 2))
         log(
@@ -169,21 +165,24 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         maximum=cfg.max_effective_batch,
     )
 
-    train_model = model
-    if replicas > 1:
-        from torch.nn.parallel import DistributedDataParallel
+    if stages > 1:
+        acc = _pipeline_window(cfg, rank, world, model, device, optimizer, micro, log)
+    else:
+        train_model = model
+        if replicas > 1:
+            from torch.nn.parallel import DistributedDataParallel
 
-        train_model = DistributedDataParallel(
-            model, device_ids=[device] if device.type == "cuda" else None
+            train_model = DistributedDataParallel(
+                model, device_ids=[device] if device.type == "cuda" else None
+            )
+        acc = Accumulator(
+            train_model,
+            optimizer,
+            max_grad_norm=cfg.max_grad_norm or None,
+            precision=cfg.precision,
+            oom=OOMReplay() if world == 1 else None,
+            noise=NoiseScale() if cfg.noise_scale else None,
         )
-    acc = Accumulator(
-        train_model,
-        optimizer,
-        max_grad_norm=cfg.max_grad_norm or None,
-        precision=cfg.precision,
-        oom=OOMReplay() if world == 1 else None,
-        noise=NoiseScale() if cfg.noise_scale else None,
-    )
     # With clipping, a gradient spike's step is already bounded: the loss tells damage.
     guard = IncidentGuard(gradient=not cfg.max_grad_norm) if cfg.guard else None
     run = _Run(
@@ -206,6 +205,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         total_samples,
         targets=cfg.targets(),
         guard=guard,
+        stages=stages,
+        chained=ChainedStages(model) if stages > 1 else None,
     )
     return _started(run, saved, log)
 
@@ -224,56 +225,27 @@ def _started(run: _Run, saved: dict[str, Any] | None, log) -> _Run:
     return run
 
 
-def _pipeline_run(
-    cfg, folder, rank, world, recipe, module, device, data, optimizer, micro, signature,
-    total_steps, total_samples, saved, log,
-) -> _Run:  # fmt: skip
-    """A run whose model is cut into stages, one per process: this stage's part of the
-    model, its ``PipelineWindow``, and the chained forward every stage evaluates through."""
+def _pipeline_window(cfg, rank, world, module, device, optimizer, micro, log):
+    """This stage's ``PipelineWindow``: its part of the model as a ``PipelineStage``, the
+    window's micro-batches of ``micro``, the tied head's copies kept equal."""
     from torch.distributed.pipelining import PipelineStage
 
     from gradaccum.loss import causal_lm_loss
-    from gradaccum.pipeline import ChainedStages, PipelineWindow
 
-    m = cfg.effective_batch // micro
-    window = PipelineWindow(
-        PipelineStage(module, rank, world, device),
-        optimizer,
-        causal_lm_loss,
-        m,
-        schedule=cfg.pipeline_schedule,
-        max_grad_norm=cfg.max_grad_norm or None,
-        tied=module.tied(),
-    )
     if cfg.noise_scale:
         log(
             "the noise scale is not measured through a pipeline: the schedule runs the "
             "window's micro-batches inside one call, so their separate gradients are not seen"
         )
-    run = _Run(
-        cfg,
-        folder,
-        rank,
-        world,
-        recipe,
-        module,
-        device,
-        data,
+    return PipelineWindow(
+        PipelineStage(module, rank, world, device),
         optimizer,
-        window,
-        micro,
-        False,
-        signature,
-        BatchSchedule("constant", start=cfg.effective_batch, unit=micro),
-        0,
-        total_steps,
-        total_samples,
-        targets=cfg.targets(),
-        guard=IncidentGuard(gradient=not cfg.max_grad_norm) if cfg.guard else None,
-        stages=world,
-        chained=ChainedStages(module),
+        causal_lm_loss,
+        cfg.effective_batch // micro,
+        schedule=cfg.pipeline_schedule,
+        max_grad_norm=cfg.max_grad_norm or None,
+        tied=module.tied(),
     )
-    return _started(run, saved, log)
 
 
 def _baseline(folder: RunFolder, data: Any, model: torch.nn.Module, micro: int, log) -> None:
