@@ -286,10 +286,8 @@ def sample_batch(n: int) -> dict[str, torch.Tensor]:
 
 
 # What `gradaccum train --recipe minilm` runs with unless told otherwise: an effective batch
-# of 256 docstrings under a budget where far fewer fit at once. Measured in fresh processes
-# here (fp32, AdamW, 64 tokens): a peak of 631 MB at micro-batches of 4 and 777 MB at 16,
-# about 582 MB + 12 MB per docstring; 850 MB less the planner's 15% margin holds about 11,
-# so a window is 20 or more micro-batches.
+# of 256 docstrings under a budget where far fewer fit at once: planned here, 850 MB holds
+# micro-batches of 9 (694 MB measured in fresh processes), so a window is 29 micro-batches.
 DEFAULTS: dict[str, Any] = {
     "effective_batch": 256,
     "budget": "850MB",
