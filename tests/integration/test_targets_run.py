@@ -92,7 +92,9 @@ def test_none_removes_a_target_and_config_numbers_read_as_bytes_and_seconds(tmp_
 def test_target_accuracy_is_refused_where_nothing_measures_it(tmp_path, capsys):
     assert main(["train", "--target-accuracy", "0.9", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
-    assert "target_accuracy needs a recipe whose evaluation measures accuracy (digits)" in err
+    assert (
+        "target_accuracy needs a recipe whose evaluation measures accuracy (digits, minilm)" in err
+    )
     assert not (tmp_path / "x").exists()
 
 
