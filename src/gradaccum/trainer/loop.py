@@ -310,17 +310,21 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
                 events.write(line, run.acc.state)
             rate = items / max(time.perf_counter() - began, 1e-9)
             _report_step(bar, log, line, rate, run, progress)
+            # Whether to stop is decided once, here: a signal that arrives after this point
+            # waits for the next window boundary. (Reading `stop` again later let a signal
+            # landing between the ranks' agreement and the check stop one rank alone, leaving
+            # the other in a collective.)
+            stopping = bool(stop)
             if run.world > 1:
                 hit = launch.broadcast(hit)  # rank 0 evaluates: its verdict stops every rank
-                if launch.any_rank(bool(stop)) and not stop:
-                    stop.append(signal.SIGTERM)  # another rank was signalled: stop together
-            if stop or hit or step % cfg.checkpoint_every == 0 or end:
+                stopping = launch.any_rank(stopping)  # a signal on any rank stops them all
+            if stopping or hit or step % cfg.checkpoint_every == 0 or end:
                 _checkpoint(run, step, last)
                 last = step
             if cfg.export_every and step % cfg.export_every == 0 or end or hit:
                 _export(run, log)
-            if stop:
-                raise Interrupted(step, folder.path, stop[0])
+            if stopping:
+                raise Interrupted(step, folder.path, stop[0] if stop else signal.SIGTERM)
             if hit:
                 run.stopped_by = hit
                 log(f"stopping at step {step}: {_hit_text(run.targets, hit)}")
