@@ -216,40 +216,37 @@ def chain(module: torch.nn.Module, x: torch.Tensor, group: Any = None) -> torch.
     runs on stage k-1's output, and the last stage's output comes back to every stage.
     Outputs are float32 tensors of up to 8 dimensions."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
+    last, device = size - 1, x.device
 
     def peer(r: int) -> int:
         return dist.get_global_rank(group, r) if group is not None else r
 
-    def send(t: torch.Tensor, to: int) -> None:
-        header = torch.zeros(9, dtype=torch.long, device=t.device)
-        header[0] = t.dim()
-        header[1 : 1 + t.dim()] = torch.tensor(t.shape)
-        dist.send(header, to)
-        dist.send(t.float().contiguous(), to)
-
-    def receive(source: int, device: torch.device) -> torch.Tensor:
-        header = torch.zeros(9, dtype=torch.long, device=device)
-        dist.recv(header, source)
-        out = torch.empty(header[1 : 1 + int(header[0])].tolist(), device=device)
-        dist.recv(out, source)
+    def header(t: torch.Tensor | None) -> torch.Tensor:
+        """A tensor's shape in 9 numbers (its dimensions, then its sizes): what the receiving
+        side allocates from."""
+        out = torch.zeros(9, dtype=torch.long, device=device)
+        if t is not None:
+            out[0] = t.dim()
+            out[1 : 1 + t.dim()] = torch.tensor(t.shape)
         return out
 
-    device = x.device
+    def allocate(shape: torch.Tensor) -> torch.Tensor:
+        return torch.empty(shape[1 : 1 + int(shape[0])].tolist(), device=device)
+
     if rank > 0:
-        x = receive(peer(rank - 1), device)
-    y = module(x)
-    if rank < size - 1:
-        send(y, peer(rank + 1))
+        shape = header(None)
+        dist.recv(shape, peer(rank - 1))
+        x = allocate(shape)
+        dist.recv(x, peer(rank - 1))
+    y = module(x).float().contiguous()
+    if rank < last:
+        dist.send(header(y), peer(rank + 1))
+        dist.send(y, peer(rank + 1))
     # The last stage's output to every stage: its shape first, then the values.
-    shape = torch.zeros(9, dtype=torch.long, device=device)
-    if rank == size - 1:
-        shape[0] = y.dim()
-        shape[1 : 1 + y.dim()] = torch.tensor(y.shape)
-    dist.broadcast(shape, peer(size - 1), group=group)
-    out = y.float().contiguous() if rank == size - 1 else None
-    if out is None:
-        out = torch.empty(shape[1 : 1 + int(shape[0])].tolist(), device=device)
-    dist.broadcast(out, peer(size - 1), group=group)
+    shape = header(y if rank == last else None)
+    dist.broadcast(shape, peer(last), group=group)
+    out = y if rank == last else allocate(shape)
+    dist.broadcast(out, peer(last), group=group)
     return out
 
 

@@ -208,19 +208,13 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         stages=stages,
         chained=ChainedStages(model) if stages > 1 else None,
     )
-    return _started(run, saved, log)
-
-
-def _started(run: _Run, saved: dict[str, Any] | None, log) -> _Run:
-    """The run at its position: a resume's checkpoint restored, set-aside samples skipped."""
     if saved is not None:
         run.restore(saved)
-    if run.cfg.resume is not None:
-        schedule = run.schedule
-        where = f"step {schedule.step} of {run.total_steps}"
-        if run.total_samples is not None:
-            where = f"step {schedule.step}, sample {schedule.samples:,} of {run.total_samples:,}"
-        log(f"resuming {run.folder.path} at {where} (micro-batch {run.micro})")
+    if resuming:
+        where = f"step {schedule.step} of {total_steps}"
+        if total_samples is not None:
+            where = f"step {schedule.step}, sample {schedule.samples:,} of {total_samples:,}"
+        log(f"resuming {folder.path} at {where} (micro-batch {micro})")
     run.skip_ahead()
     return run
 
