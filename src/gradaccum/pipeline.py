@@ -14,6 +14,12 @@ two numbers, and each stage divides its gradient once by it, clips by the global
 all stages (the sum of their squares) and steps, or every stage skips when the norm is not
 finite anywhere. That is ``FrameworkWindow.end`` over ``Sync.pipeline``: the arithmetic of
 the Accumulator's ``end_window``, not a copy of it.
+
+Precision is the Accumulator's ``Precision``: bf16 and fp16 autocast each stage's forward and
+the loss (not the backward, as in one process); under fp16 the last stage's loss carries the
+window's pre-scale and the loss scale, the pre-scale reaches the other stages, and the loss
+scaler is torch's ``ShardedGradScaler`` over the pipeline's group: an overflow on any stage
+skips the window on every stage and lowers the one scale they share.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ import torch.distributed as dist
 from gradaccum.checkpoint import AccumulatorState, rng_state, set_rng_state
 from gradaccum.integrations.window import FrameworkWindow
 from gradaccum.memory import format_bytes, saved_activation_bytes
-from gradaccum.sync import Sync
+from gradaccum.precision import Precision
+from gradaccum.sync import Sync, collective_device
 from gradaccum.window import StepResult
 
 __all__ = [
@@ -56,7 +63,11 @@ class PipelineWindow:
     the pipeline's process group (default: the world); ``tied``: parameters this stage
     shares with another (a head tied to the first stage's embedding: the first and the last
     stage each pass their copy, the others nothing): their gradients are summed over the two
-    stages, counted once in the norm, and both copies take the same step.
+    stages, counted once in the norm, and both copies take the same step; ``precision``:
+    ``"fp32"``, ``"bf16"`` or ``"fp16"`` (or a ``Precision``; its fp16 scaler, if given, a
+    ``ShardedGradScaler`` over ``group``), with fp32 parameters: the schedule runs every
+    micro-batch's backward inside one call, so there is no moment to move a low-precision
+    gradient into an fp32 buffer.
 
     ``state`` counts windows and steps as the Accumulator's does; ``state_dict()`` is this
     stage's part of a checkpoint (its module, optimizer, counters and random generators).
@@ -73,7 +84,9 @@ class PipelineWindow:
         max_grad_norm: float | None = None,
         group: Any = None,
         tied: Sequence[torch.nn.Parameter] = (),
+        precision: str | Precision = "fp32",
     ) -> None:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         if schedule not in SCHEDULES:
@@ -84,6 +97,28 @@ class PipelineWindow:
             or micro_batches < 1
         ):
             raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+        self._params = [p for group_ in optimizer.param_groups for p in group_["params"]]
+        device_type = self._params[0].device.type
+        self.precision = Precision.of(precision)
+        if self.precision.name == "fp16" and self.precision.scaler is None:
+            # One scale for every stage: found_inf is all-reduced over the group in unscale_.
+            self.precision.scaler = ShardedGradScaler(device_type, process_group=group)
+        if self.precision.scaler is not None and not isinstance(
+            self.precision.scaler, ShardedGradScaler
+        ):
+            raise ValueError(
+                "precision='fp16' through a pipeline needs a ShardedGradScaler over the "
+                "pipeline's group (each stage sees only its own overflow), got "
+                f"{type(self.precision.scaler).__name__}"
+            )
+        self.precision.bind(self._params, device_type)
+        if self.precision.accumulate_dtype is not None:
+            raise ValueError(
+                f"{self.precision!r} through a pipeline: the schedule runs every micro-batch's "
+                "backward inside one call, so low-precision gradients cannot be moved into "
+                "fp32 buffers between them; keep fp32 parameters (autocast computes in "
+                f"{self.precision.name})"
+            )
         self.stage, self.optimizer, self.loss_fn = stage, optimizer, loss_fn
         self.micro_batches, self.max_grad_norm = micro_batches, max_grad_norm
         self.window = FrameworkWindow(None, None, sync=Sync.pipeline(group))
@@ -100,7 +135,11 @@ class PipelineWindow:
         # Summed losses, no division by the number of micro-batches: the gradient each stage
         # holds after the schedule is the window's sum over its items.
         self.schedule = kind(stage, micro_batches, loss_fn=self._loss, scale_grads=False)
-        self._params = [p for group_ in optimizer.param_groups for p in group_["params"]]
+        self._autocasts: list[Any] = []  # the open autocast of a stage forward, in step()
+        self._in_step = False
+        if self.precision.autocast_dtype is not None:
+            stage.submod.register_forward_pre_hook(self._enter_autocast)
+            stage.submod.register_forward_hook(self._leave_autocast, always_call=True)
         # The last stage's copies of tied parameters are left out of the norm and the
         # division: the first stage's copy holds their summed gradient and is sent back.
         tied_ids = {id(p) for p in self._tied} if stage.is_last else set()
@@ -111,10 +150,24 @@ class PipelineWindow:
             for r in (0, stage.num_stages - 1)
         )
 
+    def _enter_autocast(self, module: torch.nn.Module, args: Any) -> None:
+        """The stage's forward under autocast while a window runs (evaluation stays fp32, as
+        in one process); the backward runs outside it."""
+        if self._in_step:
+            context = self.precision.autocast()
+            context.__enter__()
+            self._autocasts.append(context)
+
+    def _leave_autocast(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._autocasts:
+            self._autocasts.pop().__exit__(None, None, None)
+
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
-        loss_sum, count = self.loss_fn(output, target)
+        with self.precision.autocast():
+            loss_sum, count = self.loss_fn(output, target)
         self._losses.append((loss_sum, count))
-        return loss_sum
+        # fp16: the pre-scale from the first loss the schedule computes in this window.
+        return self.precision.scaled(loss_sum, count, first=len(self._losses) == 1)
 
     def step(self, *inputs: Any, target: Any = None) -> StepResult:
         """One window: the first stage passes the batch's inputs, the last its targets (every
@@ -122,10 +175,14 @@ class PipelineWindow:
         item, count, norm and decision."""
         args = inputs if self.stage.is_first else ()
         self._losses = []
-        if self.stage.is_last:
-            self.schedule.step(*args, target=target)
-        else:
-            self.schedule.step(*args)
+        self._in_step = True
+        try:
+            if self.stage.is_last:
+                self.schedule.step(*args, target=target)
+            else:
+                self.schedule.step(*args)
+        finally:
+            self._in_step = False
         if self.stage.is_last:
             # The schedule's first step also calls the loss once to infer the backward's
             # shapes: the window's micro-batches are the last ones it computed.
@@ -137,12 +194,21 @@ class PipelineWindow:
             for loss_sum, count in self._losses[-self.micro_batches :]:
                 self.window.add(loss_sum, count)
         self._tied_grads(sum_to_first=True)
+        # fp16: unscale_ (the stages' overflow agreed), and the pre-scale the last stage's
+        # losses carried, which every stage divides out with the count.
+        if self.precision.scaler is not None and not self.stage.is_last:
+            # The scale lives where a loss was scaled: on the other stages, made here (its
+            # value the one they share) so that unscale_ finds it.
+            self.precision.scaler.scale(torch.zeros((), device=self._params[0].device))
+        carried = self._carried(self.precision.gather(self.optimizer, [])[1])
         grads = [p.grad for p in self._counted if p.grad is not None]
-        end = self.window.end(grads, max_grad_norm=self.max_grad_norm)
-        skipped = "zero count" if end.count == 0 else None if end.finite else "non-finite gradient"
+        end = self.window.end(grads, carried, max_grad_norm=self.max_grad_norm)
+        skipped = "zero count" if end.count == 0 else None
+        if skipped is None and not end.finite:
+            skipped = "fp16 overflow" if self.precision.scaler else "non-finite gradient"
         if skipped is None:
             self._tied_grads(sum_to_first=False)  # the divided, clipped gradient, both copies
-            self.optimizer.step()
+        self.precision.apply(self.optimizer, self._params, step=skipped is None)
         self.state.count_window(self.micro_batches, end.count, skipped is None)
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(
@@ -158,6 +224,14 @@ class PipelineWindow:
     @property
     def steps(self) -> int:
         return self.state.optimizer_steps
+
+    def _carried(self, prescale: float) -> float:
+        """The pre-scale on the window's gradient (fp16): the last stage's, on every stage."""
+        if self.precision.scaler is None:
+            return prescale
+        value = torch.tensor([prescale], dtype=torch.float64, device=collective_device(self.group))
+        dist.broadcast(value, self._last, group=self.group)
+        return float(value.item())
 
     def _tied_grads(self, sum_to_first: bool) -> None:
         """Before the window ends, the last stage's gradients of the tied parameters are added
@@ -189,6 +263,7 @@ class PipelineWindow:
             "accumulator": asdict(self.state),
             "model": self.stage.submod.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "scaler": None if self.precision.scaler is None else self.precision.scaler.state_dict(),
             "rng": rng_state(),
         }
 
@@ -204,8 +279,15 @@ class PipelineWindow:
                 f"checkpoint of stage {where[0]} of {where[1]} loaded into stage "
                 f"{self.stage.stage_index} of {self.stage.num_stages}"
             )
+        if (state_dict.get("scaler") is None) != (self.precision.scaler is None):
+            raise ValueError(
+                f"checkpoint {'has' if state_dict.get('scaler') is not None else 'has no'} "
+                f"fp16 loss scaler state but this stage's precision is {self.precision.name}"
+            )
         self.stage.submod.load_state_dict(state_dict["model"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.precision.scaler is not None:
+            self.precision.scaler.load_state_dict(state_dict["scaler"])
         self.state = AccumulatorState(**state_dict["accumulator"])
         set_rng_state(state_dict["rng"])
 

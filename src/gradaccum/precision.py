@@ -149,20 +149,28 @@ class Precision:
         params: list[torch.nn.Parameter],
     ) -> None:
         """Backward of one micro-batch's summed loss, outside autocast, then buffer the grads."""
-        if self.scaler is not None:
-            if first:
-                # A summed loss has gradients ``count`` times those of a mean loss, which
-                # would overflow fp16 at GradScaler's starting scale and skip the first
-                # windows. A power-of-two pre-scale from the first micro-batch's count keeps
-                # them at mean-loss size and is exact; the window's one division takes it out.
-                self._prescale = 2.0 ** -math.floor(math.log2(max(int(count), 1)))
-            loss_sum = self.scaler.scale(loss_sum * self._prescale)
+        loss_sum = self.scaled(loss_sum, count, first)
         # Autocast (ours, or one the user entered around us) is for the forward; backward's
         # ops follow the forward's dtypes.
         with torch.autocast(self.device_type, enabled=False):
             loss_sum.backward()
         if self._buffered:
             self._absorb(params)
+
+    def scaled(
+        self, loss_sum: torch.Tensor, count: int | torch.Tensor, first: bool
+    ) -> torch.Tensor:
+        """The loss whose backward runs: under fp16, times the window's pre-scale and the
+        loss scale; else the summed loss itself. ``first``: the window's first micro-batch."""
+        if self.scaler is None:
+            return loss_sum
+        if first:
+            # A summed loss has gradients ``count`` times those of a mean loss, which would
+            # overflow fp16 at GradScaler's starting scale and skip the first windows. A
+            # power-of-two pre-scale from the first micro-batch's count keeps them at
+            # mean-loss size and is exact; the window's one division takes it out.
+            self._prescale = 2.0 ** -math.floor(math.log2(max(int(count), 1)))
+        return self.scaler.scale(loss_sum * self._prescale)
 
     def _absorb(self, params: list[torch.nn.Parameter]) -> None:
         assert self.accumulate_dtype is not None

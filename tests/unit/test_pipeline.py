@@ -4,6 +4,7 @@ test_pipeline_parallel.py)."""
 import pytest
 import torch
 
+import gradaccum as ga
 from gradaccum.pipeline import PipelineWindow
 
 
@@ -22,6 +23,15 @@ def optimizer():
 def test_bad_settings_are_refused_in_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PipelineWindow(None, optimizer(), lambda out, y: (out.sum(), 1), **kwargs)
+
+
+def test_what_precision_cannot_do_through_a_pipeline_is_refused():
+    bf16_params = torch.optim.SGD(torch.nn.Linear(2, 2).bfloat16().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="low-precision gradients cannot be moved into fp32"):
+        PipelineWindow(None, bf16_params, lambda out, y: (out.sum(), 1), 2, precision="bf16")
+    plain = ga.Precision("fp16", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="needs a ShardedGradScaler over the pipeline's group"):
+        PipelineWindow(None, optimizer(), lambda out, y: (out.sum(), 1), 2, precision=plain)
 
 
 # -- the built-in GPT cut into stages ------------------------------------------------------------
@@ -112,7 +122,6 @@ def test_a_pipeline_run_outside_torchrun_is_refused_in_one_line(tmp_path):
     [
         ({"recipe": "digits"}, "pipeline_stages splits the built-in GPT only"),
         ({"pipeline_stages": 5}, "the GPT has 4 blocks, so at most 4 stages"),
-        ({"precision": "bf16"}, "pipeline_stages trains in fp32 only"),
         ({"batch_schedule": "steps:3=128"}, "needs a constant batch"),
         ({"micro_batch": 24}, "micro_batch 24 does not divide effective_batch 64"),
         ({"pipeline_schedule": "zb"}, "pipeline_schedule must be one of gpipe, 1f1b"),

@@ -22,6 +22,7 @@ from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay
 from gradaccum.pipeline import ChainedStages, PipelineWindow
 from gradaccum.plan import plan
+from gradaccum.precision import PRECISIONS
 from gradaccum.recipes import Recipe, get_recipe, hf_recipe
 from gradaccum.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
 from gradaccum.recompute import enable_checkpointing
@@ -239,6 +240,7 @@ def _pipeline_window(cfg, rank, world, module, device, optimizer, micro, log):
         schedule=cfg.pipeline_schedule,
         max_grad_norm=cfg.max_grad_norm or None,
         tied=module.tied(),
+        precision=cfg.precision,
     )
 
 
@@ -389,7 +391,8 @@ def _plan_info(cfg, model, optimizer, recipe, device, main, world, log) -> dict[
 def _pipeline_plan_info(cfg: TrainConfig, module, main: bool, log) -> dict[str, Any]:
     """The number of micro-batches through the pipeline: each stage counts its own memory
     (parameters, gradients, AdamW's two states; the activations it saves per sample), the
-    fullest stage's numbers decide (one all-reduce), and rank 0 logs the plan."""
+    fullest stage's numbers decide (one all-reduce), and rank 0 logs the plan. Activations
+    are measured under the run's autocast, as the stages will run."""
     import torch.distributed as dist
 
     from gradaccum.loss import causal_lm_loss
@@ -406,7 +409,9 @@ def _pipeline_plan_info(cfg: TrainConfig, module, main: bool, log) -> dict[str, 
         # stage keeps it for the gradient the next stage sends back.
         return (out * out.detach()).sum()
 
-    with preserved_rng():
+    autocast = PRECISIONS[cfg.precision]
+    device_type = next(module.parameters()).device.type
+    with preserved_rng(), torch.autocast(device_type, autocast, enabled=autocast is not None):
         static, per_sample = measure_stage(module, module.sample_input, loss)
     fullest = torch.tensor([float(static), per_sample], dtype=torch.float64)
     dist.all_reduce(fullest, op=dist.ReduceOp.MAX)

@@ -385,8 +385,6 @@ class TrainConfig:
                 "pipeline_stages with --data: a pipeline runs micro-batches of one shape, and "
                 "your data's last window of an epoch is shorter; train it without a pipeline"
             )
-        if self.precision != "fp32":
-            out.append(f"pipeline_stages trains in fp32 only, not precision {self.precision}")
         if self.batch_schedule != "constant":
             out.append(
                 "pipeline_stages needs a constant batch (the schedule runs one micro-batch "

@@ -131,3 +131,21 @@ def test_the_guard_rolls_every_stage_back_and_evaluates_through_both(tmp_path):
     fresh = recipe.build_model()
     want = recipe.make_data(0).evaluate(fresh, 4)["loss"]
     assert abs(summary["held_out_loss"] - want) <= 1e-5 * want, (summary["held_out_loss"], want)
+
+
+def test_fp16_through_two_stages_skips_and_steps_as_one_process(tmp_path):
+    """fp16 autocast on both stages, one loss scale: the first window overflows at the
+    starting scale (65536) in one process and in the pipeline alike, both skip it and halve
+    the scale, and the losses follow one process's fp16 run (the same micro-batches)."""
+    args = [*ARGS[:2], "4", *ARGS[3:], "--precision", "fp16", "--no-tensorboard"]
+    run([*torchrun(), "-m", "gradaccum", *args, "--pipeline-stages", "2", "--out", "two"], tmp_path)
+    run([sys.executable, "-m", "gradaccum", *args, "--micro-batch", "4", "--out", "one"], tmp_path)
+    two, one = metrics(tmp_path / "two"), metrics(tmp_path / "one")
+    assert [x["skipped"] for x in two] == [x["skipped"] for x in one]
+    assert one[0]["skipped"] == "fp16 overflow" and one[1]["skipped"] is None
+    # The first two windows run the initial model (the first was skipped): fp16's forward on
+    # the same parameters, to the last bit where fp32's differs by about 5e-6.
+    for a, b in zip(two[:2], one[:2], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-9 * b["loss"], (a["loss"], b["loss"])
+    for a, b in zip(two, one, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a["step"], a["loss"], b["loss"])
