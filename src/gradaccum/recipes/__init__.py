@@ -398,6 +398,18 @@ def _minilm() -> Recipe:
 RECIPES["minilm"] = _minilm()
 
 
+def _segmentation(norm: str) -> Recipe:
+    from gradaccum.recipes import segmentation
+
+    return segmentation.segmentation_recipe(norm)
+
+
+# The U-Net with GroupNorm (exact under accumulation), and the same network with BatchNorm,
+# which shows what accumulation does to it (`gradaccum check --recipe segment-batchnorm`).
+RECIPES["segment"] = _segmentation("group")
+RECIPES["segment-batchnorm"] = _segmentation("batch")
+
+
 def get_recipe(name: str) -> Recipe:
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(sorted(RECIPES))}")

@@ -25,7 +25,9 @@ class TrainConfig:
         metadata={
             "help": "built-in model and data: gpt (byte-level GPT on the Python stdlib's source), "
             "digits (GroupNorm CNN on scikit-learn's digits), minilm (fine-tune pretrained "
-            "MiniLM on stdlib docstrings; sets its own batch, budget and length)",
+            "MiniLM on stdlib docstrings), segment (U-Net segmenting 256x256 procedural "
+            "images; segment-batchnorm: the same with BatchNorm); minilm and segment set "
+            "their own batch, budget and length",
             "choices": sorted(RECIPES),
         },
     )
