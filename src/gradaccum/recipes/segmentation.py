@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradaccum.batching import split
 from gradaccum.loss import sample_mean
 
 if TYPE_CHECKING:
@@ -147,6 +146,15 @@ def make_image(
     return (image + noise).clamp_(0, 1), mask.long()
 
 
+def _stack(
+    seed: int, indices: range, size: int, held_out: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    images, masks = zip(
+        *(make_image(seed, i, size, held_out=held_out) for i in indices), strict=True
+    )
+    return torch.stack(images), torch.stack(masks)
+
+
 class SegmentationData:
     """An endless stream of procedural images (sample ``i`` a pure function of ``(seed,
     i)``, so there are no epochs) and a fixed held-out set drawn from its own stream."""
@@ -157,22 +165,20 @@ class SegmentationData:
         self.seed, self.size, self.held_out = seed, size, held_out
 
     def batch(self, position: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        images, masks = zip(
-            *(make_image(self.seed, i, self.size) for i in range(position, position + size)),
-            strict=True,
-        )
-        return torch.stack(images), torch.stack(masks)
+        return _stack(self.seed, range(position, position + size), self.size, held_out=False)
 
     def epoch_samples(self) -> int:
         return 2048  # nominal: the stream never repeats; --epochs reads this many per pass
 
-    @functools.cached_property
+    def held_out_batch(self, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out images ``start`` to ``start + size``, made when needed: the set is not
+        kept (32 full-resolution images would be 42 MB of resident memory the planner's
+        budget does not count)."""
+        return _stack(0, range(start, min(start + size, self.held_out)), self.size, held_out=True)
+
+    @property
     def held_out_set(self) -> tuple[torch.Tensor, torch.Tensor]:
-        images, masks = zip(
-            *(make_image(0, i, self.size, held_out=True) for i in range(self.held_out)),
-            strict=True,
-        )
-        return torch.stack(images), torch.stack(masks)
+        return self.held_out_batch(0, self.held_out)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, micro_size: int) -> dict[str, float]:
@@ -183,7 +189,8 @@ class SegmentationData:
         device = next(model.parameters()).device
         loss, pixels, intersection, union = 0.0, 0, 0, 0
         try:
-            for x, y in split(self.held_out_set, micro_size):
+            for start in range(0, self.held_out, micro_size):
+                x, y = self.held_out_batch(start, micro_size)
                 x, y = x.to(device), y.to(device)
                 logits = model(x)
                 loss += float(F.cross_entropy(logits, y, reduction="sum"))
