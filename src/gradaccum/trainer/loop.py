@@ -529,6 +529,10 @@ def _report_step(bar, log, line: dict[str, Any], rate: float, run: _Run, before:
     text = f"loss {loss}  {rate:,.0f} items/s  mem {format_bytes(line['peak_memory'])}" + (
         f"  held-out {line['eval_loss']:.3f}" if "eval_loss" in line else ""
     )
+    # The recipe's other held-out measures (accuracy, IoU), by their names.
+    text += "".join(
+        f" {k[5:]} {v:.3f}" for k, v in line.items() if k.startswith("eval_") and k != "eval_loss"
+    )
     if bar is not None:
         bar.set_postfix_str(text)
         bar.update(line["effective_batch"] if run.total_samples is not None else 1)
