@@ -124,12 +124,17 @@ def test_the_linear_probe_learns_from_the_frozen_encoder(pretrained):
     # Every 4th docstring (the probe embeds them all, which takes the suite too long).
     for name in ("ids", "mask", "labels", "test_ids", "test_mask", "test_labels"):
         setattr(data, name, getattr(data, name)[::4])
-    before = {k: v.clone() for k, v in pretrained.state_dict().items()}
-    probe = data.baseline(pretrained, 64)
+    model = copy.deepcopy(pretrained)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    probe = data.baseline(model, 64)
     assert probe["name"].startswith("linear probe")
     # Well above chance (1/8) from frozen pretrained features; the encoder is untouched.
     assert probe["accuracy"] > 0.4, probe
-    assert all(torch.equal(v, pretrained.state_dict()[k]) for k, v in before.items())
+    after = model.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items() if not k.startswith("head"))
+    # The head starts fine-tuning from the probe's: the model scores what the probe scored.
+    assert not torch.equal(before["head.weight"], after["head.weight"])
+    assert data.evaluate(model, 64)["accuracy"] == probe["accuracy"]
 
 
 def test_the_recipe_brings_its_defaults_and_flags_and_files_override_them(tmp_path):

@@ -247,7 +247,10 @@ def _pipeline_window(cfg, rank, world, module, device, optimizer, micro, log):
 def _baseline(folder: RunFolder, data: Any, model: torch.nn.Module, micro: int, log) -> None:
     """What the untrained model scores by the recipe's simpler method (a linear probe on the
     pretrained encoder), measured once before training into baseline.json; the summary sets
-    the run's result against it. Drawn from no generator the run uses."""
+    the run's result against it. Drawn from no generator the run uses. The recipe may start
+    the model from it (minilm's head starts from the probe's): rank 0 alone measures it, and
+    DistributedDataParallel copies rank 0's parameters to every rank when it wraps the
+    model, after this."""
     log("measuring the baseline before training ...")
     with preserved_rng():
         result = data.baseline(model, micro)
