@@ -14,7 +14,6 @@ Writes bench/results/segmentation.md and bench/results/segmentation.png.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -22,10 +21,8 @@ import time
 
 import torch
 import vs_n
-from machine import describe
 
 import gradaccum as ga
-from gradaccum.memory import format_bytes, parse_bytes
 from gradaccum.recipes.segmentation import (
     DEFAULTS,
     SIZE,
@@ -97,38 +94,21 @@ def main() -> None:
     print(exact, flush=True)
     load_after = os.getloadavg()[0]
     by_n = {r["n"]: r for r in rows}
-    budget = parse_bytes(DEFAULTS["budget"])
     slowdown = by_n[16]["fastest"] / by_n[1]["fastest"]
     saved = by_n[1]["peak"] / by_n[16]["peak"]
-    fits = vs_n.fits(rows, budget)
     lines = [
         "# Segmentation: peak memory and time per step vs N",
         "",
         f"Recipe `segment` (U-Net, GroupNorm, {SIZE}x{SIZE} procedural images), effective batch "
-        f"{EFFECTIVE}, AdamW, fp32; each N in a fresh process, {vs_n.TIMED} timed windows after "
-        f"one warm-up. {describe(vs_n.threads())} Run {datetime.date.today().isoformat()}; the "
-        f"machine is shared: load average {load_before:.1f} before, {load_after:.1f} after (2 "
-        "cores), so the seconds vary from run to run; the fastest of the timed windows is the "
-        "least disturbed by other work.",
+        f"{EFFECTIVE}, AdamW, fp32; " + vs_n.how(load_before, load_after),
         "",
         *vs_n.table(rows),
         "",
-        f"Peak resident memory is parameters and buffers plus how far the process's resident "
-        f"set rose while training (what `--budget` bounds on CPU); the budget it needs keeps the "
-        f"planner's {vs_n.MARGIN:.0%} margin free. The recipe's default budget, "
-        f"{DEFAULTS['budget']}, holds N = {', '.join(map(str, fits)) or 'none'} of these; N = 1 "
-        f"needs {format_bytes(by_n[1]['peak'] / (1 - vs_n.MARGIN))}. Sixteen micro-batches of 2 "
+        vs_n.budget_text(rows, DEFAULTS["budget"]) + " Sixteen micro-batches of 2 "
         f"take {saved:.1f}x less memory than one batch of {EFFECTIVE} and {slowdown:.2f}x its "
         "time per step (fastest windows), for the same gradient.",
         "",
-        "The plan at the default budget (`gradaccum.plan`, the planned size verified in two "
-        "fresh processes, as `gradaccum train` does on CPU):",
-        "",
-        "```",
-        plan.summary(),
-        "```",
-        "",
-        plan.table(),
+        *vs_n.plan_lines(plan),
         "",
         f"One window of 16 micro-batches of 2 against the full batch of {EFFECTIVE}, at "
         f"{SIZE}x{SIZE} in float64 (largest relative error over the parameters: the norm of "
@@ -140,11 +120,7 @@ def main() -> None:
         "|---|---:|",
         *[f"| {name} | {err:.1e} |" for name, err in exact.items()],
     ]
-    vs_n.OUT.mkdir(parents=True, exist_ok=True)
-    (vs_n.OUT / "segmentation.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    vs_n.plot(rows, vs_n.OUT / "segmentation.png", EFFECTIVE, budget, DEFAULTS["budget"])
-    print(f"wrote bench/results/segmentation.md and .png in {time.perf_counter() - started:.0f} s")
+    vs_n.write("segmentation", lines, rows, EFFECTIVE, DEFAULTS["budget"], started)
 
 
 if __name__ == "__main__":

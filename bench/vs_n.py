@@ -13,6 +13,7 @@ peak with its 15% margin kept free.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import statistics
@@ -175,4 +176,64 @@ def planned(recipe_name: str) -> ga.Plan:
         effective_batch=defaults["effective_batch"],
         budget=defaults["budget"],
         verify=fresh_process_verifier(recipe_name),
+    )
+
+
+def plan_lines(plan: ga.Plan) -> list[str]:
+    """The plan at the default budget, as the results files show it."""
+    return [
+        "The plan at the default budget (`gradaccum.plan`, the planned size verified in two "
+        "fresh processes, as `gradaccum train` does on CPU):",
+        "",
+        "```",
+        plan.summary(),
+        "```",
+        "",
+        plan.table(),
+    ]
+
+
+def write(
+    name: str,
+    lines: list[str],
+    rows: list[dict[str, Any]],
+    effective: int,
+    budget: str,
+    started: float,
+) -> None:
+    """results/NAME.md from ``lines`` (printed too) and results/NAME.png from ``rows``."""
+    from gradaccum.memory import parse_bytes
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(rows, OUT / f"{name}.png", effective, parse_bytes(budget), budget)
+    print(f"wrote bench/results/{name}.md and .png in {time.perf_counter() - started:.0f} s")
+
+
+def how(load_before: float, load_after: float) -> str:
+    """How the N were run, and on what (the second half of a results file's first line)."""
+    from machine import describe
+
+    return (
+        f"each N in a fresh process, {TIMED} timed windows after one warm-up. "
+        f"{describe(threads())} Run {datetime.date.today().isoformat()}; the machine is "
+        f"shared: load average {load_before:.1f} before, {load_after:.1f} after (2 cores), so "
+        "the seconds vary from run to run; the fastest of the timed windows is the least "
+        "disturbed by other work."
+    )
+
+
+def budget_text(rows: list[dict[str, Any]], budget: str) -> str:
+    """What the peaks mean, and which N the recipe's default budget holds."""
+    from gradaccum.memory import parse_bytes
+
+    held = fits(rows, parse_bytes(budget))
+    first = next(r for r in rows if r["n"] == 1)
+    return (
+        "Peak resident memory is parameters and buffers plus how far the process's resident "
+        "set rose while training (what `--budget` bounds on CPU); the budget it needs keeps "
+        f"the planner's {MARGIN:.0%} margin free. The recipe's default budget, {budget}, holds "
+        + (f"N = {', '.join(map(str, held))} of these" if held else "none of these N")
+        + f"; N = 1 needs {format_bytes(first['peak'] / (1 - MARGIN))}."
     )
