@@ -89,7 +89,7 @@ def window_and_full_batch(model, batch, micro):
 
 def test_a_window_of_micro_batches_gives_the_full_batch_gradient(pretrained):
     """32 docstrings (a slice of the recipe's 256: the equality does not depend on the count,
-    and 256 would cost the suite a minute; bench/results/minilm.md has 256), in 4
+    and 256 would cost the suite a minute; bench/results/minilm_exact.md has 256), in 4
     micro-batches each padded to its own longest docstring, against one full-batch backward.
     Dropout off (eval mode), as `gradaccum check` compares.
 
