@@ -21,7 +21,6 @@ import torch.nn.functional as F
 import vs_n
 from machine import describe
 
-import gradaccum as ga
 from gradaccum.recipes import minilm
 
 EFFECTIVE, MICRO = minilm.DEFAULTS["effective_batch"], 16
@@ -30,20 +29,11 @@ EFFECTIVE, MICRO = minilm.DEFAULTS["effective_batch"], 16
 def gradients(model: torch.nn.Module, batch: dict, micro: int | None) -> dict[str, torch.Tensor]:
     """The full batch's gradient (``micro`` None) or one window's, from a copy of ``model``."""
     model = copy.deepcopy(model)
-    if micro is None:
-        logits = model(batch["input_ids"], batch["attention_mask"])
-        F.cross_entropy(logits, batch["labels"]).backward()
-        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    seen: dict[str, torch.Tensor] = {}
-    names = {id(p): n for n, p in model.named_parameters()}
-    optimizer.register_step_pre_hook(
-        lambda opt, args, kwargs: seen.update(
-            {names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]}
-        )
-    )
-    ga.Accumulator(model, optimizer).step(ga.split(batch, micro), minilm.loss_fn)
-    return seen
+    if micro is not None:
+        return vs_n.window_gradients(model, batch, micro, minilm.loss_fn)
+    logits = model(batch["input_ids"], batch["attention_mask"])
+    F.cross_entropy(logits, batch["labels"]).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, float]:
@@ -51,10 +41,8 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tupl
     difference over the largest gradient element. Attention's key biases have an exact
     gradient of zero (a bias on every key moves a query's scores alike, which softmax
     ignores): both sides hold rounding noise there, so they count in the second only."""
-    keys = {k for k in want if k.endswith("attention.self.key.bias")}
-    per_tensor = max(
-        float((got[k] - want[k]).norm() / want[k].norm()) for k in want if k not in keys
-    )
+    keys = frozenset(k for k in want if k.endswith("attention.self.key.bias"))
+    per_tensor = vs_n.worst_tensor(got, want, keys)
     largest = max(float(g.abs().max()) for g in want.values())
     return per_tensor, max(float((got[k] - want[k]).abs().max()) for k in want) / largest
 

@@ -52,36 +52,21 @@ def exactness() -> dict[str, float]:
             if "convert" in name:
                 ga.convert_batchnorm(model)
             model.double()
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
             if accumulate:
-                seen = {}
-                optimizer.register_step_pre_hook(
-                    lambda opt, args, kwargs, m=model, seen=seen: seen.update(
-                        {n: p.grad.clone() for n, p in m.named_parameters()}
-                    )
-                )
-                ga.Accumulator(model, optimizer).step(ga.split(batch, 2), segmentation_loss)
-                grads.append(seen)
+                grads.append(vs_n.window_gradients(model, batch, 2, segmentation_loss))
             else:
                 F.cross_entropy(model(batch[0]), batch[1]).backward()
                 grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        out[name] = worst(*grads)
+        out[name] = vs_n.worst_tensor(grads[1], grads[0])
         if name == "GroupNorm":  # fp32's own rounding of the same full batch, for scale
             torch.manual_seed(0)
             model = segmentation_recipe("group").build_model()
             F.cross_entropy(model(images), masks).backward()
             fp32 = {n: p.grad.double() for n, p in model.named_parameters()}
-            out["GroupNorm, the full batch in fp32 (not a window)"] = worst(grads[0], fp32)
+            out["GroupNorm, the full batch in fp32 (not a window)"] = vs_n.worst_tensor(
+                fp32, grads[0]
+            )
     return out
-
-
-def worst(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> float:
-    """Largest relative error over the parameters (the norm of the difference over the
-    reference's)."""
-    return max(
-        float((other[k] - reference[k]).norm() / reference[k].norm().clamp_min(1e-300))
-        for k in reference
-    )
 
 
 def main() -> None:

@@ -237,3 +237,32 @@ def budget_text(rows: list[dict[str, Any]], budget: str) -> str:
         + (f"N = {', '.join(map(str, held))} of these" if held else "none of these N")
         + f"; N = 1 needs {format_bytes(first['peak'] / (1 - MARGIN))}."
     )
+
+
+def window_gradients(
+    model: torch.nn.Module, batch: Any, micro: int, loss_fn: Any
+) -> dict[str, torch.Tensor]:
+    """The gradient an Accumulator hands the optimizer after one window of ``batch`` in
+    micro-batches of ``micro`` (the optimizer is SGD at lr 0: ``model`` keeps its values)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen: dict[str, torch.Tensor] = {}
+    optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: seen.update(
+            {names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]}
+        )
+    )
+    ga.Accumulator(model, optimizer).step(ga.split(batch, micro), loss_fn)
+    return seen
+
+
+def worst_tensor(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], skip: frozenset[str] = frozenset()
+) -> float:
+    """The largest relative error over the parameters (the norm of the difference over the
+    norm of ``want``), those in ``skip`` aside."""
+    return max(
+        float((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-300))
+        for k in want
+        if k not in skip
+    )

@@ -200,9 +200,8 @@ class PipelineWindow:
             # The scale lives where a loss was scaled: on the other stages, made here (its
             # value the one they share) so that unscale_ finds it.
             self.precision.scaler.scale(torch.zeros((), device=self._params[0].device))
-        carried = self._carried(self.precision.gather(self.optimizer, [])[1])
-        grads = [p.grad for p in self._counted if p.grad is not None]
-        end = self.window.end(grads, carried, max_grad_norm=self.max_grad_norm)
+        grads, prescale = self.precision.gather(self.optimizer, self._counted)
+        end = self.window.end(grads, self._carried(prescale), max_grad_norm=self.max_grad_norm)
         skipped = "zero count" if end.count == 0 else None
         if skipped is None and not end.finite:
             skipped = "fp16 overflow" if self.precision.scaler else "non-finite gradient"

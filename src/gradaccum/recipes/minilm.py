@@ -246,16 +246,14 @@ class DocstringData:
         return {"loss": total / n, "accuracy": correct / n}
 
     @torch.no_grad()
-    def baseline(
-        self, model: DocstringClassifier, micro_size: int, adopt: bool = True
-    ) -> dict[str, Any]:
+    def baseline(self, model: DocstringClassifier, micro_size: int) -> dict[str, Any]:
         """The linear probe: a linear head trained to convergence (L-BFGS, full batch, a
         little weight decay) on the frozen encoder's pooled embeddings of the training
         docstrings; its held-out accuracy is what fine-tuning has to beat. Call it before
         training: ``model`` holds the pretrained encoder then.
 
-        ``adopt``: the model's head starts from the probe's (linear probing, then
-        fine-tuning: LP-FT, Kumar et al. 2022). A random head's first gradients would
+        The model's head then starts from the probe's (linear probing, then fine-tuning:
+        LP-FT, Kumar et al. 2022). A random head's first gradients would
         pull the pretrained features towards it before the head is any good; from the
         probe, fine-tuning starts at the probe's accuracy, and what it adds is the margin."""
         was_training = model.training
@@ -281,8 +279,7 @@ class DocstringData:
             optimizer.step(closure)
         correct = int((head(test_x).argmax(1) == self.test_labels).sum())
         accuracy = correct / len(self.test_labels)  # as evaluate() counts it
-        if adopt:
-            model.head.load_state_dict(head.state_dict())
+        model.head.load_state_dict(head.state_dict())
         return {"name": "linear probe on the frozen pretrained encoder", "accuracy": accuracy}
 
 
