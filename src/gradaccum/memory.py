@@ -95,6 +95,8 @@ def tensor_bytes(tensors: Any) -> int:
 
     def visit(obj: Any) -> None:
         if isinstance(obj, torch.Tensor):
+            if hasattr(obj, "to_local"):  # a DTensor (FSDP2's shard): this rank's part
+                obj = obj.to_local()
             storage = obj.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
         elif isinstance(obj, dict):

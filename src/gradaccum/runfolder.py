@@ -8,6 +8,10 @@
     checkpoints/    with the incident guard: the last K checkpoints, step-N.pt, to roll back to
     stages/         a pipeline's later stages: stage-S-step-N.pt, each stage's part of the
                     checkpoint of step N (checkpoint.pt holds the first stage's)
+    shards/         under FSDP2 (--shard fsdp): step-N/, every rank's shards of step N's
+                    model and optimizer (torch.distributed.checkpoint) and each rank's own
+                    state (rank-R.pt); checkpoint.pt names the folder
+    model.pt        under FSDP2, the whole model's state_dict at the end, for use elsewhere
     incidents.jsonl one line per incident the guard found: what it saw and what it did
     baseline.json   a recipe's baseline (minilm: the linear probe), measured before training
     tensorboard/    TensorBoard event files (when the tensorboard package is installed)
@@ -41,6 +45,7 @@ CHECKPOINT_FORMAT = "gradaccum.run/1"
 CONFIG, PLAN, RESUMES = "config.json", "plan.json", "resumes.jsonl"
 METRICS, CHECKPOINT, LOCK = "metrics.jsonl", "checkpoint.pt", ".lock"
 KEPT, INCIDENTS, STAGES = "checkpoints", "incidents.jsonl", "stages"
+SHARDS, MODEL = "shards", "model.pt"
 BASELINE = "baseline.json"
 
 
@@ -221,8 +226,64 @@ class RunFolder:
         assert saved is not None  # it exists
         return saved
 
-    def prune_stages(self, keep_steps: set[int]) -> None:
-        """Remove the stage files of steps no checkpoint names (``keep_steps``)."""
+    # -- FSDP2's shards ------------------------------------------------------------------------
+    #
+    # Every rank writes its part of step N's checkpoint into shards/step-N.tmp/; when all
+    # have, rank 0 renames it shards/step-N/ and writes checkpoint.pt naming it (the commit).
+    # A crash before the commit leaves the previous checkpoint and the folder it names.
+
+    def prepare_shards(self, step: int) -> str | None:
+        """Rank 0, before the ranks write step ``step``'s shards: an empty folder for them
+        (what a crash left there is removed). A problem is returned, not raised: every rank
+        must hear of it before any of them writes."""
+        tmp = self.path / SHARDS / f"step-{step:08d}.tmp"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as err:
+            return f"cannot write {tmp}: {_reason(err)}"
+        return None
+
+    def save_shards(self, acc: Any, step: int) -> None:
+        """This rank's shards and state into the folder ``prepare_shards`` made (every rank
+        calls it: torch.distributed.checkpoint is collective)."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from gradaccum.checkpoint import save_sharded
+
+        tmp = self.path / SHARDS / f"step-{step:08d}.tmp"
+        try:
+            save_sharded(acc, tmp)
+        except (OSError, RuntimeError, CheckpointException) as err:
+            raise ValueError(f"cannot write {tmp}: {_reason(err)}") from None
+
+    def commit_shards(self, step: int) -> str:
+        """Rank 0, after every rank wrote: the folder renamed to its final name, which
+        checkpoint.pt will hold (relative to the run folder)."""
+        name = f"{SHARDS}/step-{step:08d}"
+        final = self.path / name
+        try:
+            shutil.rmtree(final, ignore_errors=True)  # a rollback's earlier branch
+            os.replace(final.with_name(final.name + ".tmp"), final)
+        except OSError as err:
+            raise ValueError(f"cannot write {final}: {_reason(err)}") from None
+        return name
+
+    def load_shards(self, acc: Any, name: str) -> None:
+        """Every rank: its shards and state of the checkpoint's folder ``name``."""
+        from gradaccum.checkpoint import load_sharded
+
+        path = self.path / name
+        if not path.is_dir():
+            raise ValueError(
+                f"{path} is missing: the checkpoint needs every rank's shards; restore it, "
+                "or start a new run"
+            )
+        load_sharded(acc, path)
+
+    def prune_parts(self, keep_steps: set[int]) -> None:
+        """Remove the stage files and shard folders of steps no checkpoint names
+        (``keep_steps``), and shard folders a crash left half-written."""
         for file in (self.path / STAGES).glob("stage-*-step-*.pt"):
             try:
                 step = int(file.stem.rsplit("-", 1)[1])
@@ -230,6 +291,16 @@ class RunFolder:
                 continue
             if step not in keep_steps:
                 file.unlink(missing_ok=True)
+        for folder in (self.path / SHARDS).glob("step-*"):
+            try:
+                step = int(folder.name[5:])
+            except ValueError:  # step-N.tmp: never committed
+                step = None
+            if step not in keep_steps:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def save_model(self, state_dict: dict[str, Any]) -> None:
+        self._write(MODEL, lambda tmp: torch.save(state_dict, tmp))
 
     # -- metrics ------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -50,6 +51,19 @@ def say(text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Under torchrun, after the process group is gone: leave without the interpreter's
+        # teardown, in which gloo's threads can still abort a finished process (SIGABRT,
+        # "terminate called without an active exception"; pytorch/pytorch#179291).
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError):
+                stream.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     """Exit codes: 0 done, 1 a check that failed, 2 bad input or an unusable file (one line
     on stderr), 130 Ctrl-C outside training, 128 + N a training run stopped by signal N after
     its checkpoint. GRADACCUM_DEBUG=1 (or --debug) shows the traceback behind a one-liner."""

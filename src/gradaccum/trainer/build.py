@@ -70,6 +70,11 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
             f"--nproc-per-node {stages} (this job has {world} process{'es' * (world > 1)}; "
             "pipeline replicas under data parallelism are not built yet)"
         )
+    if cfg.shard == "fsdp" and world < 2:
+        raise ValueError(
+            "--shard fsdp shards the model over torchrun's processes and this job has one: "
+            "launch it with torchrun --nproc-per-node N (N >= 2)"
+        )
     replicas = world // stages  # data-parallel copies; a pipeline's stages share the batch
     if replicas > cfg.effective_batch:
         raise ValueError(
@@ -170,7 +175,15 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         acc = _pipeline_window(cfg, rank, world, model, device, optimizer, micro, log)
     else:
         train_model = model
-        if replicas > 1:
+        if cfg.shard == "fsdp":
+            # The shards' parameters replace the model's: the optimizer is made over them.
+            train_model = _fully_shard(model, log)
+            optimizer = torch.optim.AdamW(
+                [p for p in model.parameters() if p.requires_grad],
+                lr=cfg.lr,
+                weight_decay=cfg.weight_decay,
+            )
+        elif replicas > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             train_model = DistributedDataParallel(
@@ -242,6 +255,31 @@ def _pipeline_window(cfg, rank, world, module, device, optimizer, micro, log):
         tied=module.tied(),
         precision=cfg.precision,
     )
+
+
+def _fully_shard(model: torch.nn.Module, log) -> torch.nn.Module:
+    """FSDP2 over the job's processes: each repeated block (a transformer's layers) its own
+    unit, gathered only while it computes, then the root for the rest. Every rank starts
+    from rank 0's parameters, as DistributedDataParallel starts (a baseline fitted on rank 0
+    alone, minilm's probe head, reaches every rank so)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from gradaccum.recompute import repeated_blocks
+
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+    blocks = repeated_blocks(model)
+    for _, block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    world = dist.get_world_size()
+    log(
+        f"FSDP2 over {world} processes: {len(blocks)} blocks and the root, each rank holding "
+        f"1/{world} of the parameters, gradients and optimizer state"
+    )
+    return model
 
 
 def _baseline(folder: RunFolder, data: Any, model: torch.nn.Module, micro: int, log) -> None:

@@ -15,7 +15,9 @@ from gradaccum.schedule import LR_RULES, schedule_problems
 from gradaccum.targets import Targets, parse_seconds
 from gradaccum.validate import int_problem
 
-__all__ = ["RESUMABLE", "TrainConfig"]
+__all__ = ["RESUMABLE", "SHARDS", "TrainConfig"]
+
+SHARDS = ("ddp", "fsdp")
 
 
 @dataclass(kw_only=True)
@@ -151,6 +153,16 @@ class TrainConfig:
             "help": "the pipeline's schedule: 1f1b (holds at most S micro-batches' "
             "activations) or gpipe (all of them)",
             "choices": list(SCHEDULES),
+        },
+    )
+    shard: str = field(
+        default="ddp",
+        metadata={
+            "help": "how torchrun's processes hold the model: ddp (each a whole copy) or fsdp "
+            "(FSDP2: each holds 1/N of the parameters, gradients and optimizer state; "
+            "checkpoints through torch.distributed.checkpoint, and model.pt, the whole "
+            "model, at the end)",
+            "choices": list(SHARDS),
         },
     )
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW)"})
@@ -361,6 +373,27 @@ class TrainConfig:
         if self.hf_model is None and self.recipe not in RECIPES:
             out.append(f"recipe must be one of {', '.join(sorted(RECIPES))}, got {self.recipe!r}")
         out.extend(self._pipeline_problems())
+        out.extend(self._shard_problems())
+        return out
+
+    def _shard_problems(self) -> list[str]:
+        if self.shard not in SHARDS:
+            return [f"shard must be one of {', '.join(SHARDS)}, got {self.shard!r}"]
+        if self.shard == "ddp":
+            return []
+        out = []
+        if self.pipeline_stages != 1:
+            out.append("shard fsdp with pipeline_stages: one or the other (2D is not built)")
+        if self.hf_model is not None:
+            out.append(
+                "shard fsdp trains the built-in recipes; a --hf-model under FSDP2 is not "
+                "built yet: use --shard ddp"
+            )
+        if self.precision == "fp16":
+            out.append(
+                "shard fsdp with precision fp16: each rank would see only its own shards' "
+                "overflow; use --precision bf16"
+            )
         return out
 
     def _pipeline_problems(self) -> list[str]:

@@ -24,7 +24,7 @@ from gradaccum.guard import Incident, IncidentGuard
 from gradaccum.memory import TrainingMemory, format_bytes
 from gradaccum.pipeline import PipelineWindow
 from gradaccum.recipes import Recipe
-from gradaccum.runfolder import INCIDENTS, METRICS, RunFolder
+from gradaccum.runfolder import INCIDENTS, METRICS, MODEL, RunFolder
 from gradaccum.schedule import BatchSchedule, lr_factor
 from gradaccum.targets import Targets
 from gradaccum.trainer.config import TrainConfig
@@ -120,6 +120,17 @@ class _Run:
         return self.rank == 0
 
     @property
+    def sharded(self) -> bool:
+        """FSDP2 (--shard fsdp): each rank holds shards of the model and the optimizer."""
+        return self.cfg.shard == "fsdp" and self.world > 1
+
+    @property
+    def together(self) -> bool:
+        """Whether every rank takes part in each forward (evaluation too): a pipeline's
+        stages, or FSDP2's ranks gathering each block's parameters."""
+        return self.stages > 1 or self.sharded
+
+    @property
     def replicas(self) -> int:
         """Processes that each train a share of the batch (a pipeline's stages share one)."""
         return self.world // self.stages
@@ -136,7 +147,11 @@ class _Run:
     def restore(self, saved: dict[str, Any], *, rollback: bool = False) -> None:
         """The state ``_checkpoint`` saved. A rollback keeps what the run learned since: the
         samples set aside, its count of rollbacks and the time it has trained."""
-        self.acc.load_state_dict(saved["accumulator"])
+        state = saved["accumulator"]
+        if isinstance(state, dict) and "shards" in state:  # FSDP2: each rank reads its own
+            self.folder.load_shards(self.acc, state["shards"])
+        else:
+            self.acc.load_state_dict(state)
         self.schedule.load_state_dict(saved["schedule"])
         if self.guard is not None and saved.get("guard") is not None:
             self.guard.load_state_dict(saved["guard"])
@@ -217,7 +232,7 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
     # raise the process's resident memory, and neither is training.
     events = _events(run, log)
     first_kept = run.guard is not None and not folder.kept_checkpoints()
-    if run.stages > 1:  # rank 0's reading, taken before any stage writes
+    if run.together:  # rank 0's reading, taken before any rank writes
         first_kept = launch.broadcast(first_kept)
     if first_kept:
         _checkpoint(run, run.start, run.start)  # something to roll back to from the start
@@ -299,8 +314,8 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             }
             end = run.done()
             limit = run.targets.limit_reached(run.elapsed, line["peak_memory"])
-            # Rank 0 evaluates; a pipeline's stages all take part in the chained forward.
-            evaluates = run.main or run.chained is not None
+            # Rank 0 evaluates; a pipeline's stages, or FSDP2's shards, all take part.
+            evaluates = run.main or run.together
             if evaluates and (step % cfg.eval_every == 0 or end or limit):
                 evaluated = run.data.evaluate(run.chained or run.model, run.micro)
                 line.update({f"eval_{k}": v for k, v in evaluated.items()})
@@ -323,6 +338,8 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
                 last = step
             if cfg.export_every and step % cfg.export_every == 0 or end or hit:
                 _export(run, log)
+            if run.sharded and (end or hit):
+                _consolidate(run, log)
             if stopping:
                 raise Interrupted(step, folder.path, stop[0] if stop else signal.SIGTERM)
             if hit:
@@ -454,6 +471,19 @@ def _checkpoint(run: _Run, step: int, last: int) -> None:
             raise ValueError(
                 _stopped(run.folder, problem or "another stage could not write its part", last)
             )
+    accumulator = None
+    if run.sharded:  # every rank writes its shards; rank 0's checkpoint.pt then names them
+        problem = run.folder.prepare_shards(step) if run.main else None
+        if not launch.any_rank(problem is not None):
+            try:
+                run.folder.save_shards(run.acc, step)
+            except ValueError as err:
+                problem = str(err)
+        if launch.any_rank(problem is not None):
+            raise ValueError(
+                _stopped(run.folder, problem or "another rank could not write its shards", last)
+            )
+        accumulator = {"shards": run.folder.commit_shards(step) if run.main else None}
     if not run.main:
         return
     state = {
@@ -462,7 +492,7 @@ def _checkpoint(run: _Run, step: int, last: int) -> None:
         "checkpointing": run.checkpointing,
         "signature": run.signature,
         "schedule": run.schedule.state_dict(),
-        "accumulator": run.acc.state_dict(),
+        "accumulator": accumulator or run.acc.state_dict(),
         "guard": None if run.guard is None else run.guard.state_dict(),
         "skips": run.skips,
         "retries": run.retries,
@@ -474,10 +504,26 @@ def _checkpoint(run: _Run, step: int, last: int) -> None:
         run.folder.save_checkpoint(state)
         if run.guard is not None:
             run.folder.keep_checkpoint(step, run.cfg.keep_checkpoints)
-        if run.stages > 1:  # the stage files no checkpoint names any more
-            run.folder.prune_stages({step, *(s for s, _ in run.folder.kept_checkpoints())})
+        if run.together:  # the stage or shard files no checkpoint names any more
+            run.folder.prune_parts({step, *(s for s, _ in run.folder.kept_checkpoints())})
     except ValueError as err:
         raise ValueError(_stopped(run.folder, str(err), last)) from None
+
+
+def _consolidate(run: _Run, log) -> None:
+    """Under FSDP2, the whole model's state_dict gathered from the shards (every rank takes
+    part) and written by rank 0 as model.pt: plain tensors under the model's own names,
+    for ``model.load_state_dict(torch.load(path, weights_only=True))`` anywhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(run.model, options=options)
+    if run.main:
+        try:
+            run.folder.save_model(full)
+        except ValueError as err:
+            raise ValueError(_stopped(run.folder, str(err), run.schedule.step)) from None
+        log(f"wrote {run.folder.path / MODEL}: the whole model, gathered from the shards")
 
 
 def _export(run: _Run, log) -> None:

@@ -17,16 +17,16 @@ from gradaccum.trainer.loop import _Run
 def final_evaluation(run: _Run) -> dict[str, float] | None:
     """The held-out metrics at the run's last step: metrics.jsonl's, or evaluated now when
     its last line has none (nothing trained, a stop on a signal, or the guard stopped at a
-    rollback). Rank 0 returns them (the others None); a pipeline's stages all call it, since
-    they evaluate together."""
-    if not (run.main or run.stages > 1):
+    rollback). Rank 0 returns them (the others None); a pipeline's stages, or FSDP2's ranks,
+    all call it, since they evaluate together."""
+    if not (run.main or run.together):
         return None
     known: dict[str, float] = {}
     if run.main:
         lines = run.folder.metrics()
         if lines:
             known = {k[5:]: v for k, v in lines[-1].items() if k.startswith("eval_")}
-    if run.stages > 1:
+    if run.together:
         known = launch.broadcast(known)
     if not known:
         known = run.data.evaluate(run.chained or run.model, run.micro)

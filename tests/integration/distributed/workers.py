@@ -273,3 +273,49 @@ def forward_outside_and_padding(rank: int, world: int, kind: str, out: str) -> N
             },
             Path(out) / f"outside-{kind}.pt",
         )
+
+
+def sharded_resume(rank: int, world: int, out: str) -> None:
+    """An FSDP2 Accumulator saved with save_sharded at steps 0 and 2 of 4 (AdamW, clipping,
+    noise scale: every piece of state a step reads), then restored from each: into fresh
+    processes' objects (a resume) and into the trained ones (a rollback)."""
+    from gradaccum.checkpoint import load_sharded, save_sharded
+
+    def build():
+        model = wrap(make_model(TinyLM), "fsdp")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, ga.Accumulator(model, opt, max_grad_norm=1.0, noise=NoiseScale())
+
+    def steps(acc, model, first, last):
+        for step in range(first, last):
+            batch = padded_lm_batch(seed=40 + 2 * step + rank, n=6)
+            acc.step(split_sizes(batch, [2, 4]), lm_loss)
+        return full_params(model)
+
+    root = Path(out)
+    model, acc = build()
+    save_sharded(acc, root / "step-0")
+    steps(acc, model, 0, 2)
+    save_sharded(acc, root / "step-2")
+    straight = steps(acc, model, 2, 4)
+
+    model2, acc2 = build()
+    load_sharded(acc2, root / "step-2")
+    resumed = steps(acc2, model2, 2, 4)
+    state = acc2.state
+
+    load_sharded(acc, root / "step-0")  # back to before the first step, optimizer empty
+    empty = not acc.optimizer.state
+    replayed = steps(acc, model, 0, 4)
+    if rank == 0:
+        torch.save(
+            {
+                "straight": straight,
+                "resumed": resumed,
+                "replayed": replayed,
+                "state": state,
+                "empty": empty,
+                "files": sorted(p.name for p in (root / "step-2").iterdir()),
+            },
+            root / "sharded.pt",
+        )

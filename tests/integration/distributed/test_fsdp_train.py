@@ -1,0 +1,156 @@
+"""`torchrun --nproc-per-node 2 -m gradaccum train --shard fsdp`: FSDP2 from the command line
+(2 gloo processes on 127.0.0.1), against the same run in one process, and resumed after
+SIGTERM from its sharded checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import max_rel_err
+from launch import torchrun
+
+from gradaccum.recipes import get_recipe
+
+# The default recipe (the byte-level GPT, 4 blocks), small windows: 8 sequences a step, 2
+# micro-batches of 2 on each rank; evaluation and checkpoints along the way.
+ARGS = [
+    "train",
+    "--recipe",
+    "gpt",
+    "--steps",
+    "14",
+    "--effective-batch",
+    "8",
+    "--micro-batch",
+    "2",
+    "--eval-every",
+    "7",
+    "--checkpoint-every",
+    "4",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run(cmd: list[str], cwd) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def metrics(folder) -> list[dict]:
+    return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    proc = run([*torchrun(), "-m", "gradaccum", *ARGS, "--shard", "fsdp", "--out", "two"], root)
+    return root, proc
+
+
+def test_fsdp_trains_as_one_process_and_leaves_the_whole_model(fsdp_run):
+    root, proc = fsdp_run
+    assert "FSDP2 over 2 processes: 4 blocks and the root" in proc.stdout
+    run([sys.executable, "-m", "gradaccum", *ARGS, "--out", "one"], root)
+    two, one = root / "two", root / "one"
+
+    lines, single = metrics(two), metrics(one)
+    assert [x["step"] for x in lines] == list(range(1, 15))
+    for a, b in zip(lines, single, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (
+            a["step"],
+            a["loss"],
+            b["loss"],
+        )
+        if "eval_loss" in b:
+            assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * b["eval_loss"]
+
+    # model.pt: the shards gathered into plain tensors under the model's own names, which
+    # load into the unwrapped model; within fp32 rounding of the one-process run's weights.
+    whole = torch.load(two / "model.pt", weights_only=True)
+    model = get_recipe("gpt").build_model()
+    model.load_state_dict(whole)  # strict: every name and shape
+    want = torch.load(one / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
+    assert max_rel_err(dict(model.state_dict()), want) <= 1e-5
+    start = get_recipe("gpt").build_model().state_dict()
+    assert max_rel_err(dict(model.state_dict()), start) > 1e-3  # training moved them
+
+    # The checkpoint names its shards; the shard folders of older steps are gone.
+    saved = torch.load(two / "checkpoint.pt", weights_only=True)
+    assert saved["accumulator"] == {"shards": "shards/step-00000014"}
+    kept = sorted(p.name for p in (two / "shards").iterdir())
+    assert kept == ["step-00000012", "step-00000014"]  # --keep-checkpoints 2
+    files = {p.name for p in (two / "shards" / "step-00000014").iterdir()}
+    assert {"rank-0.pt", "rank-1.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"} == files
+
+
+def test_sigterm_then_resume_from_the_shards_ends_bitwise_equal(fsdp_run):
+    root, _ = fsdp_run
+    proc = subprocess.Popen(
+        [*torchrun(), "-m", "gradaccum", *ARGS, "--shard", "fsdp", "--out", "stopped"],
+        cwd=root,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    stopped = root / "stopped"
+    deadline = time.time() + 45
+    while time.time() < deadline and not (
+        (stopped / "metrics.jsonl").exists()
+        and (stopped / "metrics.jsonl").read_text().count("\n") >= 2
+    ):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)  # to torchrun, which passes it to both ranks
+    _, err = proc.communicate(timeout=45)
+    assert err.count("stopped by SIGTERM at step") == 1, err[-3000:]
+    at = torch.load(stopped / "checkpoint.pt", weights_only=True)["step"]
+    assert 2 <= at < 14, at
+
+    run([*torchrun(), "-m", "gradaccum", "train", "--resume", "stopped"], root)
+    assert [x["step"] for x in metrics(stopped)] == list(range(1, 15))
+    straight, resumed = metrics(root / "two"), metrics(stopped)
+    assert [x["loss"] for x in resumed] == [x["loss"] for x in straight]
+    a = torch.load(stopped / "model.pt", weights_only=True)
+    b = torch.load(root / "two" / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fsdp_in_one_process_is_refused_in_one_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradaccum", *ARGS, "--shard", "fsdp", "--out", "run"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "gradaccum: error: --shard fsdp shards the model over torchrun's processes and this "
+        "job has one: launch it with torchrun --nproc-per-node N (N >= 2)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"shard": "zero3"}, "shard must be one of ddp, fsdp, got 'zero3'"),
+        ({"pipeline_stages": 2}, "shard fsdp with pipeline_stages: one or the other"),
+        ({"precision": "fp16"}, "each rank would see only its own shards' overflow"),
+        ({"hf_model": "x"}, "a --hf-model under FSDP2 is not built yet"),
+    ],
+)
+def test_what_fsdp_does_not_do_is_named(options, message):
+    from gradaccum.trainer import TrainConfig
+
+    cfg = TrainConfig(**{"shard": "fsdp", **options})
+    assert any(message in p for p in cfg.problems()), cfg.problems()
