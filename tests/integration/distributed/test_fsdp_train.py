@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from helpers import max_rel_err
-from launch import torchrun
+from launch import free_port, torchrun
 
 from gradaccum.recipes import get_recipe
 
@@ -154,3 +154,52 @@ def test_what_fsdp_does_not_do_is_named(options, message):
 
     cfg = TrainConfig(**{"shard": "fsdp", **options})
     assert any(message in p for p in cfg.problems()), cfg.problems()
+
+
+def test_two_nodes_on_loopback_train_as_two_processes_on_one_node(fsdp_run):
+    """Two torchrun agents, one process each, meeting at a c10d rendezvous on 127.0.0.1: what
+    `torchrun --nnodes 2` does across machines."""
+    root, _ = fsdp_run
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "two-nodes",
+                "--local-addr",
+                "127.0.0.1",
+                "-m",
+                "gradaccum",
+                *ARGS,
+                "--shard",
+                "fsdp",
+                "--out",
+                "nodes",
+            ],
+            cwd=root,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [agent.communicate(timeout=60) for agent in agents]
+    for agent, (out, err) in zip(agents, outputs, strict=True):
+        assert agent.returncode == 0, out[-2000:] + err[-2000:]
+    # one run folder, reported once: the agent that got rank 0 speaks for the job
+    assert sum("stopped by" in out for out, _ in outputs) == 1
+    assert not (root / "nodes" / "nodes").exists()
+    one_node = [x["loss"] for x in metrics(root / "two")]
+    assert [x["loss"] for x in metrics(root / "nodes")] == one_node
