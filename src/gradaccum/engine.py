@@ -89,9 +89,12 @@ class Accumulator:
         )
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._params, self._step_params = window_parameters(model, optimizer)
-        self.precision = Precision.of(precision).bind(self._params, self._params[0].device.type)
         self.sync = Sync(model, sync)
-        self.sync.refuse_unsupported(self.precision, oom, noise)
+        device_type = self._params[0].device.type
+        self.precision = Precision.of(precision).bind(
+            self._params, device_type, sharded=self.sync.kind == "fsdp"
+        )
+        self.sync.configure(self.precision, oom, noise)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.oom, self.noise = oom, noise
@@ -124,8 +127,13 @@ class Accumulator:
         if self.oom is None:
             self._forward_backward(loss_fn, *self.sync.pad(given))
         else:
-            attempt = lambda run: self._forward_backward(loss_fn, run, len(run))  # noqa: E731
-            replays = self.oom.run(given, attempt, window=self.state.windows + 1)
+            replays = self.oom.run(
+                given,
+                lambda run: self._forward_backward(loss_fn, *self.sync.pad(run)),
+                window=self.state.windows + 1,
+                agree=self.sync.agree_oom if self.sync.distributed else None,
+                drop=self.abort_window,
+            )
         self.state.oom_replays += replays
         return dataclasses.replace(self.end_window(), oom_replays=replays)
 
@@ -195,7 +203,7 @@ class Accumulator:
         window.loss.add_(loss_sum.detach())  # summed on the loss's device: no host sync
         # A reduced gradient is not this rank's prefix: the window's global mean is added at
         # end_window instead.
-        if self.noise is not None and not self.sync.communicates(window.last):
+        if self.noise is not None and not self.sync.reduces(window.last):
             sums = [g for g in map(self.precision.accumulated, self._step_params) if g is not None]
             self.noise.record(sums, count, self.precision.loss_multiplier())
         window.backward_done = True
@@ -218,6 +226,9 @@ class Accumulator:
             if total == 0:
                 skipped = "zero count"
             else:
+                self.sync.reduce(
+                    [g for g in map(self.precision.accumulated, self._step_params) if g is not None]
+                )
                 grads, carried = self.precision.gather(self.optimizer, self._step_params)
                 # DDP and FSDP2 hand back the mean over ranks: the sum over them / world.
                 divisor = total * carried / self.sync.world

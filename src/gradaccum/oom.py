@@ -8,8 +8,14 @@ every sample exactly once, and its gradient is the same full-batch mean. After
 ``grow_after`` clean windows the size doubles again, back up to the sizes given, never above
 them (those are the plan's limit).
 
-Only in ``step()`` (a hand-written loop owns its micro-batches) and only on one process: a
-replay on one rank would change its number of micro-batches after the ranks agreed on it.
+Only in ``step()`` (a hand-written loop owns its micro-batches). Under DDP the ranks replay
+together: no collective runs inside the window's micro-batches then (``gradaccum.sync``
+reduces the window's sum at its end), so a rank that runs out of memory midway stops its
+window and waits in one small all-reduce after it, where every rank learns whether any ran
+out and the largest micro-batch any ran; all of them drop the window and replay it at half
+that size, so the global batch stays exact, and they grow back together (their counts of
+clean windows are equal). Under FSDP2 a forward gathers parameters across ranks, so a rank
+cannot leave it midway: refused there.
 """
 
 from __future__ import annotations
@@ -44,23 +50,48 @@ class OOMReplay:
     def __post_init__(self) -> None:
         positive_int(self.grow_after, "grow_after")
 
-    def run(self, given: list[Any], attempt: Callable[[list[Any]], None], window: int) -> int:
+    def run(
+        self,
+        given: list[Any],
+        attempt: Callable[[list[Any]], None],
+        window: int,
+        agree: Callable[[bool, int], tuple[bool, int]] | None = None,
+        drop: Callable[[], None] | None = None,
+    ) -> int:
         """Run ``attempt`` (forward and backward of every micro-batch it is handed) on
         ``given`` split to the cap; on out-of-memory, shrink and run it again. Returns how
-        many times the window was replayed; re-raises when it cannot be split smaller."""
+        many times the window was replayed; re-raises when it cannot be split smaller.
+
+        Across ranks, ``agree(failed here, largest size run here) -> (failed anywhere,
+        largest anywhere)`` after each attempt, and ``drop()`` discards the window on the
+        ranks whose attempt finished."""
         replays = 0
         while True:
             run = self.arrange(given)
+            error = None
             try:
                 attempt(run)
-            except torch.OutOfMemoryError:
-                # The Accumulator has dropped the window. Decide here, replay after the except
-                # block: its traceback still holds the failed forward's activations.
-                if self.shrink(run, window) is None:
-                    raise
-                replays += 1
-            else:
+            except torch.OutOfMemoryError as err:
+                # The Accumulator has dropped the window. Decide after the except block; the
+                # error (its traceback holds the failed forward's activations) is kept only
+                # until it is known whether the window replays.
+                error = err
+            failed, largest = error is not None, _largest(run)
+            if agree is not None:
+                failed, largest = agree(failed, largest or 0)
+                if failed and drop is not None:
+                    drop()
+            if not failed:
                 break
+            if self.shrink(largest, window) is None:
+                if error is not None:
+                    raise error
+                raise torch.OutOfMemoryError(
+                    f"window {window}: another rank ran out of memory at micro-batch size "
+                    f"{largest}, and there is nothing smaller to replay the window at"
+                )
+            error = None
+            replays += 1
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -77,13 +108,10 @@ class OOMReplay:
             out.extend(split(mb, self.cap) if batch_size(mb) > self.cap else [mb])
         return out
 
-    def shrink(self, ran: list[Any], window: int) -> int | None:
-        """After an OOM: the new cap, or None when the window cannot be split smaller."""
-        try:
-            largest = max(batch_size(mb) for mb in ran)
-        except (TypeError, ValueError):
-            return None  # micro-batches that are not tensors cannot be re-split
-        if largest <= 1:
+    def shrink(self, largest: int | None, window: int) -> int | None:
+        """After an OOM at micro-batch size ``largest``: the new cap, or None when the
+        window cannot be split smaller."""
+        if largest is None or largest <= 1:
             return None
         self.cap = math.ceil(largest / 2)
         self.clean_windows = 0
@@ -120,3 +148,12 @@ class OOMReplay:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.cap = state["cap"]
         self.clean_windows = state["clean_windows"]
+
+
+def _largest(micro_batches: list[Any]) -> int | None:
+    """The largest micro-batch's size, or None for micro-batches that are not tensors (they
+    cannot be re-split)."""
+    try:
+        return max(batch_size(mb) for mb in micro_batches)
+    except (TypeError, ValueError):
+        return None

@@ -110,8 +110,12 @@ class Precision:
     def __repr__(self) -> str:
         return f"Precision({self.name!r}, accumulate_dtype={self.accumulate_dtype})"
 
-    def bind(self, params: list[torch.nn.Parameter], device_type: str) -> Precision:
-        """Settle what depends on the model's parameters; once, by the Accumulator."""
+    def bind(
+        self, params: list[torch.nn.Parameter], device_type: str, sharded: bool = False
+    ) -> Precision:
+        """Settle what depends on the model's parameters; once, by the Accumulator.
+        ``sharded``: an FSDP2 model, which accumulates in its own reduce dtype ("auto" then
+        adds no buffers)."""
         if self.device_type is not None:
             raise ValueError(
                 "this Precision already serves an Accumulator; give each its own (it holds the "
@@ -125,7 +129,8 @@ class Precision:
                 "the forward in fp16, or use precision='bf16'"
             )
         if self.accumulate_dtype == "auto":
-            self.accumulate_dtype = torch.float32 if half and self.name != "fp16" else None
+            wanted = half and self.name != "fp16" and not sharded
+            self.accumulate_dtype = torch.float32 if wanted else None
         if self.accumulate_dtype is not None:
             bits = torch.finfo(self.accumulate_dtype).bits
             self._buffered = {id(p) for p in params if torch.finfo(p.dtype).bits < bits}

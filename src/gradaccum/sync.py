@@ -21,6 +21,18 @@ Why the counts are all-reduced: the window's gradient is divided by the items of
 all-reduce of ``[count, loss sum]`` per window gives every rank the same divisor. DDP and
 FSDP2 average gradients over ranks, so the divisor is the global count over the world size.
 
+When the window's sums do not live in ``.grad`` for the whole window, DDP's reduction inside
+the last backward would miss them, so under DDP the Accumulator reduces the window's sums
+itself, once, at the window's end (``reduce_at_end``): with fp32 accumulation buffers for
+low-precision parameters (the reduction then sums fp32 buffers, the window's whole sum), and
+with OOM replay (no collective runs inside a micro-batch, so a rank that runs out of memory
+midway leaves nothing for the others to wait on; one small all-reduce after the window says
+whether any rank did, and all of them replay it). The price is that this one reduction no
+longer overlaps the last backward. Under FSDP2 every forward gathers parameters across
+ranks, so a rank cannot leave a micro-batch midway: OOM replay is refused there, and fp32
+accumulation is FSDP2's own ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``, which
+accumulates the unsharded gradient in fp32 between micro-batches and reduce-scatters it so.
+
 ``sync="window"`` (the default) reduces once per window. ``sync="micro"`` reduces every
 micro-batch: under FSDP2 the gradient then stays sharded between micro-batches (one shard of
 every gradient held, against a whole unsharded gradient with ``"window"``) at the price of N
@@ -73,6 +85,7 @@ class Sync:
         self._device = collective_device(self.group) if self.distributed else None
         self._pad: Any = None  # one sample of a micro-batch this rank held, to pad with
         self._forwards: int | None = None  # forwards in the micro-batch in progress
+        self.reduce_at_end = False  # DDP: the Accumulator reduces the window's sums (configure)
         if self.distributed:
             ref = weakref.ref(self)
 
@@ -94,35 +107,44 @@ class Sync:
         sync.mode, sync.model, sync.inner = "window", None, None
         sync.kind, sync.group, sync.distributed, sync.world = "pipeline", group, True, 1
         sync._device = collective_device(group)
-        sync._pad, sync._forwards = None, None
+        sync._pad, sync._forwards, sync.reduce_at_end = None, None, False
         return sync
 
     def __repr__(self) -> str:
         return f"Sync({self.kind}, mode={self.mode!r}, world={self.world})"
 
-    def refuse_unsupported(self, precision: Any, oom: Any, noise: Any) -> None:
-        """What the data-parallel path does not do, refused at once with the reasons."""
+    def configure(self, precision: Any, oom: Any, noise: Any) -> None:
+        """Decide where the window's gradient is reduced (``reduce_at_end``), and refuse what
+        the data-parallel path does not do, at once, with the reasons."""
         if not self.distributed:
             return
         accumulate_dtype, fp16 = precision.accumulate_dtype, precision.scaler is not None
+        self.reduce_at_end = self.kind == "ddp" and (
+            accumulate_dtype is not None or oom is not None
+        )
         problems = []
-        if accumulate_dtype is not None:
+        if self.kind == "fsdp" and accumulate_dtype is not None:
             problems.append(
-                f"accumulate_dtype={accumulate_dtype}: fp32 buffers take each micro-batch's "
-                f"gradient out of .grad, so {self.kind.upper()}'s reduction on the last "
-                "micro-batch would miss the others; keep fp32 parameters under autocast "
-                "(precision='bf16'), or use FSDP2's "
-                "MixedPrecisionPolicy(reduce_dtype=torch.float32)"
+                f"accumulate_dtype={accumulate_dtype}: FSDP2 reduces inside backward and "
+                "accumulates in its own reduce dtype; give fully_shard "
+                "mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32) instead"
             )
         if self.kind == "fsdp" and fp16:
             problems.append(
                 "precision='fp16' under FSDP2: each rank would see only its shards' overflow; "
                 "use precision='bf16'"
             )
-        if oom is not None:
+        if self.kind == "fsdp" and oom is not None:
             problems.append(
-                "oom=OOMReplay(...): a replay on one rank would change its number of "
-                "micro-batches after the ranks agreed on it; pass oom=None"
+                "oom=OOMReplay(...) under FSDP2: every forward gathers parameters across "
+                "ranks, so a rank that runs out of memory midway leaves the others waiting; "
+                "pass oom=None"
+            )
+        if self.reduce_at_end and self.mode == "micro":
+            why = "fp32 accumulation buffers" if accumulate_dtype is not None else "OOM replay"
+            problems.append(
+                f"sync='micro' with {why} under DDP: the window's sum is then reduced once, at "
+                "its end; use sync='window'"
             )
         if noise is not None and self.mode == "micro":
             problems.append(
@@ -140,6 +162,12 @@ class Sync:
 
     def communicates(self, last: bool) -> bool:
         """Whether the backward of a micro-batch reduces gradients across ranks."""
+        return self.reduces(last) and not self.reduce_at_end
+
+    def reduces(self, last: bool) -> bool:
+        """Whether a micro-batch's gradient is reduced across ranks by the time the next
+        one runs (in its backward, or at the window's end for the last): its prefix of the
+        window is then not this rank's alone."""
         return self.distributed and (last or self.mode == "micro")
 
     @contextlib.contextmanager
@@ -229,6 +257,38 @@ class Sync:
             return count, loss_sum
         total, loss = self._all_reduce([float(count), loss_sum], torch.float64, dist.ReduceOp.SUM)
         return int(total), loss
+
+    def reduce(self, sums: list[torch.Tensor]) -> None:
+        """Under ``reduce_at_end``: the window's summed gradients averaged over ranks in place,
+        as DDP's reduction would (sum / world), one all-reduce per dtype; and the module's
+        buffers broadcast from rank 0, as DDP's next forward would (it broadcasts only after
+        a backward that communicated, which no longer happens)."""
+        if not self.reduce_at_end:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in sums:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for group in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in group])
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.world)
+            offset = 0
+            for g in group:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        if self.model.broadcast_buffers:
+            with torch.no_grad():
+                for b in self.inner.buffers():
+                    dist.broadcast(b, src=dist.get_global_rank(self.group, 0), group=self.group)
+
+    def agree_oom(self, failed: bool, largest: int) -> tuple[bool, int]:
+        """After a window's micro-batches: whether any rank ran out of memory, and the
+        largest micro-batch any rank ran (one small all-reduce), so every rank replays
+        together, at one size."""
+        failed_anywhere, most = self._all_reduce(
+            [int(failed), largest], torch.int64, dist.ReduceOp.MAX
+        )
+        return bool(failed_anywhere), int(most)
 
     def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's part of each gradient (an FSDP2 shard is a DTensor; its local tensor

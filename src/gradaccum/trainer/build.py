@@ -194,7 +194,11 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
             optimizer,
             max_grad_norm=cfg.max_grad_norm or None,
             precision=cfg.precision,
-            oom=OOMReplay() if world == 1 else None,
+            # Under DDP the ranks replay together, at the price of the window's reduction
+            # no longer overlapping its last backward: worth it where memory runs out (CUDA).
+            oom=OOMReplay()
+            if world == 1 or (device.type == "cuda" and cfg.shard == "ddp")
+            else None,
             noise=NoiseScale() if cfg.noise_scale else None,
         )
     # With clipping, a gradient spike's step is already bounded: the loss tells damage.

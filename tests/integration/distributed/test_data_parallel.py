@@ -110,3 +110,48 @@ def test_a_forward_outside_the_context_is_refused_and_the_pad_source_released(tm
     assert got["stepped"] and got["spread"] == 0.0  # and the ranks stay identical
     assert got["released"]  # the micro-batch is gone once its window ended
     assert got["pad_shape"][0] == 1  # only one sample is kept to pad later windows
+
+
+def test_an_oom_on_one_rank_is_replayed_by_both_and_the_step_stays_exact(tmp_path):
+    """Rank 1 alone runs out of memory in window 2 (at any micro-batch above 2 samples): both
+    ranks drop that window and replay it smaller, twice (5 -> 3 -> 2), grow back together,
+    and end where the run without the fault ends. The launcher fails the test after 60 s:
+    a rank left waiting for the other is a failure, not a stuck job."""
+    launch(workers.oom_replay, str(tmp_path))
+    got = torch.load(tmp_path / "oom.pt", weights_only=False)
+    assert got["replays"] == [0, 2, 0, 0]  # rank 0's count: it replayed without failing
+    # grown back after each clean window: to 4 (rank 0's window 3 holds 6-sample micro-batches),
+    # then to the sizes given
+    assert got["caps"] == [None, 2, 4, None]
+    assert got["plain_replays"] == [0, 0, 0, 0]
+    err = max_rel_err(got["injected"], got["plain"])
+    assert err <= 1e-6, f"the replayed run is {err:.2e} from the run without the fault"
+    start = {n: p.detach() for n, p in make_model(TinyLM).named_parameters()}
+    assert max_rel_err(got["plain"], start) > 1e-3  # training moved them
+    fsdp, micro = got["errors"]
+    assert "every forward gathers parameters across ranks" in fsdp
+    assert "sync='micro' with OOM replay under DDP" in micro
+
+
+def test_fp32_accumulation_of_bf16_gradients_under_ddp_and_fsdp2(tmp_path):
+    """N = 32 micro-batches per rank. The error of the gradient handed to the optimizer
+    against the exact mean, where the mean is first rounded to the handed dtype (the one
+    rounding no accumulation avoids): fp32 accumulation at least 100x below plain bf16."""
+    launch(workers.bf16_accumulation, str(tmp_path))
+    got = torch.load(tmp_path / "bf16.pt", weights_only=False)
+    exact = got["exact"]
+
+    def error(handed: dict[str, torch.Tensor]) -> float:
+        num = sum(
+            float((handed[k].double() - exact[k].to(handed[k].dtype).double()).square().sum())
+            for k in exact
+        )
+        den = sum(float(exact[k].square().sum()) for k in exact)
+        return (num / den) ** 0.5
+
+    for kind in ("ddp", "fsdp"):
+        fp32, bf16 = error(got[f"{kind}-fp32"]), error(got[f"{kind}-bf16"])
+        assert bf16 > 1e-3, (kind, bf16)  # bf16 accumulation over 32 terms does lose bits
+        assert fp32 * 100 <= bf16, f"{kind}: fp32 accumulation {fp32:.2e}, bf16 {bf16:.2e}"
+    assert got["ddp-fp32"]["head.weight"].dtype == torch.bfloat16  # bf16 parameters
+    assert got["fsdp-fp32"]["head.weight"].dtype == torch.float32  # FSDP2's fp32 shards

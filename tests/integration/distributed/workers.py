@@ -319,3 +319,113 @@ def sharded_resume(rank: int, world: int, out: str) -> None:
             },
             root / "sharded.pt",
         )
+
+
+def oom_replay(rank: int, world: int, out: str) -> None:
+    """DDP with OOM replay, 4 steps of "fewer micro-batches"-style windows; in the injected run
+    rank 1 alone runs out of memory in window 2 at any micro-batch above 2 samples."""
+    steps = [([2, 4], [3, 4]), ([3, 5], [2, 3]), ([6, 6], [1]), ([4, 4], [1, 1, 1, 1, 1])]
+
+    def train_once(inject: bool):
+        model = wrap(make_model(TinyLM), "ddp")
+        acc = ga.Accumulator(model, optimizer(model.parameters()), oom=ga.OOMReplay(grow_after=1))
+        window = [0]
+
+        def loss_fn(model, mb):
+            size = mb["input_ids"].shape[0]
+            if inject and rank == 1 and window[0] == 1 and size > 2:
+                raise torch.OutOfMemoryError(f"injected: {size} sequences on rank 1")
+            return lm_loss(model, mb)
+
+        replays, caps = [], []
+        for step, sizes in enumerate(steps):
+            window[0] = step
+            result = acc.step(my_micro_batches(step, sizes, rank), loss_fn)
+            assert result.stepped, result
+            replays.append(result.oom_replays)
+            caps.append(acc.oom.cap)
+        return full_params(model), replays, caps
+
+    injected, replays, caps = train_once(inject=True)
+    plain, plain_replays, _ = train_once(inject=False)
+    errors = []
+    for kind, sync in (("fsdp", "window"), ("ddp", "micro")):
+        model = wrap(make_model(TinyLM), kind)
+        try:
+            ga.Accumulator(model, optimizer(model.parameters()), oom=ga.OOMReplay(), sync=sync)
+        except ValueError as err:
+            errors.append(str(err))
+    if rank == 0:
+        torch.save(
+            {
+                "injected": injected,
+                "plain": plain,
+                "replays": replays,
+                "caps": caps,
+                "plain_replays": plain_replays,
+                "errors": errors,
+            },
+            Path(out) / "oom.pt",
+        )
+
+
+def bf16_accumulation(rank: int, world: int, out: str) -> None:
+    """N = 32 micro-batches of one sequence per rank, bf16 compute: the gradient the optimizer
+    is handed, with fp32 accumulation and with plain bf16 accumulation, under DDP and FSDP2,
+    against the exact mean: each micro-batch's own gradient (a plain bf16 copy of the model,
+    no gradaccum, no DDP) summed in fp64 over both ranks."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    n = 32
+    batch = padded_lm_batch(seed=70 + rank, n=n)
+    micro = split_sizes(batch, [1] * n)
+
+    def exact_mean() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        plain = make_model(TinyLM).to(torch.bfloat16)
+        sums = {
+            name: torch.zeros(p.shape, dtype=torch.float64) for name, p in plain.named_parameters()
+        }
+        count = torch.zeros((), dtype=torch.float64)
+        for mb in micro:
+            loss, c = lm_loss(plain, mb)
+            loss.backward()
+            for name, p in plain.named_parameters():
+                sums[name] += p.grad.double()
+                p.grad = None
+            count += c
+        for t in [*sums.values(), count]:
+            dist.all_reduce(t)
+        return {k: v / count for k, v in sums.items()}
+
+    def handed(model, acc) -> dict[str, torch.Tensor]:
+        got = {}
+        acc.optimizer.register_step_pre_hook(lambda *_: got.update(full_grads(model)))
+        acc.step(micro, lm_loss)
+        return got
+
+    exact = exact_mean()
+    results = {}
+    for accumulate in ("fp32", "bf16"):
+        # DDP: bf16 parameters; the Accumulator's fp32 buffers reduced once at the window's
+        # end, or bf16 .grad reduced by DDP in the last backward.
+        model = DistributedDataParallel(make_model(TinyLM).to(torch.bfloat16))
+        precision = ga.Precision(
+            "fp32", accumulate_dtype=torch.float32 if accumulate == "fp32" else None
+        )
+        acc = ga.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.0), precision=precision
+        )
+        results[f"ddp-{accumulate}"] = handed(model, acc)
+        # FSDP2: bf16 compute; FSDP2 accumulates between micro-batches in its reduce dtype.
+        model = make_model(TinyLM)
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32 if accumulate == "fp32" else torch.bfloat16,
+        )
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        results[f"fsdp-{accumulate}"] = handed(model, acc)
+    if rank == 0:
+        torch.save({"exact": exact, **results}, Path(out) / "bf16.pt")
