@@ -118,7 +118,11 @@ def saved_activation_bytes(model: torch.nn.Module) -> Iterator[list[int]]:
     once (a tensor saved by two ops, or two views of one storage); parameters and their
     views are excluded, since they are not activations.
     """
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # (an FSDP2 parameter is a DTensor: its storage is this rank's shard)
+    param_ptrs = {
+        (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+        for p in model.parameters()
+    }
     seen: dict[int, int] = {}
     total = [0]
 

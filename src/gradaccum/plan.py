@@ -38,6 +38,7 @@ from gradaccum.memory import (
 from gradaccum.precision import Precision
 from gradaccum.recompute import checkpointing_enabled, disable_checkpointing, enable_checkpointing
 from gradaccum.stats import fit_line
+from gradaccum.sync import SYNC_MODES, kind_of
 from gradaccum.validate import int_problem
 
 __all__ = ["Fit", "Plan", "Probe", "plan"]
@@ -95,6 +96,7 @@ class Plan:
     largest_fitting: int  # before balancing the window
     notes: tuple[str, ...] = field(default=())
     precision: str = "fp32"  # the autocast precision it was measured under
+    sync: str = "window"  # the gradient sync it was measured under (DDP/FSDP2 models)
 
     @property
     def micro_sizes(self) -> list[int]:
@@ -197,6 +199,7 @@ def plan(
     accumulate_dtype: Any = "auto",
     verify: Callable[[int, int, bool], int] | None = None,
     meter: str = "auto",
+    sync: str = "window",
 ) -> Plan:
     """Plan the micro-batch for ``effective_batch`` samples (over all ranks) in ``budget``.
 
@@ -218,8 +221,33 @@ def plan(
     CPU memory is not shaped by the probes before it). ``meter``: "auto" (CUDA's allocator
     on a GPU, resident memory on CPU), "rss", or "tensors" (live tensor bytes: deterministic,
     blind to the allocator's own overheads).
+
+    ``sync``: for a DDP or FSDP2 model, the gradient sync the probes run under (every rank
+    calls ``plan`` together, and the fullest rank's measurements decide), or "auto": under
+    FSDP2 both are measured, and ``"window"`` (one reduce-scatter per window, the whole
+    unsharded gradient held between micro-batches) is chosen when it fits, else ``"micro"``
+    (one per micro-batch, one shard held); the plan's notes give both predictions and why.
     """
+    if sync == "auto":
+        return _plan_sync(
+            model,
+            optimizer,
+            sample_batch,
+            loss_fn,
+            effective_batch,
+            budget,
+            world_size,
+            margin=margin,
+            probe_sizes=probe_sizes,
+            checkpointing=checkpointing,
+            precision=precision,
+            accumulate_dtype=accumulate_dtype,
+            verify=verify,
+            meter=meter,
+        )
     problems: list[str] = []
+    if sync not in SYNC_MODES:
+        problems.append(f"sync must be one of {', '.join([*SYNC_MODES, 'auto'])}, got {sync!r}")
     for value, name in ((effective_batch, "effective_batch"), (world_size, "world_size")):
         if (problem := int_problem(value, name)) is not None:
             problems.append(problem)
@@ -286,6 +314,7 @@ def plan(
                     precision,
                     accumulate_dtype,
                     memory,
+                    sync,
                 )
                 m = prober.measure(probe_sizes)
                 fits = m.need(1) <= usable
@@ -334,7 +363,47 @@ def plan(
         largest_fitting=largest,
         notes=tuple(notes),
         precision=precision,
+        sync=sync,
     )
+
+
+def _plan_sync(model, optimizer, sample_batch, loss_fn, effective_batch, budget, world_size, **kw):
+    """``plan(sync="auto")``: under FSDP2, both sync modes measured; "window" when it fits."""
+    args = (model, optimizer, sample_batch, loss_fn, effective_batch, budget, world_size)
+    if kind_of(model) != "fsdp":  # DDP holds the whole gradient either way
+        return plan(*args, **kw)
+    plans: dict[str, Plan | ValueError] = {}
+    for mode in SYNC_MODES:
+        try:
+            plans[mode] = plan(*args, sync=mode, **kw)
+        except ValueError as err:  # the budget is too small for this mode
+            plans[mode] = err
+    window, micro = plans["window"], plans["micro"]
+    if isinstance(window, Plan):
+        chosen = window
+    elif isinstance(micro, Plan):
+        chosen = micro
+    else:
+        raise window
+    size = chosen.micro_size
+
+    def predicted(p: Plan | ValueError) -> str:
+        if not isinstance(p, Plan):
+            return "does not fit at micro-batch 1"
+        at = p.predicted_peak if p.micro_size == size else p.predict(size)
+        return f"{format_bytes(at)} at micro-batch {size}"
+
+    why = (
+        "it fits, with one reduce-scatter per window"
+        if chosen is window
+        else "holding the whole unsharded gradient between micro-batches does not fit"
+    )
+    line = (
+        f"gradient sync {chosen.sync}: predicted per rank, window {predicted(window)}, micro "
+        f"{predicted(micro)}, of {format_bytes(chosen.budget * (1 - chosen.margin))} usable; "
+        f"{why}"
+    )
+    return replace(chosen, notes=(*chosen.notes, line))
 
 
 def _verify(
@@ -412,13 +481,25 @@ class _Prober:
     """Runs measured windows through a real Accumulator on the user's model."""
 
     def __init__(
-        self, model, optimizer, sample_batch, loss_fn, use_ckpt, precision, accumulate_dtype, meter
+        self,
+        model,
+        optimizer,
+        sample_batch,
+        loss_fn,
+        use_ckpt,
+        precision,
+        accumulate_dtype,
+        meter,
+        sync="window",
     ) -> None:
         self.blocks = enable_checkpointing(model) if use_ckpt else []
         self.model, self.optimizer = model, optimizer
         self.sample_batch, self.loss_fn, self.meter = sample_batch, loss_fn, meter
         self.acc = Accumulator(
-            model, optimizer, precision=Precision(precision, accumulate_dtype=accumulate_dtype)
+            model,
+            optimizer,
+            precision=Precision(precision, accumulate_dtype=accumulate_dtype),
+            sync=sync,
         )
 
     def window(self, size: int, micro_batches: int = 2) -> tuple[int, int, bool]:
@@ -429,7 +510,7 @@ class _Prober:
         self.meter.start()
         try:
             for i in range(micro_batches):
-                with self.acc.micro_batch():
+                with self.acc.micro_batch(last=i == micro_batches - 1):
                     if i == 0:
                         with saved_activation_bytes(self.model) as act:
                             loss_sum, count = self.loss_fn(self.model, micro)
@@ -440,7 +521,10 @@ class _Prober:
         except BaseException:
             self.meter.stop()
             raise
-        return self.meter.peak(), act[0], stepped
+        peak, saved = self.meter.peak(), act[0]
+        if self.acc.sync.distributed:  # the fullest rank's numbers, so every rank decides alike
+            peak, saved = self.acc.sync.most([peak, saved])
+        return peak, saved, stepped
 
     def measure(self, probe_sizes: Sequence[int]) -> _Measured:
         state_before = tensor_bytes(self.optimizer.state_dict()["state"])

@@ -58,7 +58,7 @@ try:  # public from torch 2.6; torch 2.4 and 2.5 (which the package supports) ke
 except ImportError:  # pragma: no cover - torch < 2.6
     from torch.distributed._composable.fsdp import FSDPModule
 
-__all__ = ["SYNC_MODES", "Sync", "collective_device"]
+__all__ = ["SYNC_MODES", "Sync", "collective_device", "kind_of"]
 
 SYNC_MODES = ("window", "micro")
 
@@ -75,11 +75,9 @@ class Sync:
         self.model = model
         self.group = None
         self.inner = model
-        self.kind = "local"
-        if isinstance(model, DistributedDataParallel):
-            self.kind, self.group, self.inner = "ddp", model.process_group, model.module
-        elif isinstance(model, FSDPModule):
-            self.kind = "fsdp"
+        self.kind = kind_of(model)
+        if self.kind == "ddp":
+            self.group, self.inner = model.process_group, model.module
         self.distributed = self.kind != "local"
         self.world = dist.get_world_size(self.group) if self.distributed else 1
         self._device = collective_device(self.group) if self.distributed else None
@@ -281,6 +279,11 @@ class Sync:
                 for b in self.inner.buffers():
                     dist.broadcast(b, src=dist.get_global_rank(self.group, 0), group=self.group)
 
+    def most(self, values: list[int]) -> list[int]:
+        """Each value's largest over the ranks (one small all-reduce): e.g. the planner's
+        measured peaks, so every rank decides on the fullest rank's numbers."""
+        return [int(v) for v in self._all_reduce(values, torch.int64, dist.ReduceOp.MAX)]
+
     def agree_oom(self, failed: bool, largest: int) -> tuple[bool, int]:
         """After a window's micro-batches: whether any rank ran out of memory, and the
         largest micro-batch any rank ran (one small all-reduce), so every rank replays
@@ -313,6 +316,13 @@ class Sync:
         t = torch.tensor(values, dtype=dtype, device=self._device)
         dist.all_reduce(t, op=op, group=self.group)
         return t.tolist()
+
+
+def kind_of(model: torch.nn.Module) -> str:
+    """ "ddp" (DistributedDataParallel), "fsdp" (FSDP2's fully_shard) or "local"."""
+    if isinstance(model, DistributedDataParallel):
+        return "ddp"
+    return "fsdp" if isinstance(model, FSDPModule) else "local"
 
 
 def collective_device(group: Any = None) -> torch.device:

@@ -155,3 +155,23 @@ def test_fp32_accumulation_of_bf16_gradients_under_ddp_and_fsdp2(tmp_path):
         assert fp32 * 100 <= bf16, f"{kind}: fp32 accumulation {fp32:.2e}, bf16 {bf16:.2e}"
     assert got["ddp-fp32"]["head.weight"].dtype == torch.bfloat16  # bf16 parameters
     assert got["fsdp-fp32"]["head.weight"].dtype == torch.float32  # FSDP2's fp32 shards
+
+
+def test_the_planner_picks_window_or_micro_sync_for_fsdp2_from_the_budget(tmp_path, monkeypatch):
+    """plan(sync="auto") on 2 FSDP2 ranks: window sync under a roomy budget; micro sync under
+    one where the whole unsharded gradient held between micro-batches does not fit but one
+    shard does. Each plan's per-rank prediction against the peak a training run measures
+    on each rank: within 15%."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the spawned processes
+    launch(workers.plan_sync, str(tmp_path), timeout=120)
+    got = torch.load(tmp_path / "plan_sync.pt", weights_only=False)
+    assert got["roomy"]["plan"].sync == "window"
+    assert got["squeezed"]["plan"].sync == "micro"
+    assert "window does not fit at micro-batch 1" in got["squeezed"]["plan"].notes[-1]
+    assert "it fits, with one reduce-scatter per window" in got["roomy"]["plan"].notes[-1]
+    for name in ("roomy", "squeezed"):
+        predicted = got[name]["plan"].predicted_peak
+        for rank, measured in enumerate(got[name]["measured"]):
+            err = abs(measured - predicted) / predicted
+            assert err <= 0.15, f"{name}, rank {rank}: measured {measured}, predicted {predicted}"
+        assert got[name]["untouched"]  # planning leaves the model as it was

@@ -429,3 +429,69 @@ def bf16_accumulation(rank: int, world: int, out: str) -> None:
         results[f"fsdp-{accumulate}"] = handed(model, acc)
     if rank == 0:
         torch.save({"exact": exact, **results}, Path(out) / "bf16.pt")
+
+
+def plan_sync(rank: int, world: int, out: str) -> None:
+    """plan(sync="auto") on an FSDP2 GPT under a roomy budget and under one halfway between
+    what window and micro sync need at one sample per micro-batch; each plan then trained
+    for 3 windows by a fresh model, as a run trains after planning, its per-rank peak
+    measured as a training run measures it. (The test fixes glibc's mmap threshold, so the
+    resident set follows the tensors: with glibc's moving threshold, freed blocks stay
+    resident by chance, megabytes apart from run to run.)"""
+    from torch.distributed.fsdp import fully_shard
+
+    from gradaccum.memory import TrainingMemory
+    from gradaccum.recipes.gpt import GPT, GPTConfig
+    from gradaccum.recipes.stdlib_text import corpus_bytes, full_length_batch
+
+    shape = GPTConfig(max_len=32, d_model=256, n_heads=4, n_layers=4)
+    data = full_length_batch(corpus_bytes(), 16, 32, seed=rank)
+
+    def gpt_loss(model, mb):
+        return ga.causal_lm_loss(model(mb["input_ids"]), mb["labels"])
+
+    def fresh():
+        torch.manual_seed(0)
+        model = GPT(shape)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def planned(budget):
+        model, opt = fresh()
+        chosen = ga.plan(model, opt, data, gpt_loss, 16, budget, world, sync="auto", meter="rss")
+        return chosen, model, opt
+
+    # The process's first steps allocate for good (thread pools, gloo's buffers): not a plan's.
+    model, opt = fresh()
+    for _ in range(2):
+        ga.Accumulator(model, opt).step(ga.split(data, 4), gpt_loss)
+    roomy = planned("2GB")
+    # Window sync holds the whole unsharded gradient G between micro-batches, micro one shard
+    # (G/2 on 2 ranks): a budget halfway between the two, at one sample per micro-batch.
+    gradient = 4 * sum(p.numel() for p in GPT(shape).parameters())
+    squeezed = planned(int((roomy[0].predict(1) - gradient / 4) / (1 - roomy[0].margin)))
+    results = {}
+    for name, (chosen, model, opt) in (("roomy", roomy), ("squeezed", squeezed)):
+        # planning left no trace: the planned model is the fresh one, bit for bit
+        untouched = all(
+            torch.equal(a, b)
+            for a, b in zip(
+                full_params(model).values(), full_params(fresh()[0]).values(), strict=True
+            )
+        )
+        acc = ga.Accumulator(model, opt, sync=chosen.sync)
+        memory = TrainingMemory(model, "cpu")
+        mine = {k: v[: chosen.per_rank_batch] for k, v in data.items()}
+        for _ in range(3):
+            acc.step(split_sizes(mine, chosen.micro_sizes), gpt_loss)
+        peaks = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(peaks, torch.tensor([memory.peak()]))
+        results[name] = {
+            "plan": chosen,
+            "measured": [int(p) for p in peaks],
+            "untouched": untouched,
+        }
+    if rank == 0:
+        torch.save(results, Path(out) / "plan_sync.pt")
