@@ -153,10 +153,24 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         folder.write_json(CONFIG, dataclasses.asdict(cfg))  # first: a crash is resumable
     if main and loaded is not None:
         save_cache(loaded, folder.path)  # a resume reads the sequences back
-    micro, checkpointing = _micro_batch(
+    sharded = cfg.shard == "fsdp"
+    if sharded:
+        # The baseline first, on rank 0's whole model (its embedding passes in micro-batches
+        # of 8); sharding then starts every rank from rank 0's parameters. The plan is made
+        # on the shards, each rank measuring its own memory.
+        if main and not resuming and hasattr(data, "baseline"):
+            _baseline(folder, data, model, cfg.micro_batch or 8, log)
+        model = _fully_shard(model, log)
+        # The shards' parameters replace the model's: the optimizer is made over them.
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+        )
+    micro, checkpointing, sync = _micro_batch(
         cfg, folder, saved, model, optimizer, recipe, device, main, world, log
     )
-    if main and not resuming and hasattr(data, "baseline"):
+    if main and not resuming and hasattr(data, "baseline") and not sharded:
         _baseline(folder, data, model, micro, log)
     if cfg.batch_schedule == "auto" and micro * replicas >= cfg.effective_batch and saved is None:
         micro = max(1, math.ceil(cfg.effective_batch / replicas / 2))
@@ -175,15 +189,7 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         acc = _pipeline_window(cfg, rank, world, model, device, optimizer, micro, log)
     else:
         train_model = model
-        if cfg.shard == "fsdp":
-            # The shards' parameters replace the model's: the optimizer is made over them.
-            train_model = _fully_shard(model, log)
-            optimizer = torch.optim.AdamW(
-                [p for p in model.parameters() if p.requires_grad],
-                lr=cfg.lr,
-                weight_decay=cfg.weight_decay,
-            )
-        elif replicas > 1:
+        if replicas > 1 and not sharded:
             from torch.nn.parallel import DistributedDataParallel
 
             train_model = DistributedDataParallel(
@@ -200,6 +206,7 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
             if world == 1 or (device.type == "cuda" and cfg.shard == "ddp")
             else None,
             noise=NoiseScale() if cfg.noise_scale else None,
+            sync=sync,
         )
     # With clipping, a gradient spike's step is already bounded: the loss tells damage.
     guard = IncidentGuard(gradient=not cfg.max_grad_norm) if cfg.guard else None
@@ -383,7 +390,11 @@ def _micro_batch(cfg, folder, saved, model, optimizer, recipe, device, main, wor
     run trains as it was planned."""
     if saved is not None:
         # (a checkpoint written before checkpointing was recorded: it was never on then)
-        info = {"micro_size": saved["micro_batch"], "checkpointing": saved.get("checkpointing")}
+        info = {
+            "micro_size": saved["micro_batch"],
+            "checkpointing": saved.get("checkpointing"),
+            "sync": saved.get("sync", "window"),
+        }
     elif cfg.resume is not None and (folder.path / PLAN).is_file():
         info = folder.read_json(PLAN)
     else:
@@ -395,7 +406,7 @@ def _micro_batch(cfg, folder, saved, model, optimizer, recipe, device, main, wor
             folder.write_json(PLAN, info)
     if info["checkpointing"]:
         enable_checkpointing(model)
-    return info["micro_size"], bool(info["checkpointing"])
+    return info["micro_size"], bool(info["checkpointing"]), info.get("sync", "window")
 
 
 def _plan_info(cfg, model, optimizer, recipe, device, main, world, log) -> dict[str, Any]:
@@ -406,6 +417,29 @@ def _plan_info(cfg, model, optimizer, recipe, device, main, world, log) -> dict[
             "checkpointing": cfg.checkpointing == "on",
         }
     per_rank = math.ceil(cfg.effective_batch / world)
+    if cfg.shard == "fsdp":
+        # Every rank plans its shards together (FSDP2's gathers are collectives); the fullest
+        # rank's measurements decide, so all arrive at one plan. sync "auto": the window's
+        # one reduce-scatter when the unsharded gradient fits between micro-batches, else
+        # one per micro-batch.
+        log(
+            f"planning the micro-batch and gradient sync for an effective batch of "
+            f"{per_rank} per process in {cfg.budget}, each process measuring its shards "
+            f"({recipe.summary})"
+        )
+        planned = plan(
+            model,
+            optimizer,
+            recipe.sample_batch(8),
+            recipe.loss_fn,
+            effective_batch=per_rank,
+            budget=cfg.budget,
+            precision=cfg.precision,
+            checkpointing=cfg.checkpointing,
+            sync="auto",
+        )
+        log(planned.summary())
+        return {**planned.to_dict(), "source": "planned"}
     info = None
     if main:  # one plan for all ranks (same model and hardware)
         log(

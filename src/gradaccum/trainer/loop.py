@@ -489,6 +489,7 @@ def _checkpoint(run: _Run, step: int, last: int) -> None:
     state = {
         "step": step,
         "micro_batch": run.micro,
+        "sync": run.acc.sync.mode if isinstance(run.acc, Accumulator) else "window",
         "checkpointing": run.checkpointing,
         "signature": run.signature,
         "schedule": run.schedule.state_dict(),

@@ -203,3 +203,21 @@ def test_two_nodes_on_loopback_train_as_two_processes_on_one_node(fsdp_run):
     assert not (root / "nodes" / "nodes").exists()
     one_node = [x["loss"] for x in metrics(root / "two")]
     assert [x["loss"] for x in metrics(root / "nodes")] == one_node
+
+
+def test_fsdp_plans_each_rank_on_its_shards_and_resumes_with_that_plan(tmp_path):
+    planned = [a for a in ARGS if a not in ("--micro-batch", "2")] + ["--steps", "2"]
+    proc = run(
+        [*torchrun(), "-m", "gradaccum", *planned, "--shard", "fsdp", "--out", "p"], tmp_path
+    )
+    assert "each process measuring its shards" in proc.stdout
+    assert "gradient sync window: predicted per rank, window" in proc.stdout  # both modes
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert plan["sync"] == "window" and plan["source"] == "planned"
+    saved = torch.load(tmp_path / "p" / "checkpoint.pt", weights_only=True)
+    assert (saved["sync"], saved["micro_batch"]) == ("window", plan["micro_size"])
+    resumed = run(
+        [*torchrun(), "-m", "gradaccum", "train", "--resume", "p", "--steps", "3"], tmp_path
+    )
+    assert f"(micro-batch {plan['micro_size']})" in resumed.stdout
+    assert [x["step"] for x in metrics(tmp_path / "p")] == [1, 2, 3]
