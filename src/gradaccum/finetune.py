@@ -126,9 +126,15 @@ def save_merged(model: Any, folder: str | Path, tokenizer: Any = None) -> Path:
     return _write_folder(folder, lambda tmp: _save_pretrained(merged, tokenizer, tmp))
 
 
-def save_full(model: torch.nn.Module, folder: str | Path, tokenizer: Any = None) -> Path:
+def save_full(
+    model: torch.nn.Module,
+    folder: str | Path,
+    tokenizer: Any = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """A fully fine-tuned Hugging Face model in its own format (safetensors), ``tokenizer``
-    beside it when given."""
+    beside it when given. ``state_dict``: the weights to write instead of the model's own
+    (an FSDP2 model's, gathered from its shards)."""
     if _is_peft(model):
         raise TypeError(
             "save_full got a model with LoRA adapters; save them with save_adapter, or the "
@@ -139,7 +145,9 @@ def save_full(model: torch.nn.Module, folder: str | Path, tokenizer: Any = None)
             f"save_full needs a Hugging Face model (one with save_pretrained), got "
             f"{type(model).__name__}; save a plain module's state_dict with torch.save"
         )
-    return _write_folder(folder, lambda tmp: _save_pretrained(model, tokenizer, tmp))
+    return _write_folder(
+        folder, lambda tmp: _save_pretrained(model, tokenizer, tmp, state_dict=state_dict)
+    )
 
 
 def trainable_summary(model: torch.nn.Module) -> str:
@@ -220,8 +228,8 @@ def _require_peft(model: Any, what: str) -> None:
         )
 
 
-def _save_pretrained(model: Any, tokenizer: Any, folder: Path) -> None:
-    model.save_pretrained(folder)  # safetensors: transformers' default since 4.35
+def _save_pretrained(model: Any, tokenizer: Any, folder: Path, state_dict: Any = None) -> None:
+    model.save_pretrained(folder, state_dict=state_dict)  # safetensors since 4.35
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
 

@@ -384,10 +384,10 @@ class TrainConfig:
         out = []
         if self.pipeline_stages != 1:
             out.append("shard fsdp with pipeline_stages: one or the other (2D is not built)")
-        if self.hf_model is not None:
+        if self.lora is not None:
             out.append(
-                "shard fsdp trains the built-in recipes; a --hf-model under FSDP2 is not "
-                "built yet: use --shard ddp"
+                "shard fsdp with lora: the adapters are a few megabytes, nothing to shard; "
+                "use --shard ddp"
             )
         if self.precision == "fp16":
             out.append(

@@ -336,10 +336,16 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             if stopping or hit or step % cfg.checkpoint_every == 0 or end:
                 _checkpoint(run, step, last)
                 last = step
-            if cfg.export_every and step % cfg.export_every == 0 or end or hit:
-                _export(run, log)
+            exporting = bool(cfg.export_every and step % cfg.export_every == 0 or end or hit)
+            # Under FSDP2 the whole model is gathered from the shards (every rank takes part)
+            # once, for model.pt at the end and for the Hugging Face export.
+            whole = None
+            if run.sharded and (end or hit or exporting and cfg.hf_model is not None):
+                whole = _gather(run)
+            if exporting:
+                _export(run, log, whole)
             if run.sharded and (end or hit):
-                _consolidate(run, log)
+                _save_whole(run, log, whole)
             if stopping:
                 raise Interrupted(step, folder.path, stop[0] if stop else signal.SIGTERM)
             if hit:
@@ -511,27 +517,32 @@ def _checkpoint(run: _Run, step: int, last: int) -> None:
         raise ValueError(_stopped(run.folder, str(err), last)) from None
 
 
-def _consolidate(run: _Run, log) -> None:
+def _gather(run: _Run) -> dict[str, torch.Tensor]:
     """Under FSDP2, the whole model's state_dict gathered from the shards (every rank takes
-    part) and written by rank 0 as model.pt: plain tensors under the model's own names,
-    for ``model.load_state_dict(torch.load(path, weights_only=True))`` anywhere."""
+    part; rank 0 receives it, in CPU memory)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = get_model_state_dict(run.model, options=options)
+    return get_model_state_dict(run.model, options=options)
+
+
+def _save_whole(run: _Run, log, whole: dict[str, torch.Tensor]) -> None:
+    """model.pt, written by rank 0: plain tensors under the model's own names, for
+    ``model.load_state_dict(torch.load(path, weights_only=True))`` anywhere."""
     if run.main:
         try:
-            run.folder.save_model(full)
+            run.folder.save_model(whole)
         except ValueError as err:
             raise ValueError(_stopped(run.folder, str(err), run.schedule.step)) from None
         log(f"wrote {run.folder.path / MODEL}: the whole model, gathered from the shards")
 
 
-def _export(run: _Run, log) -> None:
+def _export(run: _Run, log, whole: dict[str, torch.Tensor] | None = None) -> None:
     """The weights in formats other tools load, under ``export/`` in the run folder: the LoRA
     adapter (PEFT's save_pretrained), with --merge-lora the merged model, and for a full
     fine-tune of --hf-model the model itself (save_pretrained, safetensors), the tokenizer
-    beside each. Each folder is written whole (a temporary sibling, then a rename)."""
+    beside each. Each folder is written whole (a temporary sibling, then a rename). Under
+    FSDP2, ``whole`` is the model's state_dict gathered from the shards."""
     cfg = run.cfg
     if not run.main or cfg.hf_model is None:
         return
@@ -544,7 +555,7 @@ def _export(run: _Run, log) -> None:
         if cfg.merge_lora:
             written.append(finetune.save_merged(run.model, out / "merged", tokenizer))
     else:
-        written = [finetune.save_full(run.model, out / "model", tokenizer)]
+        written = [finetune.save_full(run.model, out / "model", tokenizer, state_dict=whole)]
     log("exported " + ", ".join(str(w) for w in written))
 
 
