@@ -312,6 +312,7 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
                 "noise_low": interval[0],
                 "noise_high": interval[1],
             }
+            memory.window_done()
             end = run.done()
             limit = run.targets.limit_reached(run.elapsed, line["peak_memory"])
             # Rank 0 evaluates; a pipeline's stages, or FSDP2's shards, all take part.
