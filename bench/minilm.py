@@ -2,9 +2,9 @@
 its plan at the default budget.
 
 The pretrained all-MiniLM-L6-v2 classifier (22.7M parameters, every one trained) at the
-recipe's effective batch of 256 docstrings, as N micro-batches of 256 / N for N = 1, 2, 4,
-8, 16, each N in a fresh process (``vs_n``: how it is measured), on the first 256 training
-docstrings of seed 0 (each micro-batch cut to its own longest docstring, as training runs
+recipe's effective batch of 256 docstring paragraphs, as N micro-batches of 256 / N for N =
+1, 2, 4, 8, 16, each N in a fresh process (``vs_n``: how it is measured), on the first 256 training
+paragraphs of seed 0 (each micro-batch cut to its own longest paragraph, as training runs
 them); then the plan at the recipe's default budget, verified in two fresh processes as
 ``gradaccum train`` verifies it on CPU.
 
@@ -37,7 +37,8 @@ def main() -> None:
         "# MiniLM fine-tuning: peak memory and time per step vs N",
         "",
         f"Recipe `minilm` (pretrained all-MiniLM-L6-v2, every parameter trained, AdamW, fp32), "
-        f"effective batch {EFFECTIVE} docstrings (the first {EFFECTIVE} of the training order, "
+        f"effective batch {EFFECTIVE} docstring paragraphs (the first {EFFECTIVE} of the "
+        "training order, "
         f"up to 64 tokens); " + vs_n.how(load_before, load_after),
         "",
         *vs_n.table(rows),

