@@ -246,3 +246,24 @@ def test_a_hugging_face_model_under_fsdp_exports_its_own_format(tmp_path):
     assert all(torch.equal(mine[k], whole[k]) for k in whole)
     moved = max_rel_err({k: mine[k] for k in whole}, {k: start.state_dict()[k] for k in whole})
     assert moved > 1e-4  # trained, not the starting weights
+
+
+def test_bf16_under_fsdp_computes_as_one_process_does(fsdp_run):
+    """--precision bf16 --shard fsdp: autocast runs each forward on the fp32 shards' gathered
+    parameters, as in one process, and gradients reduce in fp32. The first loss (the same
+    forward on the same parameters) equals one process's bf16 loss bit for bit; after the
+    first updates, bf16 amplifies the last-bit differences of the ranks' summation order,
+    and the losses stay closer to one process's bf16 run than that is to fp32's. (FSDP2's
+    MixedPrecisionPolicy(param_dtype=bf16) would round every parameter, embeddings and norms
+    too, before use, which autocast does not: its first loss was 3.6x further from one
+    process's bf16 than bf16 is from fp32, so the run keeps autocast.)"""
+    root, _ = fsdp_run
+    short = [*ARGS, "--steps", "4", "--precision", "bf16"]
+    run([*torchrun(), "-m", "gradaccum", *short, "--shard", "fsdp", "--out", "b2"], root)
+    run([sys.executable, "-m", "gradaccum", *short, "--out", "b1"], root)
+    sharded, single = metrics(root / "b2"), metrics(root / "b1")
+    fp32 = metrics(root / "two")[:4]
+    assert sharded[0]["loss"] == single[0]["loss"] != fp32[0]["loss"]
+    apart = max(abs(a["loss"] - b["loss"]) for a, b in zip(sharded, single, strict=True))
+    bf16 = max(abs(b["loss"] - c["loss"]) for b, c in zip(single, fp32, strict=True))
+    assert apart < bf16, (apart, bf16)

@@ -460,7 +460,18 @@ def plan_sync(rank: int, world: int, out: str) -> None:
 
     def planned(budget):
         model, opt = fresh()
-        chosen = ga.plan(model, opt, data, gpt_loss, 16, budget, world, sync="auto", meter="rss")
+        chosen = ga.plan(
+            model,
+            opt,
+            data,
+            gpt_loss,
+            16,
+            budget,
+            world,
+            sync="auto",
+            meter="rss",
+            probe_sizes=[1, 2],
+        )
         return chosen, model, opt
 
     # The process's first steps allocate for good (thread pools, gloo's buffers): not a plan's.
