@@ -23,9 +23,11 @@ demo: $(STAMP)
 # pytest exits 5 when it collects no test; that is a failure of the suite, not a pass,
 # but it is reported as such by name rather than as a bare make error.
 # Two workers (pytest-xdist), one thread each, keep both cores busy: much of the suite waits
-# on subprocesses it starts (the CLI, torchrun), which set their own thread counts.
+# on subprocesses it starts (the CLI, torchrun), which set their own thread counts; worksteal
+# hands a worker that ran out of tests some of the other's, so a few long ones at the end do
+# not leave one core idle.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2; rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist worksteal; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 
 # The unit tests alone (tests/unit/, in-process, under a minute): the loop while you work.

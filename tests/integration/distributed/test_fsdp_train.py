@@ -206,7 +206,8 @@ def test_two_nodes_on_loopback_train_as_two_processes_on_one_node(fsdp_run):
 
 
 def test_fsdp_plans_each_rank_on_its_shards_and_records_the_sync(tmp_path):
-    planned = [a for a in ARGS if a not in ("--micro-batch", "2")] + ["--steps", "2"]
+    planned = [a for a in ARGS if a not in ("--micro-batch", "2")]
+    planned += ["--steps", "2", "--effective-batch", "4"]  # 2 per rank: probes of 1 and 2
     proc = run(
         [*torchrun(), "-m", "gradaccum", *planned, "--shard", "fsdp", "--out", "p"], tmp_path
     )
@@ -254,11 +255,11 @@ def test_bf16_under_fsdp_computes_as_one_process_does(fsdp_run):
     too, before use, which autocast does not: its first loss was 3.6x further from one
     process's bf16 than bf16 is from fp32, so the run keeps autocast.)"""
     root, _ = fsdp_run
-    short = [*ARGS, "--steps", "4", "--precision", "bf16"]
+    short = [*ARGS, "--steps", "3", "--precision", "bf16"]
     run([*torchrun(), "-m", "gradaccum", *short, "--shard", "fsdp", "--out", "b2"], root)
     run([sys.executable, "-m", "gradaccum", *short, "--out", "b1"], root)
     sharded, single = metrics(root / "b2"), metrics(root / "b1")
-    fp32 = metrics(root / "two")[:4]
+    fp32 = metrics(root / "two")[:3]
     assert sharded[0]["loss"] == single[0]["loss"] != fp32[0]["loss"]
     apart = max(abs(a["loss"] - b["loss"]) for a, b in zip(sharded, single, strict=True))
     bf16 = max(abs(b["loss"] - c["loss"]) for b, c in zip(single, fp32, strict=True))
