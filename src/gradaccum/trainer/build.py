@@ -417,37 +417,22 @@ def _plan_info(cfg, model, optimizer, recipe, device, main, world, log) -> dict[
             "checkpointing": cfg.checkpointing == "on",
         }
     per_rank = math.ceil(cfg.effective_batch / world)
-    if cfg.shard == "fsdp":
-        # Every rank plans its shards together (FSDP2's gathers are collectives); the fullest
-        # rank's measurements decide, so all arrive at one plan. sync "auto": the window's
-        # one reduce-scatter when the unsharded gradient fits between micro-batches, else
-        # one per micro-batch.
-        log(
-            f"planning the micro-batch and gradient sync for an effective batch of "
-            f"{per_rank} per process in {cfg.budget}, each process measuring its shards "
-            f"({recipe.summary})"
-        )
-        planned = plan(
-            model,
-            optimizer,
-            recipe.sample_batch(8),
-            recipe.loss_fn,
-            effective_batch=per_rank,
-            budget=cfg.budget,
-            precision=cfg.precision,
-            checkpointing=cfg.checkpointing,
-            sync="auto",
-        )
-        log(planned.summary())
-        return {**planned.to_dict(), "source": "planned"}
+    # One plan for all ranks (same model and hardware): rank 0's, broadcast. Under FSDP2
+    # every rank plans its own shards together (gathers are collectives; the fullest rank's
+    # measurements decide, so all arrive at one plan), with sync "auto": the window's one
+    # reduce-scatter when the unsharded gradient fits between micro-batches, else one per
+    # micro-batch.
+    sharded = cfg.shard == "fsdp"
     info = None
-    if main:  # one plan for all ranks (same model and hardware)
+    if main or sharded:
         log(
-            f"planning the micro-batch for an effective batch of {per_rank} per process in "
-            f"{cfg.budget} ({recipe.summary})"
+            f"planning the micro-batch{' and gradient sync' if sharded else ''} for an "
+            f"effective batch of {per_rank} per process in {cfg.budget}"
+            + (", each process measuring its shards" if sharded else "")
+            + f" ({recipe.summary})"
         )
         verify = None
-        if not cfg.hf_model and not cfg.data and device.type == "cpu":
+        if not sharded and not cfg.hf_model and not cfg.data and device.type == "cpu":
             verify = fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed)
         planned = plan(
             model,
@@ -459,10 +444,11 @@ def _plan_info(cfg, model, optimizer, recipe, device, main, world, log) -> dict[
             precision=cfg.precision,
             checkpointing=cfg.checkpointing,
             verify=verify,
+            sync="auto" if sharded else "window",
         )
         log(planned.summary())
         info = {**planned.to_dict(), "source": "planned"}
-    if world > 1:
+    if world > 1 and not sharded:
         info = launch.broadcast(info)
     return info
 
