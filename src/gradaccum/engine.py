@@ -226,9 +226,9 @@ class Accumulator:
             if total == 0:
                 skipped = "zero count"
             else:
-                self.sync.reduce(
-                    [g for g in map(self.precision.accumulated, self._step_params) if g is not None]
-                )
+                if self.sync.reduce_at_end:  # else the last backward reduced already
+                    sums = map(self.precision.accumulated, self._step_params)
+                    self.sync.reduce([g for g in sums if g is not None])
                 grads, carried = self.precision.gather(self.optimizer, self._step_params)
                 # DDP and FSDP2 hand back the mean over ranks: the sum over them / world.
                 divisor = total * carried / self.sync.world

@@ -261,8 +261,6 @@ class Sync:
         as DDP's reduction would (sum / world), one all-reduce per dtype; and the module's
         buffers broadcast from rank 0, as DDP's next forward would (it broadcasts only after
         a backward that communicated, which no longer happens)."""
-        if not self.reduce_at_end:
-            return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in sums:
             by_dtype.setdefault(g.dtype, []).append(g)

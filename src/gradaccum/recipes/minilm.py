@@ -293,12 +293,13 @@ class DocstringData:
                 optimizer.step(closure)
             return head
 
+        heads = {l2: probe(l2) for l2 in dict.fromkeys((*PROBE_L2, START_L2))}  # each once
         scores = {}
         for l2 in PROBE_L2:
-            correct = int((probe(l2)(test_x).argmax(1) == self.test_labels).sum())
+            correct = int((heads[l2](test_x).argmax(1) == self.test_labels).sum())
             scores[l2] = correct / len(self.test_labels)  # as evaluate() counts it
         best = max(scores, key=scores.__getitem__)
-        model.head.load_state_dict(probe(START_L2).state_dict())
+        model.head.load_state_dict(heads[START_L2].state_dict())
         return {
             "name": f"best linear probe on the frozen pretrained encoder (weight decay {best:g})",
             "accuracy": scores[best],
