@@ -23,8 +23,8 @@ from peers import capture
 from trainers import rows as trainer_rows
 
 import gradaccum as ga
-from gradaccum.recipes.gpt import GPT, GPTConfig
-from gradaccum.recipes.stdlib_text import corpus_bytes, padded_lines_batch
+from gradaccum.app.recipes.gpt import GPT, GPTConfig
+from gradaccum.app.recipes.stdlib_text import corpus_bytes, padded_lines_batch
 
 OUT = Path(__file__).parent / "results"
 N = 4

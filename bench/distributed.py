@@ -34,8 +34,8 @@ import torch.multiprocessing as mp
 from machine import describe
 
 import gradaccum as ga
-from gradaccum.recipes.gpt import GPT, GPTConfig
-from gradaccum.recipes.stdlib_text import corpus_bytes, full_length_batch
+from gradaccum.app.recipes.gpt import GPT, GPTConfig
+from gradaccum.app.recipes.stdlib_text import corpus_bytes, full_length_batch
 
 OUT = Path(__file__).parent / "results"
 NS, MICRO, SEQ, WARMUP, REPEATS = [1, 4, 16], 4, 64, 2, 11

@@ -6,8 +6,8 @@ demo's plan of 2 micro-batches of 32 given so every run trains the same windows)
    how close its worst window came to the guard's threshold (the guard's judgement replayed
    over metrics.jsonl: (value - median) / (threshold - median), 1.0 = an alarm).
 2. Bad data: seed 0 with the labels of windows 60, 61 and 100 replaced by random bytes
-   (``gradaccum.testing.corrupt_samples``), with the guard and without; held-out loss against
-   the clean run's.
+   (``corrupt_samples`` of tests/support/faults.py), with the guard and without; held-out
+   loss against the clean run's.
 
 Writes bench/results/guard.md and guard.json. Takes about 5 minutes on 2 cores.
 """
@@ -23,9 +23,12 @@ from pathlib import Path
 
 import torch
 
-from gradaccum.guard import IncidentGuard
-from gradaccum.testing import corrupt_samples
-from gradaccum.trainer import TrainConfig, train
+from gradaccum.app import TrainConfig, train
+from gradaccum.app.guard import IncidentGuard
+
+# The test suite's fault injection (tests/support/faults.py), which the package does not ship.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.faults import corrupt_samples, train_with_faults  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
 SEEDS, BAD_STEPS, THREADS = (0, 1, 2), (60, 61, 100), 2
@@ -50,7 +53,8 @@ def headroom(metrics: list[dict]) -> dict[str, float]:
 def run(folder: Path, seed: int, guard: bool = True, faults=None) -> dict:
     cfg = TrainConfig(micro_batch=32, seed=seed, guard=guard, out=str(folder))
     began = time.perf_counter()
-    summary = train(cfg, log=lambda *a, **k: None, faults=faults)
+    quiet = lambda *a, **k: None  # noqa: E731
+    summary = train(cfg, log=quiet) if faults is None else train_with_faults(cfg, faults, quiet)
     summary["wall_seconds"] = time.perf_counter() - began
     return summary
 

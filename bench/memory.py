@@ -2,7 +2,7 @@
 
 1. `gradaccum plan` (a fresh CLI process, as a user runs it) for three budgets: planning
    time, the planned micro-batch, its predicted peak, and the peak measured by training
-   3 windows of it in another fresh process (python -m gradaccum.measure).
+   3 windows of it in another fresh process (python -m gradaccum.app.measure).
 2. Peak memory vs N at a fixed effective batch of 64: micro-batch 64/N. Each point is a
    fresh process training 3 windows (resident memory), plus the live tensor bytes of one
    window in this process (what CUDA's allocator would report).
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 import gradaccum as ga
+from gradaccum.app.recipes import get_recipe
 from gradaccum.memory import LiveTensorBytes, format_bytes, parse_bytes
-from gradaccum.recipes import get_recipe
 
 OUT = Path(__file__).parent / "results"
 BUDGETS = ["150MB", "250MB", "400MB"]
@@ -38,7 +38,7 @@ def fresh_peak(micro: int, micro_batches: int) -> int:
     cmd = [
         sys.executable,
         "-m",
-        "gradaccum.measure",
+        "gradaccum.app.measure",
         "--recipe",
         "gpt",
         "--micro",

@@ -17,8 +17,8 @@ import torch
 from machine import describe
 
 import gradaccum as ga
+from gradaccum.app.recipes import get_recipe
 from gradaccum.memory import LiveTensorBytes, format_bytes, saved_activation_bytes
-from gradaccum.recipes import get_recipe
 
 OUT = Path(__file__).parent / "results"
 EFFECTIVE, NS = 64, [1, 2, 4, 8, 16, 32]

@@ -20,7 +20,7 @@ import time
 
 import vs_n
 
-from gradaccum.recipes.minilm import DEFAULTS
+from gradaccum.app.recipes.minilm import DEFAULTS
 
 EFFECTIVE = DEFAULTS["effective_batch"]
 

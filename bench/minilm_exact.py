@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import vs_n
 from machine import describe
 
-from gradaccum.recipes import minilm
+from gradaccum.app.recipes import minilm
 
 EFFECTIVE, MICRO = minilm.DEFAULTS["effective_batch"], 16
 

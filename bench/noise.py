@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import gradaccum as ga
-from gradaccum.recipes import get_recipe
+from gradaccum.app.recipes import get_recipe
 
 OUT = Path(__file__).parent / "results"
 REPEATS, MICRO, EFFECTIVE = 60, 16, 64

@@ -32,8 +32,8 @@ from machine import describe
 from peers import IMPLEMENTATIONS, HandLoop
 
 import gradaccum as ga
-from gradaccum.recipes.gpt import GPT, GPTConfig
-from gradaccum.recipes.stdlib_text import corpus_bytes, full_length_batch
+from gradaccum.app.recipes.gpt import GPT, GPTConfig
+from gradaccum.app.recipes.stdlib_text import corpus_bytes, full_length_batch
 
 OUT = Path(__file__).parent / "results"
 MICRO, NS, WARMUP, REPEATS, PROCESSES = 8, [1, 4, 8], 3, 31, 5

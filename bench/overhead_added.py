@@ -23,7 +23,7 @@ from machine import describe
 from overhead import RUNNERS, mean_loss, model, sum_loss
 
 import gradaccum as ga
-from gradaccum.recipes.stdlib_text import corpus_bytes, full_length_batch
+from gradaccum.app.recipes.stdlib_text import corpus_bytes, full_length_batch
 
 OUT = Path(__file__).parent / "results"
 NS, WARMUP, ROUNDS = [1, 8], 20, 800

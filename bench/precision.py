@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 import gradaccum as ga
-from gradaccum.recipes.gpt import GPT, GPTConfig
-from gradaccum.recipes.stdlib_text import corpus_bytes, padded_lines_batch
+from gradaccum.app.recipes.gpt import GPT, GPTConfig
+from gradaccum.app.recipes.stdlib_text import corpus_bytes, padded_lines_batch
 
 NS = [1, 2, 4, 8, 16, 32, 64]
 MICRO, SEQ = 4, 64

@@ -41,9 +41,12 @@ os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported
 
 import torch  # noqa: E402
 
-from gradaccum.report import write_report  # noqa: E402
-from gradaccum.testing import corrupt_samples  # noqa: E402
-from gradaccum.trainer import TrainConfig, train  # noqa: E402
+from gradaccum.app import TrainConfig, train  # noqa: E402
+from gradaccum.app.report import write_report  # noqa: E402
+
+# The test suite's fault injection (tests/support/faults.py), which the package does not ship.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.faults import corrupt_samples, train_with_faults  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -88,7 +91,7 @@ def make_run(folder: Path) -> Path:
     quiet = lambda *a, **k: None  # noqa: E731
     cfg = dict(recipe="digits", micro_batch=16, effective_batch=64, eval_every=10)
     bad = corrupt_samples([(24 * 64, 25 * 64)])
-    train(TrainConfig(**cfg, steps=40, checkpoint_every=10, out=str(run)), log=quiet, faults=bad)
+    train_with_faults(TrainConfig(**cfg, steps=40, checkpoint_every=10, out=str(run)), bad, quiet)
     again = TrainConfig(
         **cfg, steps=100, checkpoint_every=10, target_accuracy=0.98, out=str(run), resume=str(run)
     )

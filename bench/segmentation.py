@@ -23,7 +23,7 @@ import torch
 import vs_n
 
 import gradaccum as ga
-from gradaccum.recipes.segmentation import (
+from gradaccum.app.recipes.segmentation import (
     DEFAULTS,
     SIZE,
     SegmentationData,

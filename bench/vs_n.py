@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 import gradaccum as ga
+from gradaccum.app.recipes import get_recipe
 from gradaccum.batching import map_tensors
 from gradaccum.memory import LiveTensorBytes, TrainingMemory, format_bytes, saved_activation_bytes
-from gradaccum.recipes import get_recipe
 
 OUT = Path(__file__).parent / "results"
 NS = [1, 2, 4, 8, 16]
@@ -160,8 +160,8 @@ def plot(
 def planned(recipe_name: str) -> ga.Plan:
     """The plan at the recipe's default budget, as ``gradaccum train`` makes it on CPU: its
     probes in this process, the planned size verified in two fresh processes
-    (``gradaccum.measure``)."""
-    from gradaccum.measure import fresh_process_verifier
+    (``gradaccum.app.measure``)."""
+    from gradaccum.app.measure import fresh_process_verifier
 
     torch.set_num_threads(threads())
     recipe = get_recipe(recipe_name)

@@ -16,8 +16,8 @@ import torch
 from accelerate import Accelerator
 
 import gradaccum as ga
-from gradaccum.recipes.gpt import GPT, GPTConfig
-from gradaccum.recipes.stdlib_text import corpus_bytes, padded_lines_batch
+from gradaccum.app.recipes.gpt import GPT, GPTConfig
+from gradaccum.app.recipes.stdlib_text import corpus_bytes, padded_lines_batch
 
 STEPS, BATCH, MICRO = 3, 32, 4
 

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import gradaccum as ga
-from gradaccum.recipes.gpt import GPT, GPTConfig
-from gradaccum.recipes.stdlib_text import corpus_bytes, padded_lines_batch
+from gradaccum.app.recipes.gpt import GPT, GPTConfig
+from gradaccum.app.recipes.stdlib_text import corpus_bytes, padded_lines_batch
 
 BATCH, MICRO, SEQ = 32, 4, 96
 

@@ -16,9 +16,9 @@ import lightning
 import torch
 
 import gradaccum as ga
+from gradaccum.app.recipes.gpt import GPT, GPTConfig
+from gradaccum.app.recipes.stdlib_text import corpus_bytes, padded_lines_batch
 from gradaccum.integrations.lightning import ExactAccumulation, exact_output
-from gradaccum.recipes.gpt import GPT, GPTConfig
-from gradaccum.recipes.stdlib_text import corpus_bytes, padded_lines_batch
 
 
 class LM(lightning.LightningModule):

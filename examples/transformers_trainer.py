@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from gradaccum.app.recipes.stdlib_text import corpus_bytes, padded_lines_batch
 from gradaccum.integrations.transformers import Trainer
-from gradaccum.recipes.stdlib_text import corpus_bytes, padded_lines_batch
 
 torch.manual_seed(0)
 # (dropout off, so that the two Trainers and the reference compute the same forward)

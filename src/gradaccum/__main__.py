@@ -1,5 +1,5 @@
 import sys
 
-from gradaccum.cli import main
+from gradaccum.app.cli import main
 
 sys.exit(main())

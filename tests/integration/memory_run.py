@@ -16,8 +16,8 @@ import json
 import torch
 
 import gradaccum as ga
+from gradaccum.app.recipes import get_recipe
 from gradaccum.memory import MemoryMeter, tensor_bytes
-from gradaccum.recipes import get_recipe
 
 
 def main() -> None:

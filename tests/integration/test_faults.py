@@ -82,7 +82,7 @@ def in_process(*args) -> subprocess.CompletedProcess:
     import contextlib
     import io
 
-    from gradaccum.cli import main
+    from gradaccum.app.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -368,8 +368,9 @@ def test_planning_children_die_with_their_parent_and_ctrl_c_is_one_line():
 def test_resume_reapplies_the_runs_activation_checkpointing(tmp_path):
     """Checkpointing is part of the plan and of the checkpoint; a resumed run (from either)
     recomputes the same blocks it did before the stop."""
+    from gradaccum.app import TrainConfig
+    from gradaccum.app.build import _build
     from gradaccum.recompute import checkpointing_enabled
-    from gradaccum.trainer import TrainConfig, _build
 
     run = tmp_path / "x"
     cli(

@@ -68,7 +68,7 @@ def metrics(run):
 def trained_model(base, run, lora: bool):
     """The model as the run left it: the base, LoRA applied as the run applied it, and the
     checkpoint's weights."""
-    from gradaccum.finetune import apply_lora
+    from gradaccum.integrations.peft import apply_lora
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base)
     if lora:
@@ -149,9 +149,9 @@ def test_an_effective_batch_of_256_plans_as_8_or_more_micro_batches_and_stays_ex
     import torch.nn.functional as F
 
     import gradaccum as ga
-    from gradaccum.finetune import apply_lora
-    from gradaccum.recipes import hf_recipe
-    from gradaccum.recipes.userdata import load_sequences
+    from gradaccum.app.recipes import hf_recipe
+    from gradaccum.app.recipes.userdata import load_sequences
+    from gradaccum.integrations.peft import apply_lora
 
     recipe = hf_recipe(str(base))
     loaded = load_sequences(data, recipe.encoder(), seq_len=32, eval_fraction=0, seed=0)

@@ -9,10 +9,10 @@ import signal
 import pytest
 import torch
 from helpers import cli
+from support.faults import corrupt_samples, train_with_faults
 
-from gradaccum.recipes import DigitsData
-from gradaccum.testing import corrupt_samples
-from gradaccum.trainer import Interrupted, TrainConfig, train
+from gradaccum.app import Interrupted, TrainConfig, train
+from gradaccum.app.recipes import DigitsData
 
 torch.set_num_threads(1)
 
@@ -33,7 +33,8 @@ def run(out, guard=True, faults=None, **kwargs):
         "out": str(out),
     }
     cfg = TrainConfig(**{**settings, **kwargs})
-    return train(cfg, log=lambda *a, **k: None, faults=faults)
+    quiet = lambda *a, **k: None  # noqa: E731
+    return train(cfg, log=quiet) if faults is None else train_with_faults(cfg, faults, quiet)
 
 
 def lines(folder, name="metrics.jsonl"):

@@ -1,14 +1,59 @@
-"""What `import gradaccum` pulls in: torch and the standard library, nothing else.
+"""The two layers: the library (`import gradaccum`: torch and the standard library, nothing
+else) and the command on top of it (gradaccum.app), which the library never imports.
 
 Frameworks (transformers, lightning, peft, accelerate, deepspeed, tensorboard) are extras
-imported only by the modules that need them, and the library never imports its built-in
-recipes. Checked in a fresh interpreter, where nothing else has imported them first."""
+imported only by the modules that need them. What an import loads is checked in a fresh
+interpreter, where nothing else has imported them first; what a module could import later
+(inside a function) is read off its source."""
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import gradaccum as ga
+
+PACKAGE = Path(ga.__file__).parent
+# The command's door: `python -m gradaccum` runs the app, and nothing imports __main__.
+DOOR = PACKAGE / "__main__.py"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file's import statements name, at top level or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def library_files() -> list[Path]:
+    app = PACKAGE / "app"
+    return [p for p in PACKAGE.rglob("*.py") if app not in p.parents and p != DOOR]
+
+
+def test_no_library_module_imports_the_app():
+    assert len(library_files()) > 20  # the walk found the library
+    leaks = {
+        str(path.relative_to(PACKAGE)): sorted(
+            m
+            for m in imported_modules(path)
+            if m == "gradaccum.app" or m.startswith("gradaccum.app.")
+        )
+        for path in library_files()
+    }
+    assert {k: v for k, v in leaks.items() if v} == {}
+
+
+def test_the_check_sees_an_import_of_the_app_inside_a_function(tmp_path):
+    sneaky = tmp_path / "sneaky.py"
+    sneaky.write_text("def f():\n    from gradaccum.app import launch\n")
+    assert "gradaccum.app.launch" in imported_modules(sneaky)
+
 
 # torch and what it imports on its own: measured first, so anything new is gradaccum's doing.
 TORCH = (
@@ -28,8 +73,8 @@ def test_the_library_imports_only_torch_and_the_standard_library():
     loaded = json.loads(out)
     ours = {m for m in loaded if m == "gradaccum" or m.startswith("gradaccum.")}
     assert "gradaccum.engine" in ours  # the check sees what the import brought in
-    assert not any(m.startswith("gradaccum.recipes") for m in ours), sorted(ours)
-    assert not {"gradaccum.trainer", "gradaccum.cli", "gradaccum.measure"} & ours, sorted(ours)
+    assert not any(m.startswith("gradaccum.app.recipes") for m in ours), sorted(ours)
+    assert not {"gradaccum.app", "gradaccum.app.cli", "gradaccum.app.measure"} & ours, sorted(ours)
     roots = {m.split(".")[0] for m in loaded} - {"gradaccum", "torch"}
     third_party = {r for r in roots if r not in sys.stdlib_module_names and not r.startswith("_")}
     assert not third_party, sorted(third_party)

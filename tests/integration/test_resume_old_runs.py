@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradaccum.cli import main
+from gradaccum.app.cli import main
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "run-0.5"
 ARGS = ["--recipe", "digits", "--effective-batch", "16", "--micro-batch", "6"]

@@ -7,10 +7,10 @@ import math
 
 import torch
 from helpers import cli
+from support.faults import corrupt_samples, train_with_faults
 
-from gradaccum.cli import main
-from gradaccum.testing import corrupt_samples
-from gradaccum.trainer import TrainConfig, train
+from gradaccum.app import TrainConfig, train
+from gradaccum.app.cli import main
 
 torch.set_num_threads(1)
 
@@ -77,8 +77,8 @@ def test_max_time_stops_cleanly_and_counts_every_session(tmp_path):
 
 
 def test_none_removes_a_target_and_config_numbers_read_as_bytes_and_seconds(tmp_path):
-    from gradaccum.cli import parser
-    from gradaccum.cli.train import resolve
+    from gradaccum.app.cli import parser
+    from gradaccum.app.cli.train import resolve
 
     config = tmp_path / "run.toml"
     config.write_text("max-memory = 5e8\nmax-time = 1.5e3\ntarget-loss = 2.5\n")
@@ -113,7 +113,7 @@ def test_tensorboard_reads_every_scalar_once_per_step_across_a_rollback(tmp_path
         out=str(run),
     )
     bad = [[24 * 32, 25 * 32]]  # window 25: rolled back to step 20 and replayed
-    train(cfg, log=lambda *a, **k: None, faults=corrupt_samples(bad))
+    train_with_faults(cfg, corrupt_samples(bad), log=lambda *a, **k: None)
     assert len(lines(run, "incidents.jsonl")) == 1
     metrics = lines(run)
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})

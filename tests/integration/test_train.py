@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import cli, sigterm_then_resume_matches
 
-from gradaccum.trainer import TrainConfig
+from gradaccum.app import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "2"}

@@ -63,7 +63,7 @@ def test_bad_data_is_refused_in_one_line_before_anything_is_written(
 ):
     """The CLI's own main() in this process (each case as a subprocess costs a torch import;
     the first case also runs as one, for the exit code a shell sees)."""
-    from gradaccum.cli import main
+    from gradaccum.app.cli import main
 
     data = tmp_path / "data.jsonl"
     data.write_bytes(content)
@@ -80,7 +80,7 @@ def test_bad_data_is_refused_in_one_line_before_anything_is_written(
 
 
 def test_data_needs_a_language_model_and_seq_len_needs_data(tmp_path, capsys):
-    from gradaccum.cli import main
+    from gradaccum.app.cli import main
 
     data = pairs(tmp_path / "p.jsonl", 40)
     args = ["train", "--recipe", "digits", "--data", str(data), "--out", str(tmp_path / "a")]
@@ -92,7 +92,7 @@ def test_data_needs_a_language_model_and_seq_len_needs_data(tmp_path, capsys):
 
 def test_fine_tuning_options_are_checked_together():
     """All at once, in one message (TrainConfig.problems, what the CLI reports)."""
-    from gradaccum.trainer import TrainConfig
+    from gradaccum.app import TrainConfig
 
     problems = TrainConfig(
         data="x.jsonl", lora=8, merge_lora=True, seq_len=1, eval_fraction=1.0
@@ -105,7 +105,7 @@ def test_fine_tuning_options_are_checked_together():
 
 
 def test_a_sequence_length_the_model_cannot_take_is_refused(tmp_path, capsys):
-    from gradaccum.cli import main
+    from gradaccum.app.cli import main
 
     data = pairs(tmp_path / "p.jsonl", 40)
     out = tmp_path / "run"

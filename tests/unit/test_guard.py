@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from gradaccum.guard import IncidentGuard
+from gradaccum.app.guard import IncidentGuard
 
 
 def feed(guard, values, norms=None, skipped=None):

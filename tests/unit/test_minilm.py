@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from helpers import capture_step_grads, max_rel_err
 
 import gradaccum as ga
-from gradaccum.recipes import minilm
+from gradaccum.app.recipes import minilm
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +145,8 @@ def test_the_linear_probe_learns_from_the_frozen_encoder(pretrained):
 
 
 def test_the_recipe_brings_its_defaults_and_flags_and_files_override_them(tmp_path):
-    from gradaccum.cli import parser
-    from gradaccum.cli.train import resolve
+    from gradaccum.app.cli import parser
+    from gradaccum.app.cli.train import resolve
 
     def cfg(*argv):
         return resolve(parser().parse_args(["train", *argv]))
@@ -166,7 +166,7 @@ def test_the_recipe_brings_its_defaults_and_flags_and_files_override_them(tmp_pa
 
 
 def test_the_summary_sets_the_run_against_its_baseline():
-    from gradaccum.trainer.summary import _against_baseline, _baseline_rows
+    from gradaccum.app.report.summary import _against_baseline, _baseline_rows
 
     baseline = {"name": "linear probe on the frozen pretrained encoder", "accuracy": 0.6}
     against = _against_baseline(baseline, {"held_out_accuracy": 0.85, "held_out_loss": 0.5})

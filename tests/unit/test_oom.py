@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import MLP, make_model, max_rel_err, params
+from support.faults import inject_oom
 
 import gradaccum as ga
-from gradaccum.testing import inject_oom
 
 
 def data(seed, n=32):

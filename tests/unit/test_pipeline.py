@@ -38,7 +38,7 @@ def test_what_precision_cannot_do_through_a_pipeline_is_refused():
 
 
 def gpt(layers: int = 4):
-    from gradaccum.recipes.gpt import GPT, GPTConfig
+    from gradaccum.app.recipes.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     return GPT(GPTConfig(max_len=16, d_model=16, n_heads=2, n_layers=layers))
@@ -46,7 +46,7 @@ def gpt(layers: int = 4):
 
 @pytest.mark.parametrize(("stages", "blocks"), [(2, [2, 2]), (3, [2, 1, 1]), (4, [1, 1, 1, 1])])
 def test_gpt_stages_chained_are_the_gpt(stages, blocks):
-    from gradaccum.recipes.gpt import GPTStage
+    from gradaccum.app.recipes.gpt import GPTStage
 
     model = gpt()
     parts = [GPTStage(model, i, stages) for i in range(stages)]
@@ -64,7 +64,7 @@ def test_gpt_stages_chained_are_the_gpt(stages, blocks):
 
 
 def test_a_gpt_splits_into_at_most_its_blocks():
-    from gradaccum.recipes.gpt import GPTStage
+    from gradaccum.app.recipes.gpt import GPTStage
 
     with pytest.raises(ValueError, match="a GPT of 2 blocks splits into 1 to 2 stages, not 3"):
         GPTStage(gpt(2), 0, 3)
@@ -98,8 +98,8 @@ def test_memory_raises_the_number_of_micro_batches_under_1f1b_only():
 
 
 def test_a_stage_measures_its_parameters_and_the_activations_it_saves():
+    from gradaccum.app.recipes.gpt import GPTStage
     from gradaccum.pipeline import measure_stage
-    from gradaccum.recipes.gpt import GPTStage
 
     part = GPTStage(gpt(), 1, 2)  # the last stage: input of the residual stream, logits out
     static, per_sample = measure_stage(part, part.sample_input, lambda out: out.sum())
@@ -109,7 +109,7 @@ def test_a_stage_measures_its_parameters_and_the_activations_it_saves():
 
 
 def test_a_pipeline_run_outside_torchrun_is_refused_in_one_line(tmp_path):
-    from gradaccum.trainer import TrainConfig, train
+    from gradaccum.app import TrainConfig, train
 
     cfg = TrainConfig(pipeline_stages=2, out=str(tmp_path / "run"))
     with pytest.raises(ValueError, match=r"^--pipeline-stages 2 runs one stage per process: "):
@@ -128,7 +128,7 @@ def test_a_pipeline_run_outside_torchrun_is_refused_in_one_line(tmp_path):
     ],
 )
 def test_what_a_pipeline_run_does_not_do_is_named(options, message):
-    from gradaccum.trainer import TrainConfig
+    from gradaccum.app import TrainConfig
 
     cfg = TrainConfig(**{"pipeline_stages": 2, **options})
     assert any(message in p for p in cfg.problems()), cfg.problems()

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from helpers import GroupNormCNN, deep_lm_setup, make_model, params
 
 import gradaccum as ga
+from gradaccum.app.recipes import get_recipe
 from gradaccum.memory import LiveTensorBytes
-from gradaccum.recipes import get_recipe
 
 
 def cnn_setup():

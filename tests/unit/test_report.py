@@ -10,9 +10,9 @@ from html.parser import HTMLParser
 import pytest
 import torch
 
-from gradaccum.cli import main
-from gradaccum.report import render, write_report
-from gradaccum.trainer import TrainConfig, train
+from gradaccum.app import TrainConfig, train
+from gradaccum.app.cli import main
+from gradaccum.app.report.html import render, write_report
 
 torch.set_num_threads(1)
 

@@ -190,7 +190,7 @@ def test_every_window_of_auto_is_its_full_batch():
 def test_the_text_stream_is_the_same_however_its_windows_are_cut():
     """The gpt recipe's data: sample i is a function of (seed, i) alone, across the blocks
     its random starts are drawn in, so a changing batch reads the same stream."""
-    from gradaccum.recipes import get_recipe
+    from gradaccum.app.recipes import get_recipe
 
     data = get_recipe("gpt").make_data(3)
     whole = data.batch(1000, 60)["input_ids"]  # crosses the block boundary at 1024

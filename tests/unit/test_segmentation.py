@@ -16,9 +16,8 @@ from helpers import capture_step_grads, make_model, max_rel_err, reference_grads
 from torch import nn
 
 import gradaccum as ga
-from gradaccum.diagnose import batchnorm_modules
-from gradaccum.recipes import get_recipe
-from gradaccum.recipes.segmentation import (
+from gradaccum.app.recipes import get_recipe
+from gradaccum.app.recipes.segmentation import (
     DEFAULTS,
     SIZE,
     SegmentationData,
@@ -27,6 +26,7 @@ from gradaccum.recipes.segmentation import (
     segmentation_loss,
     segmentation_recipe,
 )
+from gradaccum.diagnose import batchnorm_modules
 
 SMALL = 64
 TINY = 32  # the gradient comparisons': float64 convolutions are slow on CPU

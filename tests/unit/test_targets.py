@@ -2,7 +2,7 @@
 
 import pytest
 
-from gradaccum.targets import Targets, parse_seconds
+from gradaccum.app.targets import Targets, parse_seconds
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gradaccum as ga
-from gradaccum.recipes.userdata import (
+from gradaccum.app.recipes.userdata import (
     DataError,
     SequenceData,
     byte_encoder,

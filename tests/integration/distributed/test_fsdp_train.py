@@ -16,7 +16,7 @@ import torch
 from helpers import max_rel_err
 from launch import free_port, torchrun
 
-from gradaccum.recipes import get_recipe
+from gradaccum.app.recipes import get_recipe
 
 # The default recipe (the byte-level GPT, 4 blocks), small windows: 8 sequences a step, 2
 # micro-batches of 2 on each rank; evaluation and checkpoints along the way.
@@ -150,7 +150,7 @@ def test_fsdp_in_one_process_is_refused_in_one_line(tmp_path):
     ],
 )
 def test_what_fsdp_does_not_do_is_named(options, message):
-    from gradaccum.trainer import TrainConfig
+    from gradaccum.app import TrainConfig
 
     cfg = TrainConfig(**{"shard": "fsdp", **options})
     assert any(message in p for p in cfg.problems()), cfg.problems()

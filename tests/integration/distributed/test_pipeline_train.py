@@ -105,7 +105,7 @@ def test_the_guard_rolls_every_stage_back_and_evaluates_through_both(tmp_path):
     both stages back to step 0 (each stage's own file of that step) three times, then stops.
     The held-out loss it reports is the untrained model's, evaluated through both stages:
     equal to one process's evaluation of the freshly built GPT."""
-    from gradaccum.recipes import get_recipe
+    from gradaccum.app.recipes import get_recipe
 
     args = ["--steps", "40", "--effective-batch", "16", "--micro-batch", "4", "--lr", "1e4"]
     args += ["--max-grad-norm", "0", "--no-tensorboard", "--out", "div"]

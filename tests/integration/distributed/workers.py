@@ -440,9 +440,9 @@ def plan_sync(rank: int, world: int, out: str) -> None:
     resident by chance, megabytes apart from run to run.)"""
     from torch.distributed.fsdp import fully_shard
 
+    from gradaccum.app.recipes.gpt import GPT, GPTConfig
+    from gradaccum.app.recipes.stdlib_text import corpus_bytes, full_length_batch
     from gradaccum.memory import TrainingMemory
-    from gradaccum.recipes.gpt import GPT, GPTConfig
-    from gradaccum.recipes.stdlib_text import corpus_bytes, full_length_batch
 
     shape = GPTConfig(max_len=32, d_model=256, n_heads=4, n_layers=4)
     data = full_length_batch(corpus_bytes(), 8, 32, seed=rank)

@@ -3,7 +3,7 @@
 `gradaccum plan` and `gradaccum train` run this to measure a planned micro-batch as
 training will see it: in a new process, from the first step. A module, not a command:
 
-    python -m gradaccum.measure --recipe gpt --micro 20 --micro-batches 8
+    python -m gradaccum.app.measure --recipe gpt --micro 20 --micro-batches 8
 
 Prints one JSON line: {"peak": bytes}. On CPU: parameters and buffers (counted tensor by
 tensor) plus how far the resident set's high-water mark rose above the baseline taken once
@@ -21,10 +21,10 @@ import threading
 
 import torch
 
+from gradaccum.app.recipes import get_recipe
 from gradaccum.batching import split, to_device
 from gradaccum.engine import Accumulator
 from gradaccum.memory import METERS, TrainingMemory
-from gradaccum.recipes import get_recipe
 from gradaccum.recompute import enable_checkpointing
 
 
@@ -78,7 +78,7 @@ def fresh_process_verifier(
         cmd = [
             sys.executable,
             "-m",
-            "gradaccum.measure",
+            "gradaccum.app.measure",
             "--recipe",
             recipe,
             "--micro",
@@ -122,7 +122,7 @@ def _exit_with_parent(fd: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gradaccum.measure")
+    ap = argparse.ArgumentParser(prog="python -m gradaccum.app.measure")
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--micro", type=int, required=True)
     ap.add_argument("--micro-batches", type=int, required=True)

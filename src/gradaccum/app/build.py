@@ -13,23 +13,23 @@ from typing import Any
 
 import torch
 
-from gradaccum import launch
+from gradaccum.app import launch
+from gradaccum.app.config import RESUMABLE, TrainConfig
+from gradaccum.app.folder import BASELINE, CHECKPOINT, CONFIG, PLAN, RESUMES, RunFolder
+from gradaccum.app.guard import IncidentGuard
+from gradaccum.app.loop import _Run, load_saved
+from gradaccum.app.measure import fresh_process_verifier
+from gradaccum.app.recipes import Recipe, get_recipe, hf_recipe
+from gradaccum.app.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
 from gradaccum.checkpoint import preserved_rng
 from gradaccum.engine import Accumulator
-from gradaccum.guard import IncidentGuard
-from gradaccum.measure import fresh_process_verifier
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay
 from gradaccum.pipeline import ChainedStages, PipelineWindow
 from gradaccum.plan import plan
 from gradaccum.precision import PRECISIONS
-from gradaccum.recipes import Recipe, get_recipe, hf_recipe
-from gradaccum.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
 from gradaccum.recompute import enable_checkpointing
-from gradaccum.runfolder import BASELINE, CHECKPOINT, CONFIG, PLAN, RESUMES, RunFolder
 from gradaccum.schedule import BatchSchedule
-from gradaccum.trainer.config import RESUMABLE, TrainConfig
-from gradaccum.trainer.loop import _Run, load_saved
 
 
 def _signature(recipe: Recipe, model: torch.nn.Module) -> dict[str, Any]:
@@ -105,7 +105,7 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     torch.manual_seed(cfg.seed)
     model = recipe.build_model()
     if cfg.lora is not None:
-        from gradaccum import finetune
+        from gradaccum.integrations import peft as finetune
 
         targets = cfg.lora_targets.split(",") if cfg.lora_targets else None
         model = finetune.apply_lora(
@@ -117,7 +117,7 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0)
     signature = _signature(recipe, model)  # the whole model's, on every stage
     if stages > 1:
-        from gradaccum.recipes.gpt import GPTStage
+        from gradaccum.app.recipes.gpt import GPTStage
 
         model = GPTStage(model, rank, stages)  # this process's part; the rest is dropped
     model.to(device)

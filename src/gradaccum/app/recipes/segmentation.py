@@ -28,7 +28,7 @@ from torch import nn
 from gradaccum.loss import sample_mean
 
 if TYPE_CHECKING:
-    from gradaccum.recipes import Recipe
+    from gradaccum.app.recipes import Recipe
 
 __all__ = [
     "DEFAULTS",
@@ -275,7 +275,7 @@ def segmentation_loss(
 
 def segmentation_recipe(norm: str = "group") -> Recipe:
     """The ``segment`` recipe with GroupNorm (exact under accumulation) or BatchNorm."""
-    from gradaccum.recipes import Recipe  # here: the recipes' registry may import this module
+    from gradaccum.app.recipes import Recipe  # here: the recipes' registry may import this module
 
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {norm!r}")

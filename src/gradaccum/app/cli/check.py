@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gradaccum.cli import options
+from gradaccum.app.cli import options
+from gradaccum.app.recipes import RECIPES, get_recipe, hf_recipe
 from gradaccum.diagnose import check
-from gradaccum.recipes import RECIPES, get_recipe, hf_recipe
 
 
 @dataclass(kw_only=True)

@@ -76,7 +76,7 @@ GPT_SHAPE = _GPT  # the built-in GPT's shape, for what depends on it (pipeline s
 
 
 def _gpt_model() -> torch.nn.Module:
-    from gradaccum.recipes.gpt import GPT, GPTConfig
+    from gradaccum.app.recipes.gpt import GPT, GPTConfig
 
     return GPT(GPTConfig(**_GPT))
 
@@ -86,7 +86,7 @@ def _gpt_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor]):
 
 
 def _gpt_sample(n: int) -> dict[str, torch.Tensor]:
-    from gradaccum.recipes.stdlib_text import corpus_bytes, full_length_batch
+    from gradaccum.app.recipes.stdlib_text import corpus_bytes, full_length_batch
 
     return full_length_batch(corpus_bytes(), n, _GPT["max_len"], seed=0)
 
@@ -171,13 +171,13 @@ def held_out_loss(
 
 
 def _byte_encoder(max_len: int):
-    from gradaccum.recipes.userdata import byte_encoder
+    from gradaccum.app.recipes.userdata import byte_encoder
 
     return byte_encoder(max_len)
 
 
 def _gpt_data(seed: int) -> TextData:
-    from gradaccum.recipes.stdlib_text import corpus_bytes
+    from gradaccum.app.recipes.stdlib_text import corpus_bytes
 
     ids = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
     return TextData(ids, _GPT["max_len"], seed)
@@ -310,7 +310,7 @@ def hf_recipe(path: str) -> Recipe:
 
     @functools.cache  # the sample batch and the data both read it: tokenize once
     def tokens() -> torch.Tensor:
-        from gradaccum.recipes.stdlib_text import corpus_bytes
+        from gradaccum.app.recipes.stdlib_text import corpus_bytes
 
         text = corpus_bytes(400_000)
         if source.is_dir() and (source / "tokenizer.json").exists():
@@ -323,7 +323,7 @@ def hf_recipe(path: str) -> Recipe:
         return {"input_ids": ids, "labels": ids.clone()}
 
     def encoder():
-        from gradaccum.recipes.userdata import DataError, Encoder
+        from gradaccum.app.recipes.userdata import DataError, Encoder
 
         if not (source.is_dir() and (source / "tokenizer.json").exists()):
             raise DataError(
@@ -379,7 +379,7 @@ RECIPES: dict[str, Recipe] = {
 
 
 def _minilm() -> Recipe:
-    from gradaccum.recipes import minilm
+    from gradaccum.app.recipes import minilm
 
     return Recipe(
         name="minilm",
@@ -400,7 +400,7 @@ RECIPES["minilm"] = _minilm()
 
 
 def _segmentation(norm: str) -> Recipe:
-    from gradaccum.recipes import segmentation
+    from gradaccum.app.recipes import segmentation
 
     return segmentation.segmentation_recipe(norm)
 

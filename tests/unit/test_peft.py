@@ -1,6 +1,6 @@
-"""gradaccum.finetune with real PEFT and transformers: LoRA trains only its adapters, exactly;
-each save loads back as the model that was trained; the planner counts no gradient or
-optimizer state for frozen weights. Every model is tiny and built here (the integrations'
+"""gradaccum.integrations.peft with real PEFT and transformers: LoRA trains only its adapters,
+exactly; each save loads back as the model that was trained; the planner counts no gradient
+or optimizer state for frozen weights. Every model is tiny and built here (the integrations'
 GPT-2 from tests/frameworks.py, mostly); nothing is downloaded."""
 
 import copy
@@ -18,7 +18,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import gradaccum as ga
-from gradaccum.finetune import (
+from gradaccum.integrations.peft import (
     apply_lora,
     save_adapter,
     save_full,
@@ -332,7 +332,7 @@ def test_the_summary_counts_the_adapters_against_every_parameter(base_dir):
 
 def test_importing_gradaccum_imports_neither_peft_nor_transformers():
     code = (
-        "import sys, gradaccum, gradaccum.finetune; "
+        "import sys, gradaccum, gradaccum.integrations.peft; "
         "print(sorted(m for m in ('peft', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run(
@@ -396,7 +396,7 @@ def test_the_planner_counts_no_gradient_or_optimizer_state_for_frozen_weights(ba
     assert diff >= frozen_bytes
 
     # The LoRA plan against a real training run at its micro-batch, counted as plan's
-    # verification and `gradaccum.measure` count it: parameters and buffers, plus the live
+    # verification and `gradaccum.app.measure` count it: parameters and buffers, plus the live
     # tensor bytes from before the first step (optimizer state included).
     model = apply_lora(load(base_dir), r=LORA_R)
     acc = ga.Accumulator(model, torch.optim.AdamW(trainable(model), lr=1e-3))

@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from gradaccum.app.recipes import RECIPES
+from gradaccum.app.targets import Targets, parse_seconds
 from gradaccum.memory import parse_bytes
 from gradaccum.pipeline import SCHEDULES
 from gradaccum.plan import CHECKPOINTING
 from gradaccum.precision import PRECISIONS
-from gradaccum.recipes import RECIPES
 from gradaccum.schedule import LR_RULES, schedule_problems
-from gradaccum.targets import Targets, parse_seconds
 from gradaccum.validate import int_problem
 
 __all__ = ["RESUMABLE", "SHARDS", "TrainConfig"]
@@ -404,7 +404,7 @@ class TrainConfig:
             return [problem]
         if self.pipeline_stages == 1:
             return []
-        from gradaccum.recipes import GPT_SHAPE
+        from gradaccum.app.recipes import GPT_SHAPE
 
         out = []
         # What a pipeline run does not do yet, each with what to use instead.

@@ -1,13 +1,14 @@
 """The main job: train a recipe with an exact large batch, plan its memory, keep a run folder.
 
 ``train(cfg)`` plans the micro-batch, trains window by window through the Accumulator, and
-writes the run folder (``gradaccum.runfolder`` says what each file is). The parts:
+writes the run folder (``gradaccum.app.folder`` says what each file is). The parts:
 
-    config.py    TrainConfig: every option's default, help text and check; what a resume
-                 may change
-    build.py     before the first window: the folder, model, data, optimizer, micro-batch
-    loop.py      the windows: metrics lines, checkpoints, targets, the guard's rollbacks
-    summary.py   the end: summary.json, plots, report.html, the summary table
+    config.py          TrainConfig: every option's default, help text and check; what a
+                       resume may change
+    build.py           before the first window: the folder, model, data, optimizer,
+                       micro-batch
+    loop.py            the windows: metrics lines, checkpoints, targets, the guard's rollbacks
+    report/summary.py  the end: summary.json, plots, report.html, the summary table
 """
 
 from __future__ import annotations
@@ -15,23 +16,27 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gradaccum import launch
-from gradaccum.trainer.build import _build
-from gradaccum.trainer.config import RESUMABLE, TrainConfig
-from gradaccum.trainer.loop import Interrupted, _loop, _Output, _quiet
-from gradaccum.trainer.summary import _report, final_evaluation
+from gradaccum.app import launch
+from gradaccum.app.build import _build
+from gradaccum.app.config import RESUMABLE, TrainConfig
+from gradaccum.app.loop import Interrupted, _loop, _Output, _quiet
+from gradaccum.app.report.summary import _report, final_evaluation
 from gradaccum.validate import invalid_configuration
 
 __all__ = ["RESUMABLE", "Interrupted", "TrainConfig", "train"]
 
 
-def train(cfg: TrainConfig, *, log=print, faults=None) -> dict[str, Any]:
+def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     """Run (or resume) a training run; returns the summary. Raises ``Interrupted`` after
     checkpointing on SIGINT/SIGTERM/SIGHUP or a closed output pipe, ValueError on bad
-    configuration or an unusable run folder (one line each).
+    configuration or an unusable run folder (one line each)."""
+    return _train(cfg, log, None)
 
-    ``faults``: for tests of the incident guard only, ``faults(position, batch) -> batch``
-    may damage the samples of chosen windows (see ``gradaccum.testing.corrupt_samples``)."""
+
+def _train(cfg: TrainConfig, log, faults) -> dict[str, Any]:
+    """``train``, with the seam the test suite damages data through (tests/support/faults.py):
+    ``faults(position, batch) -> batch`` sees each window's samples before they are split.
+    Not public API: training never takes it."""
     problems = cfg.problems()
     if problems:
         raise ValueError(invalid_configuration(problems))

@@ -8,16 +8,16 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from gradaccum.cli import options, say
+from gradaccum.app.cli import options, say
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
-from gradaccum.launch import is_main, shutdown
-from gradaccum.recipes import RECIPES
-from gradaccum.runfolder import CONFIG, RunFolder
-from gradaccum.trainer import Interrupted, TrainConfig, train
+from gradaccum.app import Interrupted, TrainConfig, train
+from gradaccum.app.folder import CONFIG, RunFolder
+from gradaccum.app.launch import is_main, shutdown
+from gradaccum.app.recipes import RECIPES
 from gradaccum.validate import invalid_configuration
 
 _FILE_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"config", "resume"}

@@ -17,17 +17,17 @@ from typing import Any
 
 import torch
 
-from gradaccum import launch
+from gradaccum.app import launch
+from gradaccum.app.config import TrainConfig
+from gradaccum.app.folder import INCIDENTS, METRICS, MODEL, RunFolder
+from gradaccum.app.guard import Incident, IncidentGuard
+from gradaccum.app.recipes import Recipe
+from gradaccum.app.targets import Targets
 from gradaccum.batching import batch_size, shard, split, to_device
 from gradaccum.engine import Accumulator
-from gradaccum.guard import Incident, IncidentGuard
 from gradaccum.memory import TrainingMemory, format_bytes
 from gradaccum.pipeline import PipelineWindow
-from gradaccum.recipes import Recipe
-from gradaccum.runfolder import INCIDENTS, METRICS, MODEL, RunFolder
 from gradaccum.schedule import BatchSchedule, lr_factor
-from gradaccum.targets import Targets
-from gradaccum.trainer.config import TrainConfig
 
 
 class Interrupted(Exception):  # noqa: N818 - it is a stop, not an error
@@ -391,7 +391,7 @@ def _hit_text(targets: Targets, name: str) -> str:
 
 def _events(run: _Run, log):
     """The TensorBoard writer (rank 0, when asked for and installed), else None."""
-    from gradaccum import events
+    from gradaccum.app.report import events
 
     if not (run.main and run.cfg.tensorboard):
         return None
@@ -547,7 +547,7 @@ def _export(run: _Run, log, whole: dict[str, torch.Tensor] | None = None) -> Non
     cfg = run.cfg
     if not run.main or cfg.hf_model is None:
         return
-    from gradaccum import finetune
+    from gradaccum.integrations import peft as finetune
 
     tokenizer = _tokenizer(cfg.hf_model)
     out = run.folder.path / "export"

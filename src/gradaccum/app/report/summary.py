@@ -6,12 +6,13 @@ from typing import Any
 
 import torch
 
-from gradaccum import launch, plots
+from gradaccum.app import launch
+from gradaccum.app.folder import BASELINE, INCIDENTS
+from gradaccum.app.loop import _Run
+from gradaccum.app.report import plots
 from gradaccum.engine import Accumulator
 from gradaccum.memory import format_bytes
 from gradaccum.noise import advice
-from gradaccum.runfolder import BASELINE, INCIDENTS
-from gradaccum.trainer.loop import _Run
 
 
 def final_evaluation(run: _Run) -> dict[str, float] | None:
@@ -66,7 +67,7 @@ def _report(
         summary["baseline"] = _against_baseline(run.folder.read_json(BASELINE), summary)
     run.folder.write_json("summary.json", summary)
     plots.draw(out, lines, incidents)
-    from gradaccum.report import write_report
+    from gradaccum.app.report import write_report
 
     write_report(out)
     if table:

@@ -161,7 +161,7 @@ def corpus(seed: int = 0) -> dict[str, list[tuple[str, int, str]]]:
     docstring paragraphs from each of FAMILIES (the smallest family's count), whole modules
     held out (about HELD_OUT of each family); a pure function of the Python installation and
     ``seed``."""
-    from gradaccum.recipes.stdlib_text import stdlib_dir
+    from gradaccum.app.recipes.stdlib_text import stdlib_dir
 
     root = stdlib_dir()
     per_family: dict[str, list[tuple[str, list[str]]]] = {}
@@ -218,7 +218,7 @@ class DocstringData:
     accuracy; and the linear-probe baseline on the frozen pretrained encoder."""
 
     def __init__(self, seed: int) -> None:
-        from gradaccum.recipes import epoch_order
+        from gradaccum.app.recipes import epoch_order
 
         self._order = epoch_order
         data = corpus()

@@ -1,4 +1,7 @@
-"""Faults on demand, for tests of code that must survive them. Not used in training."""
+"""Faults on demand, for tests of code that must survive them; never shipped in the package.
+
+``inject_oom`` wraps a loss function; ``corrupt_samples`` damages a run's data, reaching the
+app through ``train_with_faults`` (the app's private seam, not its API)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import torch
 
 from gradaccum.batching import batch_size
 
-__all__ = ["corrupt_samples", "inject_oom"]
+__all__ = ["corrupt_samples", "inject_oom", "train_with_faults"]
 
 
 def inject_oom(loss_fn: Callable[..., Any], max_fitting_size: int) -> Callable[..., Any]:
@@ -32,7 +35,7 @@ def inject_oom(loss_fn: Callable[..., Any], max_fitting_size: int) -> Callable[.
 def corrupt_samples(
     ranges: list[tuple[int, int]], kind: str = "labels", factor: float = 100.0, seed: int = 0
 ) -> Callable[[int, Any], Any]:
-    """A ``faults`` hook for ``gradaccum.trainer.train``: the samples of the stream whose
+    """A ``faults`` hook for ``train_with_faults``: the samples of the stream whose
     positions fall in ``ranges`` ([first, end) each) are damaged, as bad data would be.
     ``kind`` "labels" draws a wrong label for each (a classifier's class, or every token of
     a language model's labels); "scale" multiplies float inputs by ``factor``."""
@@ -70,3 +73,11 @@ def corrupt_samples(
         return x, y
 
     return hook
+
+
+def train_with_faults(cfg: Any, faults: Callable[[int, Any], Any], log=print) -> dict[str, Any]:
+    """``gradaccum.app.train(cfg)`` with ``faults(position, batch) -> batch`` applied to each
+    window's samples before they are split."""
+    from gradaccum.app.trainer import _train
+
+    return _train(cfg, log, faults)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gradaccum.report import REPORT, write_report
+from gradaccum.app.report import REPORT, write_report
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

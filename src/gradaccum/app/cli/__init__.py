@@ -22,7 +22,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    from gradaccum.cli import check, plan, report, train
+    from gradaccum.app.cli import check, plan, report, train
 
     root = _Parser(
         prog="gradaccum",

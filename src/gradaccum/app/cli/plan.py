@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
-from gradaccum.cli import options
+from gradaccum.app.cli import options
+from gradaccum.app.measure import fresh_process_verifier
+from gradaccum.app.recipes import RECIPES, get_recipe
 from gradaccum.export import FRAMEWORKS
-from gradaccum.measure import fresh_process_verifier
 from gradaccum.memory import METERS
 from gradaccum.plan import CHECKPOINTING, Plan, plan
 from gradaccum.precision import PRECISIONS
-from gradaccum.recipes import RECIPES, get_recipe
 
 
 @dataclass(kw_only=True)

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from gradaccum import __version__
+from gradaccum.app.folder import RunFolder
 from gradaccum.memory import format_bytes
-from gradaccum.runfolder import RunFolder
 
 __all__ = ["render", "write_report"]
 
