@@ -121,7 +121,7 @@ def save(acc: Accumulator) -> dict[str, Any]:
     """``Accumulator.state_dict()``: everything a resumed run needs to continue bit for bit."""
     if acc.in_window:
         raise RuntimeError(
-            f"state_dict() called inside a window after {acc._window.micro_batches} "
+            f"state_dict() called inside a window after {acc._window.tally.micro_batches} "
             "micro-batches; checkpoint between windows so a resumed run is the same run"
         )
     if acc.sync.kind == "fsdp":

@@ -22,13 +22,13 @@ import torch
 from gradaccum import checkpoint
 from gradaccum.checkpoint import AccumulatorState
 from gradaccum.diagnose.batchnorm import warn_batchnorm
-from gradaccum.loss import check_count, check_loss, tensor_count_total, unpack, window_input
+from gradaccum.loss import check_loss, unpack, window_input
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay
 from gradaccum.precision import Precision
 from gradaccum.sync import Sync
 from gradaccum.validate import check_arguments, window_parameters
-from gradaccum.window import StepResult, finish, warn_skipped
+from gradaccum.window import StepResult, Tally, normalize, warn_skipped
 
 __all__ = ["Accumulator", "AccumulatorState", "LossFn", "StepResult"]
 
@@ -37,12 +37,10 @@ LossFn = Callable[[torch.nn.Module, Any], "tuple[torch.Tensor, int | torch.Tenso
 
 @dataclass
 class _Window:
-    """The window in progress (never checkpointed: checkpoints fall between windows)."""
+    """The window in progress (never checkpointed: checkpoints fall between windows): its
+    tally, and where the manual API's calls stand."""
 
-    micro_batches: int = 0
-    count: int = 0  # counts known on the host
-    device_counts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    loss: torch.Tensor | None = None  # the losses summed, detached, in float64
+    tally: Tally = field(default_factory=Tally)
     in_micro_batch: bool = False
     backward_done: bool = False
     last: bool = False  # the micro-batch in progress is marked last
@@ -119,7 +117,7 @@ class Accumulator:
         """
         if self._window is not None:
             raise RuntimeError(
-                f"a manual window is open with {self._window.micro_batches} micro-batches; "
+                f"a manual window is open with {self._window.tally.micro_batches} micro-batches; "
                 "finish it with end_window() or drop it with abort_window() before step()"
             )
         given = window_input(micro_batches, loss_fn, may_be_empty=self.sync.distributed)
@@ -169,15 +167,14 @@ class Accumulator:
                 yield
             if not window.backward_done:
                 raise RuntimeError(
-                    f"micro-batch {window.micro_batches} ended without acc.backward(loss_sum, "
-                    "count); every micro-batch of a window must run backward (use count 0 for "
-                    "one that holds no item)"
+                    f"micro-batch {window.tally.micro_batches} ended without "
+                    "acc.backward(loss_sum, count); every micro-batch of a window must run "
+                    "backward (use count 0 for one that holds no item)"
                 )
         except BaseException:
             self.abort_window()
             raise
         window.in_micro_batch = False
-        window.micro_batches += 1
         window.ended_last = window.ended_last or last
 
     def backward(self, loss_sum: torch.Tensor, count: int | torch.Tensor) -> None:
@@ -185,22 +182,16 @@ class Accumulator:
         window = self._window
         if window is None or not window.in_micro_batch:
             raise RuntimeError("backward() must be called inside `with acc.micro_batch():`")
-        index = window.micro_batches
+        index = window.tally.micro_batches
         if window.backward_done:
             raise RuntimeError(
-                f"backward() called twice in micro-batch {index}; add the losses and counts "
-                "and call it once"
+                f"backward() called twice in micro-batch {index - 1}; add the losses and "
+                "counts and call it once"
             )
-        loss_sum, count = check_loss(loss_sum, index), check_count(count, index)
+        # Recorded before the backward: a backward that fails drops the whole window.
+        loss_sum, count = window.tally.add(loss_sum, count)
         self.sync.check_forward(index)
         self.precision.backward(loss_sum, count, index == 0, self._params)
-        if isinstance(count, torch.Tensor):
-            window.device_counts.append((index, count))
-        else:
-            window.count += count
-        if window.loss is None:
-            window.loss = torch.zeros((), dtype=torch.float64, device=loss_sum.device)
-        window.loss.add_(loss_sum.detach())  # summed on the loss's device: no host sync
         # A reduced gradient is not this rank's prefix: the window's global mean is added at
         # end_window instead.
         if self.noise is not None and not self.sync.reduces(window.last):
@@ -211,7 +202,7 @@ class Accumulator:
     def end_window(self) -> StepResult:
         """Divide the window's gradient once by its count, clip, guard, and step once."""
         window = self._window
-        if window is None or window.micro_batches == 0:
+        if window is None or window.tally.micro_batches == 0:
             raise ValueError(
                 "empty window: no micro-batch ran since the last step; a window needs at least "
                 "one micro-batch"
@@ -221,8 +212,7 @@ class Accumulator:
         grad_norm = skipped = reading = None
         try:
             self.sync.check_window_end(window.ended_last)
-            count = window.count + tensor_count_total(window.device_counts)
-            total, loss_total = self.sync.totals(count, window.loss.item())
+            total, loss_total = window.tally.totals(self.sync)
             if total == 0:
                 skipped = "zero count"
             else:
@@ -230,11 +220,7 @@ class Accumulator:
                     sums = map(self.precision.accumulated, self._step_params)
                     self.sync.reduce([g for g in sums if g is not None])
                 grads, carried = self.precision.gather(self.optimizer, self._step_params)
-                # DDP and FSDP2 hand back the mean over ranks: the sum over them / world.
-                divisor = total * carried / self.sync.world
-                grad_norm, finite = finish(
-                    self.sync.local(grads), divisor, self.max_grad_norm, self.sync.norm
-                )
+                grad_norm, finite = normalize(grads, total, self.sync, carried, self.max_grad_norm)
                 if not finite:
                     skipped = "fp16 overflow" if self.precision.scaler else "non-finite gradient"
             if self.noise is not None and skipped is None:
@@ -249,7 +235,8 @@ class Accumulator:
             self.abort_window()
             raise
         self._close_window()
-        self.state.count_window(window.micro_batches, total, stepped=skipped is None)
+        micro_batches = window.tally.micro_batches
+        self.state.count_window(micro_batches, total, stepped=skipped is None)
         if skipped is not None:
             warn_skipped(self.state, skipped, grad_norm, scale, self.precision.scale())
         return StepResult(
@@ -258,7 +245,7 @@ class Accumulator:
             grad_norm=grad_norm,
             stepped=skipped is None,
             skipped=skipped,
-            micro_batches=window.micro_batches,
+            micro_batches=micro_batches,
             step=self.state.optimizer_steps,
             noise_scale=None if reading is None else reading.value,
             noise_interval=None if reading is None else reading.interval,

@@ -12,8 +12,8 @@ stage's gradient is then the sum over the window's items. The last stage's loss 
 returns ``(loss_sum, count)``; the window's count reaches every stage in one all-reduce of
 two numbers, and each stage divides its gradient once by it, clips by the global norm over
 all stages (the sum of their squares) and steps, or every stage skips when the norm is not
-finite anywhere. That is ``FrameworkWindow.end`` over ``Sync.pipeline``: the arithmetic of
-the Accumulator's ``end_window``, not a copy of it.
+finite anywhere. That is ``window.Tally`` and ``window.normalize`` over ``Sync.pipeline``:
+the arithmetic of the Accumulator's ``end_window``, not a copy of it.
 
 Precision is the Accumulator's ``Precision``: bf16 and fp16 autocast each stage's forward and
 the loss (not the backward, as in one process); under fp16 the last stage's loss carries the
@@ -32,11 +32,10 @@ import torch
 import torch.distributed as dist
 
 from gradaccum.checkpoint import AccumulatorState, rng_state, set_rng_state
-from gradaccum.integrations.window import FrameworkWindow
 from gradaccum.memory import format_bytes, saved_activation_bytes
 from gradaccum.precision import Precision
 from gradaccum.sync import Sync, collective_device
-from gradaccum.window import StepResult
+from gradaccum.window import StepResult, Tally, normalize
 
 __all__ = [
     "SCHEDULES",
@@ -121,7 +120,7 @@ class PipelineWindow:
             )
         self.stage, self.optimizer, self.loss_fn = stage, optimizer, loss_fn
         self.micro_batches, self.max_grad_norm = micro_batches, max_grad_norm
-        self.window = FrameworkWindow(None, None, sync=Sync.pipeline(group))
+        self.sync = Sync.pipeline(group)
         self.group, self.schedule_name = group, schedule
         self.state = AccumulatorState()
         self.noise = None  # the noise scale needs each micro-batch's gradient: not here
@@ -183,6 +182,7 @@ class PipelineWindow:
                 self.schedule.step(*args)
         finally:
             self._in_step = False
+        tally = Tally()  # the last stage's losses; the others learn the count in totals()
         if self.stage.is_last:
             # The schedule's first step also calls the loss once to infer the backward's
             # shapes: the window's micro-batches are the last ones it computed.
@@ -192,7 +192,7 @@ class PipelineWindow:
                     f"{self.micro_batches} micro-batches"
                 )
             for loss_sum, count in self._losses[-self.micro_batches :]:
-                self.window.add(loss_sum, count)
+                tally.add(loss_sum, count)
         self._tied_grads(sum_to_first=True)
         # fp16: unscale_ (the stages' overflow agreed), and the pre-scale the last stage's
         # losses carried, which every stage divides out with the count.
@@ -201,19 +201,22 @@ class PipelineWindow:
             # value the one they share) so that unscale_ finds it.
             self.precision.scaler.scale(torch.zeros((), device=self._params[0].device))
         grads, prescale = self.precision.gather(self.optimizer, self._counted)
-        end = self.window.end(grads, self._carried(prescale), max_grad_norm=self.max_grad_norm)
-        skipped = "zero count" if end.count == 0 else None
-        if skipped is None and not end.finite:
-            skipped = "fp16 overflow" if self.precision.scaler else "non-finite gradient"
+        carried = self._carried(prescale)
+        total, loss_total = tally.totals(self.sync)
+        grad_norm, skipped = None, "zero count" if total == 0 else None
+        if total:
+            grad_norm, finite = normalize(grads, total, self.sync, carried, self.max_grad_norm)
+            if not finite:
+                skipped = "fp16 overflow" if self.precision.scaler else "non-finite gradient"
         if skipped is None:
             self._tied_grads(sum_to_first=False)  # the divided, clipped gradient, both copies
         self.precision.apply(self.optimizer, self._params, step=skipped is None)
-        self.state.count_window(self.micro_batches, end.count, skipped is None)
+        self.state.count_window(self.micro_batches, total, skipped is None)
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(
-            loss=end.loss,
-            count=end.count,
-            grad_norm=end.grad_norm,
+            loss=loss_total / total if total else None,
+            count=total,
+            grad_norm=grad_norm,
             stepped=skipped is None,
             skipped=skipped,
             micro_batches=self.micro_batches,

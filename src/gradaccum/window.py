@@ -1,5 +1,7 @@
-"""The end of a window: its arithmetic (divide the summed gradient once, measure, clip,
-guard) and what the window reports (``StepResult``).
+"""The window's arithmetic, written once: the tally of its micro-batches (items and summed
+loss), the end (divide the summed gradient once, measure, clip, guard) and what the window
+reports (``StepResult``). The Accumulator, the framework windows and the pipeline window
+each keep a ``Tally`` and end through ``normalize``: every path computes the same thing.
 
 Backward leaves the window's gradient as a sum over its items. One division by the window's
 total (what the sum still carries besides the items, e.g. the fp16 pre-scale, included) makes
@@ -19,7 +21,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepResult", "finish", "total_norm", "warn_skipped"]
+from gradaccum.loss import check_count, check_loss, tensor_count_total
+
+__all__ = ["StepResult", "Tally", "finish", "normalize", "total_norm", "warn_skipped"]
 
 log = logging.getLogger("gradaccum")
 
@@ -45,6 +49,56 @@ class StepResult:
     oom_replays: int = 0  # times this window was replayed at a smaller micro-batch size
     noise_scale: float | None = None  # B_simple so far (with a NoiseScale), else None
     noise_interval: tuple[float, float] | None = None  # its interval (NoiseScale.confidence)
+
+
+class Tally:
+    """The window in progress as numbers: its micro-batches, their item count and summed loss.
+
+    Nothing here waits for the device: a loss is summed where it lives (in float64) and a
+    count left on a GPU is read once, in ``totals``, with the others."""
+
+    def __init__(self) -> None:
+        self.micro_batches = 0  # recorded so far: the next one's index
+        self._count = 0  # counts known on the host
+        self._device_counts: list[tuple[int, torch.Tensor]] = []  # (index, count) on a device
+        self._loss: torch.Tensor | None = None
+
+    def add(self, loss_sum: Any, count: Any) -> tuple[torch.Tensor, int | torch.Tensor]:
+        """One micro-batch's summed loss and item count, checked (an error names the
+        micro-batch by its index) and recorded. Returns the two as checked."""
+        index = self.micro_batches
+        loss_sum, count = check_loss(loss_sum, index), check_count(count, index)
+        if isinstance(count, torch.Tensor):
+            self._device_counts.append((index, count))
+        else:
+            self._count += count
+        if self._loss is None:
+            self._loss = torch.zeros((), dtype=torch.float64, device=loss_sum.device)
+        self._loss.add_(loss_sum.detach())
+        self.micro_batches += 1
+        return loss_sum, count
+
+    def totals(self, sync: Any) -> tuple[int, float]:
+        """The window's item count and summed loss over every rank (``Sync.totals``: one
+        all-reduce of two numbers, none in one process)."""
+        count = self._count + tensor_count_total(self._device_counts)
+        return sync.totals(count, 0.0 if self._loss is None else self._loss.item())
+
+
+def normalize(
+    grads: list[torch.Tensor],
+    total: int,
+    sync: Any,
+    carried: float = 1.0,
+    max_grad_norm: float | None = None,
+) -> tuple[float, bool]:
+    """The window's one division: ``grads`` (this rank's summed gradient, in place) by the
+    global item count ``total`` times what the sum still carries besides the items
+    (``carried``: an fp16 pre-scale, a framework's own division), then ``finish``'s norm and
+    clip. DDP and FSDP2 hand back the mean over ranks, the sum over them / world, so the
+    divisor is over the world as well."""
+    divisor = total * carried / sync.world
+    return finish(sync.local(grads), divisor, max_grad_norm, sync.norm)
 
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:

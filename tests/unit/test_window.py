@@ -1,10 +1,22 @@
-"""The end-of-window arithmetic (gradaccum.window) against torch's own clip_grad_norm_."""
+"""The window's arithmetic (gradaccum.window): the end against torch's own clip_grad_norm_,
+and one tally behind the Accumulator, the framework window and the pipeline window."""
 
 import math
 
 import pytest
 import torch
+from helpers import (
+    TinyLM,
+    capture_step_grads,
+    lm_reference,
+    make_model,
+    max_rel_err,
+    padded_lm_batch,
+    reference_grads,
+    split_sizes,
+)
 
+import gradaccum as ga
 from gradaccum.window import finish, total_norm
 
 
@@ -55,3 +67,79 @@ def test_total_norm_widens_low_precision_and_mixes_dtypes():
         math.sqrt(1000 * bf16_value**2 + 12.0), rel=1e-6
     )
     assert float(total_norm([])) == 0.0
+
+
+# -- one tally on every path -------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_process_group():
+    """A process group of one (gloo on loopback), for the pipeline window's one stage."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def window_gradient(model) -> dict[str, torch.Tensor]:
+    """The gradient the optimizer steps on: SGD at lr 1 moves each weight by exactly it."""
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_the_accumulator_the_framework_window_and_the_pipeline_window_share_one_tally(
+    one_process_group,
+):
+    """Padded sequences in 4 micro-batches of 4, 3, 3 and 3 (how the pipeline's schedule cuts
+    13): every micro-batch holds a different number of tokens. All three paths must give the
+    full batch's mean gradient, which torch alone computes here."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from gradaccum.integrations.window import FrameworkWindow
+    from gradaccum.pipeline import PipelineWindow
+
+    batch = padded_lm_batch(seed=5)
+    parts = split_sizes(batch, [4, 3, 3, 3])
+    assert len({int((mb["labels"][:, 1:] != -100).sum()) for mb in parts}) == 4
+    want = reference_grads(make_model(TinyLM), batch, lm_reference)
+
+    def causal(out, labels):
+        return ga.causal_lm_loss(out, labels)
+
+    got = {}
+    # The Accumulator, its step() (the gradient captured before the optimizer's step).
+    model = make_model(TinyLM)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    acc = ga.Accumulator(model, opt)
+    captured = capture_step_grads(opt, model)
+    acc.step(parts, lambda m, mb: causal(m(mb["input_ids"]), mb["labels"]))
+    got["accumulator"] = captured[0]
+    # A framework's loop: backward on each summed loss, the window told, then end().
+    model = make_model(TinyLM)
+    window = FrameworkWindow(model, None)
+    for mb in parts:
+        loss_sum, count = causal(model(mb["input_ids"]), mb["labels"])
+        loss_sum.backward()
+        window.add(loss_sum, count)
+    end = window.end([p.grad for p in model.parameters()])
+    got["framework"] = window_gradient(model)
+    # A pipeline of one stage: the schedule cuts the batch itself.
+    model = make_model(TinyLM)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    captured = capture_step_grads(opt, model)
+    stage = PipelineStage(model, 0, 1, torch.device("cpu"))
+    pipe = PipelineWindow(stage, opt, causal, 4, schedule="gpipe")
+    result = pipe.step(batch["input_ids"], target=batch["labels"])
+    got["pipeline"] = captured[0]
+
+    tokens = int((batch["labels"][:, 1:] != -100).sum())
+    assert end.count == result.count == tokens
+    for path, grads in got.items():
+        assert max_rel_err(grads, want) <= 1e-5, path

@@ -3,9 +3,9 @@
 A framework (Hugging Face's Trainer, Lightning) owns the loop: it calls backward on each
 micro-batch, reduces gradients across ranks on the window's last one, clips and steps. The
 integrations only tell this class what each micro-batch held, and call ``end`` between the
-last backward and the framework's clipping. ``end`` makes the window's counts global (one
-all-reduce, ``Sync.totals``) and divides the gradient once (``window.finish``): the same
-two calls the Accumulator's ``end_window`` makes, so every path computes the same thing.
+last backward and the framework's clipping. The window's numbers are a ``window.Tally`` and
+its end is ``window.normalize``, as in the Accumulator's ``end_window``: every path computes
+the same thing.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
-from gradaccum.loss import check_count, check_loss, tensor_count_total
 from gradaccum.noise import NoiseScale
 from gradaccum.sync import Sync
-from gradaccum.window import finish, total_norm
+from gradaccum.window import Tally, normalize, total_norm
 
 __all__ = ["FrameworkWindow", "WindowEnd", "noise_option"]
 
@@ -62,10 +61,7 @@ class FrameworkWindow:
     ) -> None:
         self.sync = sync if sync is not None else Sync(model)
         self.noise = noise
-        self.micro_batches = 0
-        self._count = 0  # counts known on the host
-        self._device_counts: list[tuple[int, torch.Tensor]] = []  # counts left on a GPU
-        self._loss: torch.Tensor | None = None  # summed on the loss's device, float64
+        self.tally = Tally()
         self._prefix: tuple[torch.Tensor, Any] | None = None  # the latest, not yet kept
 
     def add(
@@ -83,19 +79,15 @@ class FrameworkWindow:
         Its prefix is kept once another micro-batch follows in the window: only then is it
         known to be a local prefix and not the last backward, which under DDP has already
         reduced across ranks (``end`` adds the global window instead)."""
-        index = self.micro_batches
-        loss_sum, count = check_loss(loss_sum, index), check_count(count, index)
-        if isinstance(count, torch.Tensor):
-            self._device_counts.append((index, count))
-        else:
-            self._count += count
-        if self._loss is None:
-            self._loss = torch.zeros((), dtype=torch.float64, device=loss_sum.device)
-        self._loss.add_(loss_sum.detach())
+        _, count = self.tally.add(loss_sum, count)
         if self.noise is not None and grads is not None:
             self._keep_prefix()
             self._prefix = (total_norm(grads).square() / multiplier**2, count)
-        self.micro_batches += 1
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches recorded in the window so far."""
+        return self.tally.micro_batches
 
     def _keep_prefix(self) -> None:
         if self._prefix is not None:
@@ -116,10 +108,8 @@ class FrameworkWindow:
         ``scale``: an fp16 loss scale still on the gradient, which the framework divides out
         itself later (only the norm reported here is corrected for it); ``max_grad_norm``:
         clip here, by ``window.finish``'s rule (frameworks that clip themselves leave it None)."""
-        count = self._count + tensor_count_total(self._device_counts)
-        loss_sum = 0.0 if self._loss is None else self._loss.item()
-        total, loss = self.sync.totals(count, loss_sum)
-        self.micro_batches, self._count, self._device_counts, self._loss = 0, 0, [], None
+        total, loss = self.tally.totals(self.sync)
+        self.tally = Tally()
         if self.sync.distributed:
             self._prefix = None  # the last backward reduced: not this rank's prefix
         elif self.noise is not None:
@@ -128,9 +118,7 @@ class FrameworkWindow:
             if self.noise is not None:
                 self.noise.drop_window()
             return WindowEnd(0, None, None, True, self._b_simple())
-        # DDP hands back the mean over ranks: the sum over them / world.
-        divisor = total * carried / self.sync.world
-        grad_norm, finite = finish(self.sync.local(grads), divisor, max_grad_norm, self.sync.norm)
+        grad_norm, finite = normalize(grads, total, self.sync, carried, max_grad_norm)
         grad_norm /= scale
         b_simple = None
         if self.noise is not None and finite:
