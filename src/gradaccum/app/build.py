@@ -17,7 +17,8 @@ from gradaccum.app import launch
 from gradaccum.app.config import RESUMABLE, TrainConfig
 from gradaccum.app.folder import BASELINE, CHECKPOINT, CONFIG, PLAN, RESUMES, RunFolder
 from gradaccum.app.guard import IncidentGuard
-from gradaccum.app.loop import _Run, load_saved
+from gradaccum.app.kinds import Pipelined, Replicated, RunKind, Sharded
+from gradaccum.app.loop import _Run
 from gradaccum.app.measure import fresh_process_verifier
 from gradaccum.app.recipes import Recipe, get_recipe, hf_recipe
 from gradaccum.app.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
@@ -121,6 +122,7 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
 
         model = GPTStage(model, rank, stages)  # this process's part; the rest is dropped
     model.to(device)
+    kind = _kind(cfg, rank, world, model)
     if loaded is not None:
         data = SequenceData(loaded, cfg.seed, recipe.logits)
         recipe = dataclasses.replace(recipe, sample_batch=data.sample)
@@ -133,7 +135,7 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         total_samples = cfg.samples or max(1, round(cfg.epochs * data.epoch_samples()))
     else:
         total_steps = cfg.steps
-    saved = load_saved(folder, device, rank, stages) if resuming else None
+    saved = kind.load_saved(folder, device) if resuming else None
     if saved is not None:
         _check_signature(saved["signature"], signature, folder.path / CHECKPOINT)
         if "schedule" not in saved:
@@ -211,27 +213,24 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     # With clipping, a gradient spike's step is already bounded: the loss tells damage.
     guard = IncidentGuard(gradient=not cfg.max_grad_norm) if cfg.guard else None
     run = _Run(
-        cfg,
-        folder,
-        rank,
-        world,
-        recipe,
-        model,
-        device,
-        data,
-        optimizer,
-        acc,
-        micro,
-        checkpointing,
-        signature,
-        schedule,
-        0,
-        total_steps,
-        total_samples,
+        cfg=cfg,
+        folder=folder,
+        kind=kind,
+        recipe=recipe,
+        model=model,
+        device=device,
+        data=data,
+        optimizer=optimizer,
+        acc=acc,
+        micro=micro,
+        checkpointing=checkpointing,
+        signature=signature,
+        schedule=schedule,
+        start=0,
+        total_steps=total_steps,
+        total_samples=total_samples,
         targets=cfg.targets(),
         guard=guard,
-        stages=stages,
-        chained=ChainedStages(model) if stages > 1 else None,
     )
     if saved is not None:
         run.restore(saved)
@@ -242,6 +241,15 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         log(f"resuming {folder.path} at {where} (micro-batch {micro})")
     run.skip_ahead()
     return run
+
+
+def _kind(cfg: TrainConfig, rank: int, world: int, model: torch.nn.Module) -> RunKind:
+    """The kind of run the configuration and the job make (checked by ``_build`` first)."""
+    if cfg.pipeline_stages > 1:
+        return Pipelined(rank, world, cfg.pipeline_schedule, ChainedStages(model))
+    if cfg.shard == "fsdp":
+        return Sharded(rank, world)
+    return Replicated(rank, world)
 
 
 def _pipeline_window(cfg, rank, world, module, device, optimizer, micro, log):

@@ -34,7 +34,7 @@ def init_from_env() -> tuple[int, int]:
 
 def is_main() -> bool:
     """Rank 0 of a process group, or a process outside one: the one that speaks."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return _alone() or dist.get_rank() == 0
 
 
 def shutdown() -> None:
@@ -45,9 +45,16 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def _alone() -> bool:
+    """Outside a process group: each agreement below is this process's own value."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
 def broadcast(value, src: int = 0):
     """Rank ``src``'s value on every rank (a small picklable object between the job's own
     processes: a path, a verdict, a plan)."""
+    if _alone():
+        return value
     box = [value]
     dist.broadcast_object_list(box, src=src)
     return box[0]
@@ -55,6 +62,8 @@ def broadcast(value, src: int = 0):
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when it is true on any (e.g. a signal that reached one rank)."""
+    if _alone():
+        return bool(flag)
     t = torch.tensor([int(flag)], device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
@@ -63,6 +72,8 @@ def any_rank(flag: bool) -> bool:
 def main_int(value: int) -> int:
     """Rank 0's integer on every rank, in one small tensor broadcast (a decision each rank
     would otherwise make from its own numbers, e.g. auto's next effective batch)."""
+    if _alone():
+        return int(value)
     t = torch.tensor([int(value)], device=collective_device())
     dist.broadcast(t, src=0)
     return int(t.item())

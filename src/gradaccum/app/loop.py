@@ -21,9 +21,10 @@ from gradaccum.app import launch
 from gradaccum.app.config import TrainConfig
 from gradaccum.app.folder import INCIDENTS, METRICS, MODEL, RunFolder
 from gradaccum.app.guard import Incident, IncidentGuard
+from gradaccum.app.kinds import RunKind
 from gradaccum.app.recipes import Recipe
 from gradaccum.app.targets import Targets
-from gradaccum.batching import batch_size, shard, split, to_device
+from gradaccum.batching import batch_size, to_device
 from gradaccum.engine import Accumulator
 from gradaccum.memory import TrainingMemory, format_bytes
 from gradaccum.pipeline import PipelineWindow
@@ -90,8 +91,7 @@ class _Run:
 
     cfg: TrainConfig
     folder: RunFolder
-    rank: int
-    world: int
+    kind: RunKind  # one process or DDP, FSDP2, a pipeline: what the loop asks of each
     recipe: Recipe
     model: torch.nn.Module
     device: torch.device
@@ -112,28 +112,10 @@ class _Run:
     last_incident: int = 0  # the step of the latest incident
     elapsed: float = 0.0  # training seconds over all sessions, as of the last window
     stopped_by: str = "length"
-    stages: int = 1  # pipeline stages, one per process (--pipeline-stages)
-    chained: torch.nn.Module | None = None  # a pipeline's stages chained, for evaluation
 
     @property
     def main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def sharded(self) -> bool:
-        """FSDP2 (--shard fsdp): each rank holds shards of the model and the optimizer."""
-        return self.cfg.shard == "fsdp" and self.world > 1
-
-    @property
-    def together(self) -> bool:
-        """Whether every rank takes part in each forward (evaluation too): a pipeline's
-        stages, or FSDP2's ranks gathering each block's parameters."""
-        return self.stages > 1 or self.sharded
-
-    @property
-    def replicas(self) -> int:
-        """Processes that each train a share of the batch (a pipeline's stages share one)."""
-        return self.world // self.stages
+        return self.kind.main
 
     def progress(self) -> float:
         """The share of the run done, in its own unit."""
@@ -147,11 +129,7 @@ class _Run:
     def restore(self, saved: dict[str, Any], *, rollback: bool = False) -> None:
         """The state ``_checkpoint`` saved. A rollback keeps what the run learned since: the
         samples set aside, its count of rollbacks and the time it has trained."""
-        state = saved["accumulator"]
-        if isinstance(state, dict) and "shards" in state:  # FSDP2: each rank reads its own
-            self.folder.load_shards(self.acc, state["shards"])
-        else:
-            self.acc.load_state_dict(state)
+        self.kind.restore(self.acc, self.folder, saved["accumulator"])
         self.schedule.load_state_dict(saved["schedule"])
         if self.guard is not None and saved.get("guard") is not None:
             self.guard.load_state_dict(saved["guard"])
@@ -207,13 +185,11 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
     checkpoint_every steps, at the end, and at the boundary after a stop was asked for or a
     target was met; with the guard, a rollback after each incident."""
     cfg, folder, schedule = run.cfg, run.folder, run.schedule
-    windows = math.ceil(math.ceil(cfg.effective_batch / run.replicas) / run.micro)
-    across = f" on each of {run.replicas} processes" if run.replicas > 1 else ""
-    if run.stages > 1:
-        across = f" through {run.stages} pipeline stages ({cfg.pipeline_schedule})"
+    kind = run.kind
+    windows = math.ceil(math.ceil(cfg.effective_batch / kind.replicas) / run.micro)
     log(
         f"training {run.length()}: effective batch {cfg.effective_batch} = {windows} "
-        f"micro-batch{'es' if windows > 1 else ''} of up to {run.micro}{across}"
+        f"micro-batch{'es' if windows > 1 else ''} of up to {run.micro}{kind.across(cfg)}"
         + ("" if schedule.kind == "constant" else f"; schedule: {schedule.describe()}")
         + f"; {run.data.epoch_samples():,} samples per epoch; run folder {folder.path}"
     )
@@ -231,9 +207,8 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
     # Before the memory meter starts: importing TensorBoard and writing step 0's checkpoint
     # raise the process's resident memory, and neither is training.
     events = _events(run, log)
-    first_kept = run.guard is not None and not folder.kept_checkpoints()
-    if run.together:  # rank 0's reading, taken before any rank writes
-        first_kept = launch.broadcast(first_kept)
+    # rank 0's reading, taken before any rank writes
+    first_kept = kind.agree(run.guard is not None and not folder.kept_checkpoints())
     if first_kept:
         _checkpoint(run, run.start, run.start)  # something to roll back to from the start
     memory = TrainingMemory(run.model, run.device)
@@ -255,16 +230,12 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             if faults is not None:
                 batch = faults(first, batch)
             samples = batch_size(batch)  # fewer than size at the end of an epoch
-            if run.replicas > 1:
-                batch = shard(batch, run.rank, run.replicas)
+            batch = kind.local(batch)
             if run.device.type == "cuda":
                 batch = to_device(batch, run.device)
-            if run.stages > 1:  # the schedule cuts the batch into the window's micro-batches
-                result = run.acc.step(batch["input_ids"], target=batch["labels"])
-            else:
-                result = run.acc.step(split(batch, run.micro), run.recipe.loss_fn)
+            result = kind.step(run.acc, batch, run.micro, run.recipe.loss_fn)
             schedule.update(result, samples)
-            if run.world > 1 and schedule.kind == "auto":
+            if schedule.kind == "auto":
                 # Each rank reads the noise off its own prefixes: rank 0's decision holds.
                 schedule.current = launch.main_int(schedule.current)
             step = schedule.step
@@ -315,10 +286,8 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             memory.window_done()
             end = run.done()
             limit = run.targets.limit_reached(run.elapsed, line["peak_memory"])
-            # Rank 0 evaluates; a pipeline's stages, or FSDP2's shards, all take part.
-            evaluates = run.main or run.together
-            if evaluates and (step % cfg.eval_every == 0 or end or limit):
-                evaluated = run.data.evaluate(run.chained or run.model, run.micro)
+            if kind.evaluates() and (step % cfg.eval_every == 0 or end or limit):
+                evaluated = run.data.evaluate(kind.evaluated(run.model), run.micro)
                 line.update({f"eval_{k}": v for k, v in evaluated.items()})
             hit = run.targets.check(line, run.elapsed) if run.main else None
             _write_line(metrics, line, folder, last)
@@ -330,22 +299,20 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             # waits for the next window boundary. (Reading `stop` again later let a signal
             # landing between the ranks' agreement and the check stop one rank alone, leaving
             # the other in a collective.)
-            stopping = bool(stop)
-            if run.world > 1:
-                hit = launch.broadcast(hit)  # rank 0 evaluates: its verdict stops every rank
-                stopping = launch.any_rank(stopping)  # a signal on any rank stops them all
+            hit = launch.broadcast(hit)  # rank 0 evaluates: its verdict stops every rank
+            stopping = launch.any_rank(bool(stop))  # a signal on any rank stops them all
             if stopping or hit or step % cfg.checkpoint_every == 0 or end:
                 _checkpoint(run, step, last)
                 last = step
             exporting = bool(cfg.export_every and step % cfg.export_every == 0 or end or hit)
-            # Under FSDP2 the whole model is gathered from the shards (every rank takes part)
-            # once, for model.pt at the end and for the Hugging Face export.
+            # A model held in shards is gathered whole (every rank takes part) once, for
+            # model.pt at the end and for the Hugging Face export; None where it is whole.
             whole = None
-            if run.sharded and (end or hit or exporting and cfg.hf_model is not None):
-                whole = _gather(run)
+            if end or hit or exporting and cfg.hf_model is not None:
+                whole = kind.gather(run.model)
             if exporting:
                 _export(run, log, whole)
-            if run.sharded and (end or hit):
+            if whole is not None and (end or hit):
                 _save_whole(run, log, whole)
             if stopping:
                 raise Interrupted(step, folder.path, stop[0] if stop else signal.SIGTERM)
@@ -361,18 +328,6 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             bar.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def load_saved(
-    folder: RunFolder, device: torch.device, rank: int, stages: int, file: Path | None = None
-) -> dict[str, Any] | None:
-    """The run's checkpoint (checkpoint.pt, or a kept ``file``), with this process's part of
-    the model in ``accumulator``: under a pipeline, stage S > 0 reads its own file of the
-    checkpoint's step."""
-    saved = folder.load_checkpoint(device, file)
-    if saved is not None and stages > 1 and rank > 0:
-        saved["accumulator"] = folder.load_stage(rank, saved["step"], device)["accumulator"]
-    return saved
 
 
 def _hit_text(targets: Targets, name: str) -> str:
@@ -416,7 +371,7 @@ def _rollback(run: _Run, incident: Incident, blamed: list[tuple[int, int, int]],
             "holds no kept checkpoint to roll back to; resume with --no-guard"
         )
     back, file = kept[-1]
-    run.restore(load_saved(run.folder, run.device, run.rank, run.stages, file), rollback=True)
+    run.restore(run.kind.load_saved(run.folder, run.device, file), rollback=True)
     gave_up = run.retries >= GUARD_RETRIES
     span = [blamed[0][1], blamed[-1][2]]
     if gave_up:
@@ -464,39 +419,18 @@ def _write_line(metrics, line: dict[str, Any], folder: RunFolder, last: int) -> 
 
 
 def _checkpoint(run: _Run, step: int, last: int) -> None:
-    """checkpoint.pt written by rank 0; under a pipeline, the later stages' parts first,
-    each stage its own file, all written before rank 0 commits."""
-    if run.stages > 1:
-        problem = None
-        if not run.main:
-            try:
-                state = {"step": step, "accumulator": run.acc.state_dict()}
-                run.folder.save_stage(run.rank, step, state)
-            except ValueError as err:
-                problem = str(err)
-        if launch.any_rank(problem is not None):  # every stage's part, or no commit
-            raise ValueError(
-                _stopped(run.folder, problem or "another stage could not write its part", last)
-            )
-    accumulator = None
-    if run.sharded:  # every rank writes its shards; rank 0's checkpoint.pt then names them
-        problem = run.folder.prepare_shards(step) if run.main else None
-        if not launch.any_rank(problem is not None):
-            try:
-                run.folder.save_shards(run.acc, step)
-            except ValueError as err:
-                problem = str(err)
-        if launch.any_rank(problem is not None):
-            raise ValueError(
-                _stopped(run.folder, problem or "another rank could not write its shards", last)
-            )
-        accumulator = {"shards": run.folder.commit_shards(step) if run.main else None}
+    """checkpoint.pt written by rank 0, after the parts other processes write themselves
+    (a pipeline's later stages, FSDP2's shards: ``RunKind.save_parts``)."""
+    try:
+        accumulator = run.kind.save_parts(run.acc, run.folder, step)
+    except ValueError as err:
+        raise ValueError(_stopped(run.folder, str(err), last)) from None
     if not run.main:
         return
     state = {
         "step": step,
         "micro_batch": run.micro,
-        "sync": run.acc.sync.mode if isinstance(run.acc, Accumulator) else "window",
+        "sync": run.kind.sync_mode(run.acc),
         "checkpointing": run.checkpointing,
         "signature": run.signature,
         "schedule": run.schedule.state_dict(),
@@ -512,19 +446,9 @@ def _checkpoint(run: _Run, step: int, last: int) -> None:
         run.folder.save_checkpoint(state)
         if run.guard is not None:
             run.folder.keep_checkpoint(step, run.cfg.keep_checkpoints)
-        if run.together:  # the stage or shard files no checkpoint names any more
-            run.folder.prune_parts({step, *(s for s, _ in run.folder.kept_checkpoints())})
+        run.kind.prune(run.folder, {step, *(s for s, _ in run.folder.kept_checkpoints())})
     except ValueError as err:
         raise ValueError(_stopped(run.folder, str(err), last)) from None
-
-
-def _gather(run: _Run) -> dict[str, torch.Tensor]:
-    """Under FSDP2, the whole model's state_dict gathered from the shards (every rank takes
-    part; rank 0 receives it, in CPU memory)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(run.model, options=options)
 
 
 def _save_whole(run: _Run, log, whole: dict[str, torch.Tensor]) -> None:

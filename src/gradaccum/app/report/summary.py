@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 
-from gradaccum.app import launch
 from gradaccum.app.folder import BASELINE, INCIDENTS
 from gradaccum.app.loop import _Run
 from gradaccum.app.report import plots
@@ -20,17 +19,16 @@ def final_evaluation(run: _Run) -> dict[str, float] | None:
     its last line has none (nothing trained, a stop on a signal, or the guard stopped at a
     rollback). Rank 0 returns them (the others None); a pipeline's stages, or FSDP2's ranks,
     all call it, since they evaluate together."""
-    if not (run.main or run.together):
+    if not run.kind.evaluates():
         return None
     known: dict[str, float] = {}
     if run.main:
         lines = run.folder.metrics()
         if lines:
             known = {k[5:]: v for k, v in lines[-1].items() if k.startswith("eval_")}
-    if run.together:
-        known = launch.broadcast(known)
+    known = run.kind.agree(known)
     if not known:
-        known = run.data.evaluate(run.chained or run.model, run.micro)
+        known = run.data.evaluate(run.kind.evaluated(run.model), run.micro)
     return known if run.main else None
 
 
