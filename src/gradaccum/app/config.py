@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from gradaccum.app.recipes import RECIPES
 from gradaccum.app.targets import Targets, parse_seconds
@@ -15,9 +15,23 @@ from gradaccum.precision import PRECISIONS
 from gradaccum.schedule import LR_RULES, schedule_problems
 from gradaccum.validate import int_problem
 
-__all__ = ["RESUMABLE", "SHARDS", "TrainConfig"]
+__all__ = ["RESUMABLE", "SHARDS", "RecipeDefault", "TrainConfig"]
 
 SHARDS = ("ddp", "fsdp")
+
+
+class RecipeDefault:
+    """The default of an option a recipe may set otherwise (minilm trains an effective batch
+    of 256, not 64). A configuration resolves it as it is made (``__post_init__``), so a run
+    is the same whether it comes from the command line, a config file or Python."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __str__(self) -> str:  # the --help line's "(default: ...)"
+        return f"{self.value}, or the recipe's own"
 
 
 @dataclass(kw_only=True)
@@ -96,7 +110,7 @@ class TrainConfig:
         metadata={"help": "with --lora, also export the base with the adapters merged in"},
     )
     effective_batch: int = field(
-        default=64,
+        default=RecipeDefault(64),
         metadata={"help": "samples per optimizer step (sequences for the LMs, images for digits)"},
     )
     batch_schedule: str = field(
@@ -127,7 +141,7 @@ class TrainConfig:
         metadata={"help": "samples per micro-batch; planned from --budget when not given"},
     )
     budget: str = field(
-        default="512MB",
+        default=RecipeDefault("512MB"),
         metadata={"help": "memory budget for planning the micro-batch: bytes or 2GiB, 1500MB, ..."},
     )
     checkpointing: str = field(
@@ -165,12 +179,15 @@ class TrainConfig:
             "choices": list(SHARDS),
         },
     )
-    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW)"})
+    lr: float = field(default=RecipeDefault(3e-3), metadata={"help": "peak learning rate (AdamW)"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
     warmup_steps: int = field(
-        default=10, metadata={"help": "linear warm-up steps, then cosine decay to 10% of --lr"}
+        default=RecipeDefault(10),
+        metadata={"help": "linear warm-up steps, then cosine decay to 10% of --lr"},
     )
-    steps: int | None = field(default=150, metadata={"help": "optimizer steps to train"})
+    steps: int | None = field(
+        default=RecipeDefault(150), metadata={"help": "optimizer steps to train"}
+    )
     epochs: float | None = field(
         default=None, metadata={"help": "train this many passes over the data instead of --steps"}
     )
@@ -197,8 +214,12 @@ class TrainConfig:
             "--no-noise-scale turns it off"
         },
     )
-    eval_every: int = field(default=50, metadata={"help": "held-out evaluation every N steps"})
-    checkpoint_every: int = field(default=50, metadata={"help": "checkpoint every N steps"})
+    eval_every: int = field(
+        default=RecipeDefault(50), metadata={"help": "held-out evaluation every N steps"}
+    )
+    checkpoint_every: int = field(
+        default=RecipeDefault(50), metadata={"help": "checkpoint every N steps"}
+    )
     keep_checkpoints: int = field(
         default=2,
         metadata={
@@ -273,6 +294,17 @@ class TrainConfig:
             "metavar": "FILE",
         },
     )
+
+    def __post_init__(self) -> None:
+        # The recipe's own defaults, where it has them (not for --hf-model, which replaces
+        # the recipe), then TrainConfig's: the one place a default is resolved.
+        own = {}
+        if self.hf_model is None and self.recipe in RECIPES:
+            own = RECIPES[self.recipe].defaults
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, RecipeDefault):
+                setattr(self, f.name, own.get(f.name, value.value))
 
     def problems(self) -> list[str]:
         """Every problem with this configuration, so a user fixes them in one pass."""

@@ -17,7 +17,6 @@ except ModuleNotFoundError:  # Python 3.10
 from gradaccum.app import Interrupted, TrainConfig, train
 from gradaccum.app.folder import CONFIG, RunFolder
 from gradaccum.app.launch import is_main, shutdown
-from gradaccum.app.recipes import RECIPES
 from gradaccum.validate import invalid_configuration
 
 _FILE_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"config", "resume"}
@@ -116,10 +115,7 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         from_file = read_config_file(flags["config"])
         problems += _check_types(from_file, flags["config"])
         values.update(from_file)
-    if not flags.get("resume"):  # (a resumed run has every value in its saved config)
-        recipe = flags.get("recipe", from_file.get("recipe", "gpt"))
-        if recipe in RECIPES and not (flags.get("hf_model") or from_file.get("hf_model")):
-            values.update({k: v for k, v in RECIPES[recipe].defaults.items() if k not in values})
+    # (a recipe's own defaults, for what no flag or file gives: TrainConfig resolves them)
     values.update(flags)
     for other in ("epochs", "samples"):
         if ("steps" in flags or "steps" in from_file) and values.get(other) is not None:
