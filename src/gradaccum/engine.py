@@ -19,16 +19,15 @@ from typing import Any
 
 import torch
 
-from gradaccum import checkpoint
-from gradaccum.checkpoint import AccumulatorState
-from gradaccum.diagnose.batchnorm import warn_batchnorm
+from gradaccum.batchnorm import warn_batchnorm
+from gradaccum.checkpoint import FORMAT, rng_state, set_rng_state
 from gradaccum.loss import check_loss, unpack, window_input
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay
 from gradaccum.precision import Precision
 from gradaccum.sync import Sync
 from gradaccum.validate import check_arguments, window_parameters
-from gradaccum.window import StepResult, Tally, normalize, warn_skipped
+from gradaccum.window import AccumulatorState, StepResult, Tally, normalize, warn_skipped
 
 __all__ = ["Accumulator", "AccumulatorState", "LossFn", "StepResult"]
 
@@ -87,10 +86,10 @@ class Accumulator:
         )
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._params, self._step_params = window_parameters(model, optimizer)
-        self.sync = Sync(model, sync)
+        self.sync = Sync.of(model, sync)
         device_type = self._params[0].device.type
         self.precision = Precision.of(precision).bind(
-            self._params, device_type, sharded=self.sync.kind == "fsdp"
+            self._params, device_type, sharded=self.sync.sharded
         )
         self.sync.configure(self.precision, oom, noise)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -297,14 +296,72 @@ class Accumulator:
         self._window = _Window()
         return self._window
 
-    # -- checkpoints (gradaccum.checkpoint) -------------------------------------------------
+    # -- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue bit for bit: model, optimizer,
         scheduler, the accumulator's counters and policies, and the random generators.
         Loadable with ``torch.load(..., weights_only=True)``. Only at a window boundary."""
-        return checkpoint.save(self)
+        if self.in_window:
+            raise RuntimeError(
+                f"state_dict() called inside a window after {self._window.tally.micro_batches} "
+                "micro-batches; checkpoint between windows so a resumed run is the same run"
+            )
+        model, optimizer = self.sync.state_dicts(self.optimizer)
+        scaler = self.precision.scaler
+        return {
+            "format": FORMAT,
+            "accumulator": dataclasses.asdict(self.state),
+            "model": model,
+            "optimizer": optimizer,
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "scaler": None if scaler is None else scaler.state_dict(),
+            "oom": None if self.oom is None else self.oom.state_dict(),
+            "noise": None if self.noise is None else self.noise.state_dict(),
+            "rng": rng_state(),
+        }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict()`` saved; refuses a mismatched checkpoint clearly."""
-        checkpoint.load(self, state_dict)
+        """Restore what ``state_dict()`` saved; refuses a mismatched checkpoint clearly,
+        saying how, before changing anything."""
+        if not isinstance(state_dict, Mapping) or state_dict.get("format") != FORMAT:
+            got = (
+                state_dict.get("format")
+                if isinstance(state_dict, Mapping)
+                else type(state_dict).__name__
+            )
+            raise ValueError(
+                f"not a gradaccum Accumulator checkpoint (format {got!r}, expected {FORMAT!r})"
+            )
+        if self.in_window:
+            raise RuntimeError(
+                "load_state_dict() called inside a window; call abort_window() first"
+            )
+        keys = ("accumulator", "model", "optimizer", "scheduler", "scaler", "rng")
+        missing = [k for k in keys if k not in state_dict]
+        if missing:
+            raise ValueError(f"checkpoint is missing {', '.join(missing)}")
+        for key, mine in (("scheduler", self.scheduler), ("scaler", self.precision.scaler)):
+            if (state_dict[key] is None) != (mine is None):
+                has = "has" if state_dict[key] is not None else "has no"
+                raise ValueError(
+                    f"checkpoint {has} {key} state but this Accumulator has "
+                    f"{'one' if mine is not None else 'none'}"
+                )
+        counters = state_dict["accumulator"]
+        unknown = set(counters) - {f.name for f in dataclasses.fields(self.state)}
+        if unknown:
+            raise ValueError(f"checkpoint has unknown accumulator fields {sorted(unknown)}")
+        self.sync.load_state_dicts(self.optimizer, state_dict["model"], state_dict["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state_dict["scheduler"])
+        if self.precision.scaler is not None:
+            self.precision.scaler.load_state_dict(state_dict["scaler"])
+        self.state = AccumulatorState(**counters)
+        # A policy's state is restored when both the checkpoint and this Accumulator have
+        # one: a run may resume with a policy turned on or off.
+        if self.oom is not None and state_dict.get("oom") is not None:
+            self.oom.load_state_dict(state_dict["oom"])
+        if self.noise is not None and state_dict.get("noise") is not None:
+            self.noise.load_state_dict(state_dict["noise"])
+        set_rng_state(state_dict["rng"])

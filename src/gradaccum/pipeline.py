@@ -12,7 +12,7 @@ stage's gradient is then the sum over the window's items. The last stage's loss 
 returns ``(loss_sum, count)``; the window's count reaches every stage in one all-reduce of
 two numbers, and each stage divides its gradient once by it, clips by the global norm over
 all stages (the sum of their squares) and steps, or every stage skips when the norm is not
-finite anywhere. That is ``window.Tally`` and ``window.normalize`` over ``Sync.pipeline``:
+finite anywhere. That is ``window.Tally`` and ``window.normalize`` over ``PipelineSync``:
 the arithmetic of the Accumulator's ``end_window``, not a copy of it.
 
 Precision is the Accumulator's ``Precision``: bf16 and fp16 autocast each stage's forward and
@@ -31,11 +31,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradaccum.checkpoint import AccumulatorState, rng_state, set_rng_state
+from gradaccum.checkpoint import rng_state, set_rng_state
 from gradaccum.memory import format_bytes, saved_activation_bytes
 from gradaccum.precision import Precision
-from gradaccum.sync import Sync, collective_device
-from gradaccum.window import StepResult, Tally, normalize
+from gradaccum.sync import PipelineSync, collective_device
+from gradaccum.window import AccumulatorState, StepResult, Tally, normalize
 
 __all__ = [
     "SCHEDULES",
@@ -120,7 +120,7 @@ class PipelineWindow:
             )
         self.stage, self.optimizer, self.loss_fn = stage, optimizer, loss_fn
         self.micro_batches, self.max_grad_norm = micro_batches, max_grad_norm
-        self.sync = Sync.pipeline(group)
+        self.sync = PipelineSync(group)
         self.group, self.schedule_name = group, schedule
         self.state = AccumulatorState()
         self.noise = None  # the noise scale needs each micro-batch's gradient: not here

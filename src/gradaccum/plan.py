@@ -38,7 +38,7 @@ from gradaccum.memory import (
 from gradaccum.precision import Precision
 from gradaccum.recompute import checkpointing_enabled, disable_checkpointing, enable_checkpointing
 from gradaccum.stats import fit_line
-from gradaccum.sync import SYNC_MODES, kind_of
+from gradaccum.sync import SYNC_MODES, is_sharded
 from gradaccum.validate import int_problem
 
 __all__ = ["Fit", "Plan", "Probe", "plan"]
@@ -370,7 +370,7 @@ def plan(
 def _plan_sync(model, optimizer, sample_batch, loss_fn, effective_batch, budget, world_size, **kw):
     """``plan(sync="auto")``: under FSDP2, both sync modes measured; "window" when it fits."""
     args = (model, optimizer, sample_batch, loss_fn, effective_batch, budget, world_size)
-    if kind_of(model) != "fsdp":  # DDP holds the whole gradient either way
+    if not is_sharded(model):  # DDP holds the whole gradient either way
         return plan(*args, **kw)
     plans: dict[str, Plan | ValueError] = {}
     for mode in SYNC_MODES:

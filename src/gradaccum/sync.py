@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,93 +58,55 @@ try:  # public from torch 2.6; torch 2.4 and 2.5 (which the package supports) ke
 except ImportError:  # pragma: no cover - torch < 2.6
     from torch.distributed._composable.fsdp import FSDPModule
 
-__all__ = ["SYNC_MODES", "Sync", "collective_device", "kind_of"]
+__all__ = [
+    "SYNC_MODES",
+    "DDPSync",
+    "FSDPSync",
+    "PipelineSync",
+    "Sync",
+    "collective_device",
+    "is_sharded",
+]
 
 SYNC_MODES = ("window", "micro")
 
 
 class Sync:
-    """Gradient-sync control for one model: plain (``kind="local"``), DDP or FSDP2."""
+    """Gradient-sync control for one model; this class is one process's, which communicates
+    nothing. ``Sync.of(model)`` gives the one for a model as it is wrapped: ``DDPSync``,
+    ``FSDPSync``, or this; ``PipelineSync`` serves a pipeline's stages. Each kind is a class:
+    nothing outside this module asks which kind it has."""
 
-    def __init__(self, model: torch.nn.Module, mode: str = "window") -> None:
+    name = "local"  # for messages
+    distributed = False  # other processes take part in the window
+    sharded = False  # each rank holds shards of the parameters (FSDP2)
+
+    def __init__(self, model: torch.nn.Module | None, mode: str = "window") -> None:
         if mode not in SYNC_MODES:
             raise ValueError(
                 f"sync must be one of {', '.join(map(repr, SYNC_MODES))}, got {mode!r}"
             )
-        self.mode = mode
-        self.model = model
-        self.group = None
-        self.inner = model
-        self.kind = kind_of(model)
-        if self.kind == "ddp":
-            self.group, self.inner = model.process_group, model.module
-        self.distributed = self.kind != "local"
-        self.world = dist.get_world_size(self.group) if self.distributed else 1
-        self._device = collective_device(self.group) if self.distributed else None
-        self._pad: Any = None  # one sample of a micro-batch this rank held, to pad with
-        self._forwards: int | None = None  # forwards in the micro-batch in progress
+        self.mode, self.model, self.inner, self.group = mode, model, model, None
+        self.world = 1  # what the reduction averages the gradient over
         self.reduce_at_end = False  # DDP: the Accumulator reduces the window's sums (configure)
-        if self.distributed:
-            ref = weakref.ref(self)
 
-            def count_forward(module: torch.nn.Module, args: Any) -> None:
-                sync = ref()
-                if sync is not None and sync._forwards is not None:
-                    sync._forwards += 1
-
-            handle = model.register_forward_pre_hook(count_forward)
-            weakref.finalize(self, handle.remove)
-
-    @classmethod
-    def pipeline(cls, group: Any = None) -> Sync:
-        """The stages of one pipeline (``torch.distributed.pipelining``): each holds its own
-        parameters, so the norm sums squares over the stages as over FSDP2's shards; nothing
-        averages a gradient over them (``world`` 1 for the divisor); the last stage alone
-        knows the counts, which ``totals`` sums over the group."""
-        sync = cls.__new__(cls)
-        sync.mode, sync.model, sync.inner = "window", None, None
-        sync.kind, sync.group, sync.distributed, sync.world = "pipeline", group, True, 1
-        sync._device = collective_device(group)
-        sync._pad, sync._forwards, sync.reduce_at_end = None, None, False
-        return sync
+    @staticmethod
+    def of(model: torch.nn.Module, mode: str = "window") -> Sync:
+        """The Sync for ``model`` as it is wrapped: DDP, FSDP2's fully_shard, or neither."""
+        if isinstance(model, DistributedDataParallel):
+            return DDPSync(model, mode)
+        if isinstance(model, FSDPModule):
+            return FSDPSync(model, mode)
+        return Sync(model, mode)
 
     def __repr__(self) -> str:
-        return f"Sync({self.kind}, mode={self.mode!r}, world={self.world})"
+        return f"Sync({self.name}, mode={self.mode!r}, world={self.world})"
 
     def configure(self, precision: Any, oom: Any, noise: Any) -> None:
         """Decide where the window's gradient is reduced (``reduce_at_end``), and refuse what
         the data-parallel path does not do, at once, with the reasons."""
-        if not self.distributed:
-            return
-        accumulate_dtype, fp16 = precision.accumulate_dtype, precision.scaler is not None
-        self.reduce_at_end = self.kind == "ddp" and (
-            accumulate_dtype is not None or oom is not None
-        )
-        problems = []
-        if self.kind == "fsdp" and accumulate_dtype is not None:
-            problems.append(
-                f"accumulate_dtype={accumulate_dtype}: FSDP2 reduces inside backward and "
-                "accumulates in its own reduce dtype; give fully_shard "
-                "mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32) instead"
-            )
-        if self.kind == "fsdp" and fp16:
-            problems.append(
-                "precision='fp16' under FSDP2: each rank would see only its shards' overflow; "
-                "use precision='bf16'"
-            )
-        if self.kind == "fsdp" and oom is not None:
-            problems.append(
-                "oom=OOMReplay(...) under FSDP2: every forward gathers parameters across "
-                "ranks, so a rank that runs out of memory midway leaves the others waiting; "
-                "pass oom=None"
-            )
-        if self.reduce_at_end and self.mode == "micro":
-            why = "fp32 accumulation buffers" if accumulate_dtype is not None else "OOM replay"
-            problems.append(
-                f"sync='micro' with {why} under DDP: the window's sum is then reduced once, at "
-                "its end; use sync='window'"
-            )
-        if noise is not None and self.mode == "micro":
+        problems = self._problems(precision.accumulate_dtype, precision.scaler is not None, oom)
+        if self.distributed and noise is not None and self.mode == "micro":
             problems.append(
                 "noise=NoiseScale(...) with sync='micro': every prefix of the window is then "
                 "reduced across ranks, and its global item count is not known without one more "
@@ -152,9 +114,12 @@ class Sync:
             )
         if problems:
             raise ValueError(
-                f"the Accumulator on a {self.kind.upper()} model cannot use:\n  - "
+                f"the Accumulator on a {self.name.upper()} model cannot use:\n  - "
                 + "\n  - ".join(problems)
             )
+
+    def _problems(self, accumulate_dtype: Any, fp16: bool, oom: Any) -> list[str]:
+        return []
 
     # -- per micro-batch ----------------------------------------------------------------------
 
@@ -171,36 +136,11 @@ class Sync:
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
         """Forward and backward of one micro-batch; they communicate only when ``last`` (or
-        in ``"micro"`` mode). DDP decides in forward, FSDP2 in backward: wrap both."""
-        if not self.distributed:
-            yield
-            return
-        communicate = self.communicates(last)
-        self._forwards = 0
-        if self.kind == "ddp":
-            before = self.model.require_backward_grad_sync
-            self.model.require_backward_grad_sync = communicate
-        else:
-            self.model.set_requires_gradient_sync(communicate)
-        try:
-            yield
-        finally:
-            self._forwards = None
-            if self.kind == "ddp":
-                self.model.require_backward_grad_sync = before
-            else:
-                self.model.set_requires_gradient_sync(True)
+        in ``"micro"`` mode)."""
+        yield
 
     def check_forward(self, index: int) -> None:
         """Refuse a backward whose forward ran outside this micro-batch's context."""
-        if self.distributed and not self._forwards:
-            raise RuntimeError(
-                f"micro-batch {index}: no forward of the {self.kind.upper()} model ran inside "
-                "`with acc.micro_batch(...)`; the loss was computed outside it. The forward "
-                "decides whether the backward communicates gradients, so a forward outside the "
-                "context would reduce on the wrong micro-batch and leave the ranks' gradients "
-                "different: compute the loss inside the context"
-            )
 
     def check_after_last(self, ended_last: bool) -> None:
         """Under ``sync="window"`` nothing may follow the micro-batch marked last."""
@@ -212,23 +152,118 @@ class Sync:
 
     def check_window_end(self, ended_last: bool) -> None:
         """Under ``sync="window"`` a window must end with a micro-batch marked last."""
-        if self.distributed and not ended_last and self.mode == "window":
+
+    def pad(self, given: list[Any]) -> tuple[list[Any], int]:
+        """The micro-batches this rank runs in ``step()`` and how many of them are its own."""
+        return given, len(given)
+
+    # -- the window's end ---------------------------------------------------------------------
+
+    def totals(self, count: int, loss_sum: float) -> tuple[int, float]:
+        """Items and loss summed over ranks."""
+        return count, loss_sum
+
+    def reduce(self, sums: list[torch.Tensor]) -> None:
+        """Under ``reduce_at_end`` (DDP only): the window's sums averaged over ranks."""
+        raise RuntimeError(f"a {self.name} model's gradient is not reduced at the window's end")
+
+    def most(self, values: list[int]) -> list[int]:
+        """Each value's largest over the ranks: e.g. the planner's measured peaks, so every
+        rank decides on the fullest rank's numbers."""
+        return [int(v) for v in values]
+
+    def agree_oom(self, failed: bool, largest: int) -> tuple[bool, int]:
+        """After a window's micro-batches: whether any rank ran out of memory, and the
+        largest micro-batch any rank ran, so every rank replays together, at one size."""
+        return bool(failed), int(largest)
+
+    def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's part of each gradient."""
+        return grads
+
+    def norm(self, local_grads: list[torch.Tensor]) -> torch.Tensor:
+        """Global L2 norm of the gradient. Non-finite anywhere is non-finite everywhere, so
+        every rank takes the same skip and clipping decision."""
+        return total_norm(local_grads)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state_dicts(self, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
+        """The model's and the optimizer's state for a checkpoint: the unwrapped module's
+        (no DDP "module." prefix), so it loads with or without DDP."""
+        return self.inner.state_dict(), optimizer.state_dict()
+
+    def load_state_dicts(self, optimizer: torch.optim.Optimizer, model: Any, state: Any) -> None:
+        """Restore what ``state_dicts`` gave."""
+        self.inner.load_state_dict(model)
+        optimizer.load_state_dict(state)
+
+
+class _Collective(Sync):
+    """What every data-parallel and pipelined kind shares: the window's totals, padding and
+    agreements over a process group, and the forward count that proves a micro-batch's
+    forward ran inside its context."""
+
+    distributed = True
+
+    def __init__(self, model: torch.nn.Module | None, mode: str, group: Any) -> None:
+        super().__init__(model, mode)
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self._device = collective_device(group)
+        self._pad: Any = None  # one sample of a micro-batch this rank held, to pad with
+        self._forwards: int | None = None  # forwards in the micro-batch in progress
+        if model is not None:
+            ref = weakref.ref(self)
+
+            def count_forward(module: torch.nn.Module, args: Any) -> None:
+                sync = ref()
+                if sync is not None and sync._forwards is not None:
+                    sync._forwards += 1
+
+            handle = model.register_forward_pre_hook(count_forward)
+            weakref.finalize(self, handle.remove)
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool) -> Iterator[None]:
+        """DDP decides in forward whether the backward communicates, FSDP2 in backward: the
+        context wraps both."""
+        self._forwards = 0
+        restore = self._communicate(self.communicates(last))
+        try:
+            yield
+        finally:
+            self._forwards = None
+            restore()
+
+    def _communicate(self, communicate: bool) -> Callable[[], None]:
+        """Set whether the next backward communicates; returns how to set it back."""
+        raise NotImplementedError
+
+    def check_forward(self, index: int) -> None:
+        if not self._forwards:
+            raise RuntimeError(
+                f"micro-batch {index}: no forward of the {self.name.upper()} model ran inside "
+                "`with acc.micro_batch(...)`; the loss was computed outside it. The forward "
+                "decides whether the backward communicates gradients, so a forward outside the "
+                "context would reduce on the wrong micro-batch and leave the ranks' gradients "
+                "different: compute the loss inside the context"
+            )
+
+    def check_window_end(self, ended_last: bool) -> None:
+        if not ended_last and self.mode == "window":
             raise RuntimeError(
                 f"the window ended without a micro-batch marked last=True; under "
-                f"{self.kind.upper()} the last micro-batch's backward is the one that "
+                f"{self.name.upper()} the last micro-batch's backward is the one that "
                 "reduces gradients: use `with acc.micro_batch(last=True)` for it"
             )
 
     def pad(self, given: list[Any]) -> tuple[list[Any], int]:
-        """The micro-batches this rank runs in ``step()`` and how many of them are its own.
-
-        Every rank runs as many micro-batches as the rank that holds the most: collective
+        """Every rank runs as many micro-batches as the rank that holds the most: collective
         calls (DDP's reduction, FSDP2's all-gathers) must match, or ranks hang. A rank with
         fewer (or none) replays one sample it has held, with loss and count times zero,
         which adds exact zeros. That sample is copied from the window's last micro-batch, so
         the micro-batch itself is not kept past its window. One small all-reduce (MAX)."""
-        if not self.distributed:
-            return given, len(given)
         if given:
             self._pad = map_tensors(given[-1], lambda t: t[:1].clone())
         most, stuck = self._all_reduce(
@@ -246,21 +281,69 @@ class Sync:
             )
         return given + [self._pad] * (int(most) - len(given)), len(given)
 
-    # -- the window's end ---------------------------------------------------------------------
-
     def totals(self, count: int, loss_sum: float) -> tuple[int, float]:
-        """Items and loss summed over ranks: one all-reduce of two float64 scalars per window
-        (exact for counts below 2**53)."""
-        if not self.distributed:
-            return count, loss_sum
+        """One all-reduce of two float64 scalars per window (exact for counts below 2**53)."""
         total, loss = self._all_reduce([float(count), loss_sum], torch.float64, dist.ReduceOp.SUM)
         return int(total), loss
 
+    def most(self, values: list[int]) -> list[int]:
+        return [int(v) for v in self._all_reduce(values, torch.int64, dist.ReduceOp.MAX)]
+
+    def agree_oom(self, failed: bool, largest: int) -> tuple[bool, int]:
+        failed_anywhere, most = self._all_reduce(
+            [int(failed), largest], torch.int64, dist.ReduceOp.MAX
+        )
+        return bool(failed_anywhere), int(most)
+
+    def _summed_norm(self, local_grads: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of a gradient whose parts live on different ranks (FSDP2's shards, a
+        pipeline's stages): their squares summed over the group."""
+        squared = total_norm(local_grads).double().square().to(self._device)
+        dist.all_reduce(squared, group=self.group)
+        return squared.sqrt()
+
+    def _all_reduce(self, values: list[float], dtype: torch.dtype, op: Any) -> list[float]:
+        t = torch.tensor(values, dtype=dtype, device=self._device)
+        dist.all_reduce(t, op=op, group=self.group)
+        return t.tolist()
+
+
+class DDPSync(_Collective):
+    """DistributedDataParallel: the last micro-batch's backward all-reduces, unless the
+    window's sums live outside ``.grad`` (fp32 buffers) or OOM replay must be agreed, when
+    the Accumulator reduces them at the window's end (``reduce``). Gradients are replicated
+    after the reduction, so the local norm is the global one."""
+
+    name = "ddp"
+
+    def __init__(self, model: DistributedDataParallel, mode: str = "window") -> None:
+        super().__init__(model, mode, model.process_group)
+        self.inner = model.module
+
+    def _problems(self, accumulate_dtype: Any, fp16: bool, oom: Any) -> list[str]:
+        self.reduce_at_end = accumulate_dtype is not None or oom is not None
+        if self.reduce_at_end and self.mode == "micro":
+            why = "fp32 accumulation buffers" if accumulate_dtype is not None else "OOM replay"
+            return [
+                f"sync='micro' with {why} under DDP: the window's sum is then reduced once, at "
+                "its end; use sync='window'"
+            ]
+        return []
+
+    def _communicate(self, communicate: bool) -> Callable[[], None]:
+        before = self.model.require_backward_grad_sync
+        self.model.require_backward_grad_sync = communicate
+
+        def restore() -> None:
+            self.model.require_backward_grad_sync = before
+
+        return restore
+
     def reduce(self, sums: list[torch.Tensor]) -> None:
-        """Under ``reduce_at_end``: the window's summed gradients averaged over ranks in place,
-        as DDP's reduction would (sum / world), one all-reduce per dtype; and the module's
-        buffers broadcast from rank 0, as DDP's next forward would (it broadcasts only after
-        a backward that communicated, which no longer happens)."""
+        """The window's summed gradients averaged over ranks in place, as DDP's reduction
+        would (sum / world), one all-reduce per dtype; and the module's buffers broadcast
+        from rank 0, as DDP's next forward would (it broadcasts only after a backward that
+        communicated, which no longer happens)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in sums:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -277,50 +360,98 @@ class Sync:
                 for b in self.inner.buffers():
                     dist.broadcast(b, src=dist.get_global_rank(self.group, 0), group=self.group)
 
-    def most(self, values: list[int]) -> list[int]:
-        """Each value's largest over the ranks (one small all-reduce): e.g. the planner's
-        measured peaks, so every rank decides on the fullest rank's numbers."""
-        return [int(v) for v in self._all_reduce(values, torch.int64, dist.ReduceOp.MAX)]
 
-    def agree_oom(self, failed: bool, largest: int) -> tuple[bool, int]:
-        """After a window's micro-batches: whether any rank ran out of memory, and the
-        largest micro-batch any rank ran (one small all-reduce), so every rank replays
-        together, at one size."""
-        failed_anywhere, most = self._all_reduce(
-            [int(failed), largest], torch.int64, dist.ReduceOp.MAX
-        )
-        return bool(failed_anywhere), int(most)
+class FSDPSync(_Collective):
+    """FSDP2's fully_shard: the last micro-batch's backward reduce-scatters, each rank holds
+    shards (DTensors) of every gradient, and the norm sums their squares over ranks."""
+
+    name = "fsdp"
+    sharded = True
+
+    def __init__(self, model: torch.nn.Module, mode: str = "window") -> None:
+        super().__init__(model, mode, None)
+
+    def _problems(self, accumulate_dtype: Any, fp16: bool, oom: Any) -> list[str]:
+        problems = []
+        if accumulate_dtype is not None:
+            problems.append(
+                f"accumulate_dtype={accumulate_dtype}: FSDP2 reduces inside backward and "
+                "accumulates in its own reduce dtype; give fully_shard "
+                "mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32) instead"
+            )
+        if fp16:
+            problems.append(
+                "precision='fp16' under FSDP2: each rank would see only its shards' overflow; "
+                "use precision='bf16'"
+            )
+        if oom is not None:
+            problems.append(
+                "oom=OOMReplay(...) under FSDP2: every forward gathers parameters across "
+                "ranks, so a rank that runs out of memory midway leaves the others waiting; "
+                "pass oom=None"
+            )
+        return problems
+
+    def _communicate(self, communicate: bool) -> Callable[[], None]:
+        self.model.set_requires_gradient_sync(communicate)
+        return lambda: self.model.set_requires_gradient_sync(True)
 
     def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's part of each gradient (an FSDP2 shard is a DTensor; its local tensor
-        shares storage, so scaling it in place scales the gradient)."""
-        if self.kind != "fsdp":
-            return grads
+        """An FSDP2 shard is a DTensor; its local tensor shares storage, so scaling it in
+        place scales the gradient."""
         return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
 
     def norm(self, local_grads: list[torch.Tensor]) -> torch.Tensor:
-        """Global L2 norm of the gradient. DDP gradients are replicated after the reduction
-        (bit-identical on every rank), so the local norm is the global one; FSDP2 shards are
-        summed as squares over ranks. Non-finite anywhere is non-finite everywhere, so every
-        rank takes the same skip and clipping decision. A pipeline's stages are summed so too."""
-        norm = total_norm(local_grads)
-        if self.kind not in ("fsdp", "pipeline"):
-            return norm
-        squared = norm.double().square().to(self._device)
-        dist.all_reduce(squared, group=self.group)
-        return squared.sqrt()
+        return self._summed_norm(local_grads)
 
-    def _all_reduce(self, values: list[float], dtype: torch.dtype, op: Any) -> list[float]:
-        t = torch.tensor(values, dtype=dtype, device=self._device)
-        dist.all_reduce(t, op=op, group=self.group)
-        return t.tolist()
+    def state_dicts(self, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
+        """This rank's shards of the model and of the optimizer's state, keyed by parameter
+        name (DTensors). An optimizer that has not stepped yet has no state, and gives None:
+        torch's helper would make one by stepping with zero gradients, which starts AdamW's
+        step count at 1 and so changes the first real step's bias correction."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        model = get_model_state_dict(self.model)
+        if not optimizer.state:
+            return model, None
+        return model, get_optimizer_state_dict(self.model, optimizer)
+
+    def load_state_dicts(self, optimizer: torch.optim.Optimizer, model: Any, state: Any) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        set_model_state_dict(self.model, dict(model))
+        if state is None:  # saved before the first step: a fresh optimizer's empty state
+            optimizer.state.clear()
+        else:
+            set_optimizer_state_dict(self.model, optimizer, dict(state))
 
 
-def kind_of(model: torch.nn.Module) -> str:
-    """ "ddp" (DistributedDataParallel), "fsdp" (FSDP2's fully_shard) or "local"."""
-    if isinstance(model, DistributedDataParallel):
-        return "ddp"
-    return "fsdp" if isinstance(model, FSDPModule) else "local"
+class PipelineSync(_Collective):
+    """The stages of one pipeline (``torch.distributed.pipelining``): each holds its own
+    parameters, so the norm sums squares over the stages as over FSDP2's shards; nothing
+    averages a gradient over them (``world`` 1 for the divisor); the last stage alone knows
+    the counts, which ``totals`` sums over the group. The schedule runs the micro-batches,
+    so there is no micro-batch context here."""
+
+    name = "pipeline"
+
+    def __init__(self, group: Any = None) -> None:
+        super().__init__(None, "window", group)
+        self.world = 1
+
+    def norm(self, local_grads: list[torch.Tensor]) -> torch.Tensor:
+        return self._summed_norm(local_grads)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is wrapped by FSDP2's fully_shard."""
+    return isinstance(model, FSDPModule)
 
 
 def collective_device(group: Any = None) -> torch.device:

@@ -23,11 +23,38 @@ import torch
 
 from gradaccum.loss import check_count, check_loss, tensor_count_total
 
-__all__ = ["StepResult", "Tally", "finish", "normalize", "total_norm", "warn_skipped"]
+__all__ = [
+    "AccumulatorState",
+    "StepResult",
+    "Tally",
+    "finish",
+    "normalize",
+    "total_norm",
+    "warn_skipped",
+]
 
 log = logging.getLogger("gradaccum")
 
 _LOW = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class AccumulatorState:
+    """Counters that travel with a checkpoint; all are totals since the run began."""
+
+    optimizer_steps: int = 0
+    windows: int = 0
+    skipped_windows: int = 0
+    micro_batches: int = 0
+    items: int = 0
+    oom_replays: int = 0
+
+    def count_window(self, micro_batches: int, items: int, stepped: bool) -> None:
+        self.windows += 1
+        self.micro_batches += micro_batches
+        self.items += items
+        self.optimizer_steps += stepped
+        self.skipped_windows += not stepped
 
 
 @dataclass(frozen=True)

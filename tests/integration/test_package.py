@@ -49,6 +49,74 @@ def test_no_library_module_imports_the_app():
     assert {k: v for k, v in leaks.items() if v} == {}
 
 
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_imports(path: Path, known: set[str]) -> set[str]:
+    """The library modules a file imports when it runs (type-checking imports left out),
+    with the packages each import runs first: importing a.b.c runs a/b/__init__.py."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in ast.walk(node)
+    }
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    with_parents = {".".join(n.split(".")[:i]) for n in names for i in range(2, n.count(".") + 2)}
+    # A module's own packages are already running when it imports a sibling: not an edge.
+    own = module_name(path)
+    return {m for m in with_parents & known if not own.startswith(m + ".")}
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph, or None."""
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_two_library_modules_import_each_other():
+    """engine -> diagnose -> check -> engine was one (the engine's BatchNorm warning): the
+    BatchNorm helpers live below the engine now."""
+    files = {module_name(p): p for p in library_files()}
+    known = set(files)
+    graph = {name: runtime_imports(path, known) - {name} for name, path in files.items()}
+    assert "gradaccum.engine" in graph["gradaccum.diagnose.check"]
+    assert import_cycle(graph) is None, " -> ".join(import_cycle(graph))
+
+
+def test_the_cycle_check_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}}
+    assert import_cycle(graph) == ["a", "b", "c", "a"]
+    assert import_cycle({"d": {"d.e"}, "d.e": set()}) is None
+
+
 def test_the_check_sees_an_import_of_the_app_inside_a_function(tmp_path):
     sneaky = tmp_path / "sneaky.py"
     sneaky.write_text("def f():\n    from gradaccum.app import launch\n")

@@ -1,6 +1,7 @@
-"""Know your large batch: the equivalence audit and BatchNorm handling."""
+"""Know your large batch: the equivalence audit, and BatchNorm handling (gradaccum.batchnorm,
+which lives below the engine: the engine warns of BatchNorm)."""
 
-from gradaccum.diagnose.batchnorm import (
+from gradaccum.batchnorm import (
     FrozenBatchNorm,
     batchnorm_modules,
     batchnorm_momentum,

@@ -21,12 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-# The engine itself imports diagnose.batchnorm (its BatchNorm warning), so the engine is
-# imported as a module here and read at call time, not while both are being imported.
-from gradaccum import engine
 from gradaccum.batching import split
+from gradaccum.batchnorm import batchnorm_modules
 from gradaccum.checkpoint import preserved_rng
-from gradaccum.diagnose.batchnorm import batchnorm_modules
+from gradaccum.engine import Accumulator, LossFn
 
 __all__ = ["CheckResult", "check", "TOLERANCES"]
 
@@ -117,7 +115,7 @@ class _Outputs:
 def check(
     model: nn.Module,
     batch: Any,
-    loss_fn: engine.LossFn,
+    loss_fn: LossFn,
     micro_size: int,
     *,
     tolerance: float | None = None,
@@ -175,7 +173,7 @@ def check(
                     {names[id(p)]: p.grad.detach().clone() for p in params if p.grad is not None}
                 )
             )
-            result = engine.Accumulator(model, optimizer).step(micro, loss_fn)
+            result = Accumulator(model, optimizer).step(micro, loss_fn)
             micro_out.remove()
             if not result.stepped:
                 raise ValueError(f"the accumulated window was skipped ({result.skipped})")

@@ -52,14 +52,14 @@ class FrameworkWindow:
 
     ``model``: the module as the framework runs it (``DistributedDataParallel`` under DDP):
     ``Sync`` reads the world and the process group off it; or ``sync``, one built for the
-    purpose (``Sync.pipeline(group)`` for a pipeline's stages). ``noise``: a ``NoiseScale``
+    purpose (``PipelineSync(group)`` for a pipeline's stages). ``noise``: a ``NoiseScale``
     fed from the window's prefixes, or None.
     """
 
     def __init__(
         self, model: torch.nn.Module | None, noise: NoiseScale | None, sync: Sync | None = None
     ) -> None:
-        self.sync = sync if sync is not None else Sync(model)
+        self.sync = sync if sync is not None else Sync.of(model)
         self.noise = noise
         self.tally = Tally()
         self._prefix: tuple[torch.Tensor, Any] | None = None  # the latest, not yet kept
