@@ -39,7 +39,7 @@ class PlanConfig:
         default=0.15,
         metadata={
             "help": "fraction of the budget kept free: on CPU the same training run's "
-            "resident memory varies by about 12% from one process to the next"
+            "resident memory varies from one process to the next (bench/results/memory.md)"
         },
     )
     checkpointing: str = field(

@@ -316,8 +316,8 @@ def sample_batch(n: int) -> dict[str, torch.Tensor]:
 
 
 # What `gradaccum train --recipe minilm` runs with unless told otherwise: an effective batch
-# of 256 paragraphs under a budget where far fewer fit at once: planned here, 850 MB holds
-# micro-batches of 9 to 12 (fresh processes differ), so a window is 22 to 29 micro-batches.
+# of 256 paragraphs under a budget in which far fewer fit at once, so that a window is many
+# micro-batches (bench/results/minilm.md has what the plan measures).
 DEFAULTS: dict[str, Any] = {
     "effective_batch": 256,
     "budget": "850MB",
