@@ -252,21 +252,30 @@ def deep_lm_setup(dropout=0.0, seq=64, layers=3, d=32):
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def cli(*args, check=True, timeout=300, threads=2, **kw) -> subprocess.CompletedProcess:
-    """``gradaccum ARGS`` in a subprocess from the repository root; with ``check``, it must
-    succeed (its stderr is the failure message)."""
+def run(
+    cmd: list, cwd: Path = ROOT, *, check=True, timeout=300, threads=1, **kw
+) -> subprocess.CompletedProcess:
+    """``cmd`` in a subprocess with its thread count set (OMP_NUM_THREADS); with ``check`` it
+    must succeed, its output's tail the failure message. A run past ``timeout`` fails: a hang
+    is a failure, not a stuck suite."""
     proc = subprocess.run(
-        [sys.executable, "-m", "gradaccum", *map(str, args)],
+        [str(c) for c in cmd],
         capture_output=True,
         text=True,
-        cwd=ROOT,
+        cwd=cwd,
         env={**os.environ, "OMP_NUM_THREADS": str(threads)},
         timeout=timeout,
         **kw,
     )
     if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def cli(*args, check=True, timeout=300, threads=2, cwd=ROOT, **kw) -> subprocess.CompletedProcess:
+    """``gradaccum ARGS`` in a subprocess, from the repository root unless ``cwd``."""
+    cmd = [sys.executable, "-m", "gradaccum", *args]
+    return run(cmd, cwd, check=check, timeout=timeout, threads=threads, **kw)
 
 
 def make_plan(effective, world=1, micro=8, precision="fp32", checkpointing=False) -> Plan:
@@ -300,11 +309,11 @@ def make_plan(effective, world=1, micro=8, precision="fp32", checkpointing=False
     )
 
 
-def run_metrics(run: Path) -> list[dict]:
-    """metrics.jsonl of a run folder, one dict per optimizer step."""
+def run_lines(folder: Path, name: str = "metrics.jsonl") -> list[dict]:
+    """A run folder's JSON-lines file (metrics.jsonl: one dict per optimizer step)."""
     import json
 
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(x) for x in (Path(folder) / name).read_text().splitlines()]
 
 
 def sigterm_then_resume_matches(
@@ -322,7 +331,7 @@ def sigterm_then_resume_matches(
     if straight is None:
         straight = tmp_path / "straight"
         cli("train", *args, "--out", straight)
-    steps = steps or len(run_metrics(straight))
+    steps = steps or len(run_lines(straight))
     proc = subprocess.Popen(
         [sys.executable, "-m", "gradaccum", "train", *map(str, args), "--out", str(stopped)],
         cwd=ROOT,
@@ -333,7 +342,7 @@ def sigterm_then_resume_matches(
     )
     deadline = time.time() + 120
     while time.time() < deadline:
-        if (stopped / "metrics.jsonl").exists() and len(run_metrics(stopped)) >= stop_after:
+        if (stopped / "metrics.jsonl").exists() and len(run_lines(stopped)) >= stop_after:
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
@@ -348,6 +357,6 @@ def sigterm_then_resume_matches(
     b = torch.load(stopped / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the straight one"
-    assert [x["step"] for x in run_metrics(stopped)] == list(range(1, steps + 1))
-    assert [x["loss"] for x in run_metrics(stopped)] == [x["loss"] for x in run_metrics(straight)]
+    assert [x["step"] for x in run_lines(stopped)] == list(range(1, steps + 1))
+    assert [x["loss"] for x in run_lines(stopped)] == [x["loss"] for x in run_lines(straight)]
     return at

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from helpers import cli as run_cli
+from helpers import run_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -68,7 +69,7 @@ def kill_after(run: Path, n: int, *args) -> None:
 
 
 def steps(run: Path) -> list[int]:
-    return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [x["step"] for x in run_lines(run)]
 
 
 def checkpoint_step(run: Path) -> int:

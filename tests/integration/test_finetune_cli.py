@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers import cli, sigterm_then_resume_matches
+from helpers import cli, run_lines, sigterm_then_resume_matches
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -61,8 +61,7 @@ LORA = ["--lora", 8, "--effective-batch", 32, "--micro-batch", 4, "--seq-len", 3
 LORA += ["--lr", 0.03, "--warmup-steps", 0, "--eval-every", 4, "--checkpoint-every", 100]
 
 
-def metrics(run):
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+metrics = run_lines
 
 
 def trained_model(base, run, lora: bool):

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 import torch
-from helpers import cli
+from helpers import cli, run_lines
 from support.faults import corrupt_samples, train_with_faults
 
 from gradaccum.app import Interrupted, TrainConfig, train
@@ -37,8 +37,7 @@ def run(out, guard=True, faults=None, **kwargs):
     return train(cfg, log=quiet) if faults is None else train_with_faults(cfg, faults, quiet)
 
 
-def lines(folder, name="metrics.jsonl"):
-    return [json.loads(x) for x in (folder / name).read_text().splitlines()]
+lines = run_lines
 
 
 def weights(folder):

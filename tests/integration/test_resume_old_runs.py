@@ -3,12 +3,12 @@ made by gradaccum 0.5.0; its README says how). The run is the same run: the fixt
 recorded losses are what this version computes for those steps, and the steps trained after
 the resume are what a straight run of this version trains."""
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_lines
 
 from gradaccum.app.cli import main
 
@@ -18,7 +18,7 @@ ARGS += ["--checkpoint-every", "3", "--eval-every", "3"]
 
 
 def losses(run: Path) -> list[float]:
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = run_lines(run)
     assert [x["step"] for x in lines] == list(range(1, len(lines) + 1))
     return [x["loss"] for x in lines]
 

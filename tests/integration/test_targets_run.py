@@ -6,7 +6,7 @@ import json
 import math
 
 import torch
-from helpers import cli
+from helpers import cli, run_lines
 from support.faults import corrupt_samples, train_with_faults
 
 from gradaccum.app import TrainConfig, train
@@ -15,8 +15,7 @@ from gradaccum.app.cli import main
 torch.set_num_threads(1)
 
 
-def lines(folder, name="metrics.jsonl"):
-    return [json.loads(x) for x in (folder / name).read_text().splitlines()]
+lines = run_lines
 
 
 def test_target_loss_on_the_gpt_recipe_stops_there_checkpointed(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli, sigterm_then_resume_matches
+from helpers import cli, run_lines, sigterm_then_resume_matches
 
 from gradaccum.app import TrainConfig
 
@@ -15,8 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "2"}
 
 
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+metrics = run_lines
 
 
 def check_run_folder(run: Path, steps: int) -> list[dict]:

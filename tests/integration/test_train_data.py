@@ -4,7 +4,7 @@ import json
 import shutil
 
 import pytest
-from helpers import cli
+from helpers import cli, run_lines
 
 FAST = ["--steps", "2", "--micro-batch", "4", "--eval-every", "2", "--seq-len", "16"]
 
@@ -26,7 +26,7 @@ def pairs_run(tmp_path_factory):
 
 def test_prompt_completion_trains_on_completion_tokens_only(pairs_run):
     _, out = pairs_run
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = run_lines(out)
     # "xyz" and the end-of-text token: 4 tokens that count per pair, 8 pairs per step
     assert [s["count"] for s in steps] == [32, 32]
     assert all("eval_loss" in s for s in steps[-1:])

@@ -6,7 +6,7 @@ applied them, and Python trained minilm at TrainConfig's own learning rate."""
 import json
 
 import torch
-from helpers import cli
+from helpers import cli, run_lines
 
 from gradaccum.app import TrainConfig, train
 from gradaccum.app.recipes import minilm
@@ -38,8 +38,7 @@ def test_the_command_and_python_train_minilm_bit_for_bit(tmp_path):
     assert configs[1]["lr"] == minilm.DEFAULTS["lr"] != TrainConfig(recipe="gpt").lr
     assert configs[1]["warmup_steps"] == minilm.DEFAULTS["warmup_steps"]
 
-    lines = [(tmp_path / r / "metrics.jsonl").read_text().splitlines() for r in ("cli", "py")]
-    losses = [[json.loads(x)["loss"] for x in run] for run in lines]
+    losses = [[x["loss"] for x in run_lines(tmp_path / r)] for r in ("cli", "py")]
     assert len(losses[0]) == 2 and losses[0] == losses[1]
     a, b = (torch.load(tmp_path / r / "checkpoint.pt", weights_only=True) for r in ("cli", "py"))
     model_a, model_b = a["accumulator"]["model"], b["accumulator"]["model"]

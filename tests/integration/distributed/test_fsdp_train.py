@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import helpers
 import pytest
 import torch
 from helpers import max_rel_err
@@ -39,13 +40,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def run(cmd: list[str], cwd) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return helpers.run(cmd, cwd, timeout=60)
 
 
-def metrics(folder) -> list[dict]:
-    return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+metrics = helpers.run_lines
 
 
 @pytest.fixture(scope="module")

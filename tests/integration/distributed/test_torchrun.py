@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import helpers
 import torch
 from helpers import max_rel_err
 from launch import torchrun
@@ -36,9 +37,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def run(cmd: list[str], cwd) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return helpers.run(cmd, cwd, timeout=60)
 
 
 def test_torchrun_two_processes_train_the_global_batch_into_one_run_folder(tmp_path):
@@ -49,7 +48,7 @@ def test_torchrun_two_processes_train_the_global_batch_into_one_run_folder(tmp_p
     two, one = tmp_path / "two", tmp_path / "one"
     for name in ("config.json", "plan.json", "metrics.jsonl", "checkpoint.pt", "summary.json"):
         assert (two / name).is_file(), name
-    lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    lines = helpers.run_lines(two)
     assert [x["step"] for x in lines] == list(range(1, 7))  # once, by rank 0
     # the global batch, counted over both ranks
     assert [x["count"] for x in lines] == [45, 45, 45, 96, 96, 96]
@@ -59,7 +58,7 @@ def test_torchrun_two_processes_train_the_global_batch_into_one_run_folder(tmp_p
     # purpose: AdamW turns a rounding-order change on a near-zero gradient element into a
     # full-size update (a pre-division by an expected total that the counts then missed moved
     # these parameters 2.6e-3 apart), so this also holds both paths to the same arithmetic.
-    single = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
+    single = helpers.run_lines(one)
     for a, b in zip(lines, single, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["loss"], b["loss"])
     got = torch.load(two / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
