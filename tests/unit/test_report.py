@@ -271,6 +271,16 @@ def test_write_report_default_and_out(run, tmp_path):
     assert write_report(run, folder) == folder / "report.html"  # a folder: the page in it
 
 
+def test_the_page_renders_the_summary_it_is_given_without_reading_it_back(run):
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").unlink()  # what the end of a run has computed, not yet on disk
+    given = {**summary, "steps": 7}
+    page = Page(render(run, summary=given, metrics=[]))
+    assert ["optimizer steps", "7"] in page.rows
+    assert page.status == "finished: trained its full length, 7 optimizer steps"
+    assert Page(render(run)).rows != page.rows  # read from the folder: no summary there
+
+
 def test_cli_report(run, tmp_path, capsys):
     assert main(["report", str(run)]) == 0
     out = capsys.readouterr().out

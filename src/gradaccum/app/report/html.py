@@ -78,10 +78,17 @@ footer{margin-top:2.5rem;font-size:.85rem;color:#777}
 """
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def write_report(
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    *,
+    summary: dict[str, Any] | None = None,
+    metrics: list[dict[str, Any]] | None = None,
+) -> Path:
     """Write the run's page to ``out`` (default RUN_DIR/report.html; a folder: report.html
-    in it) whole, and return where."""
-    page = render(run_dir)
+    in it) whole, and return where. ``summary`` and ``metrics``: what the caller has just
+    computed (the end of a run), rendered as given instead of read back from the folder."""
+    page = render(run_dir, summary=summary, metrics=metrics)
     file = Path(out) if out not in (None, "") else Path(run_dir) / REPORT
     if file.is_dir():
         file = file / REPORT
@@ -97,14 +104,22 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return file
 
 
-def render(run_dir: str | Path) -> str:
-    """The page about the run in ``run_dir``. Raises ValueError (one line, naming the path)
-    when there is no run there or one of its files cannot be read."""
+def render(
+    run_dir: str | Path,
+    *,
+    summary: dict[str, Any] | None = None,
+    metrics: list[dict[str, Any]] | None = None,
+) -> str:
+    """The page about the run in ``run_dir``; ``summary`` and ``metrics`` as given, else read
+    from the folder. Raises ValueError (one line, naming the path) when there is no run there
+    or one of its files cannot be read."""
     folder = _open(run_dir)
     config = _object(folder, "config.json")
     plan = _object(folder, "plan.json") if (folder.path / "plan.json").exists() else None
-    summary = _object(folder, "summary.json") if (folder.path / "summary.json").exists() else None
-    metrics = _lines(folder.path / "metrics.jsonl")
+    if summary is None and (folder.path / "summary.json").exists():
+        summary = _object(folder, "summary.json")
+    if metrics is None:
+        metrics = _lines(folder.path / "metrics.jsonl")
     incidents = _lines(folder.path / "incidents.jsonl")
     resumes = _lines(folder.path / "resumes.jsonl")
     name = folder.path.resolve().name or str(folder.path)

@@ -67,7 +67,7 @@ def _report(
     plots.draw(out, lines, incidents)
     from gradaccum.app.report import write_report
 
-    write_report(out)
+    write_report(out, summary=summary, metrics=lines)
     if table:
         log(_summary_table(summary))
         if cfg.noise_scale:
