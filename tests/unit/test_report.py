@@ -281,6 +281,21 @@ def test_the_page_renders_the_summary_it_is_given_without_reading_it_back(run):
     assert Page(render(run)).rows != page.rows  # read from the folder: no summary there
 
 
+def test_every_number_a_run_writes_is_in_the_one_metrics_table(run):
+    """metrics.jsonl's keys are the table's STEP names (and the recipe's eval_* ones), and
+    summary.json holds every SUMMARY name: a number the table does not know is a test failure,
+    so a new metric is added to the table, which the summary, report and TensorBoard read."""
+    from gradaccum.app.report.metrics import STEP, SUMMARY
+
+    step_names = {m.name for m in STEP}
+    for line in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()):
+        assert {k for k in line if not k.startswith("eval_")} == step_names
+    summary = json.loads((run / "summary.json").read_text())
+    assert {m.name for m in SUMMARY} <= set(summary)
+    labels = {r[0] for r in Page(render(run)).rows}
+    assert {m.label for m in SUMMARY} <= labels
+
+
 def test_cli_report(run, tmp_path, capsys):
     assert main(["report", str(run)]) == 0
     out = capsys.readouterr().out

@@ -19,6 +19,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from gradaccum.app.report.metrics import STEP
+
 __all__ = ["EventLog", "available", "scalars"]
 
 
@@ -33,25 +35,20 @@ def available() -> bool:
 def scalars(line: dict[str, Any], max_grad_norm: float | None, totals: Any) -> dict[str, float]:
     """The tags and values of one metrics line; ``totals`` is the run's counters so far
     (the Accumulator's state: skipped windows and OOM replays)."""
-    out = {
-        "train/lr": line["lr"],
-        "batch/effective_batch": line["effective_batch"],
-        "batch/micro_batches": line["micro_batches"],
-        "speed/items_per_second": line["count"] / max(line["seconds"], 1e-9),
-        "memory/peak_mib": line["peak_memory"] / 2**20,
-        "health/skipped_windows": totals.skipped_windows,
-        "health/oom_replays": totals.oom_replays,
-    }
-    if line["loss"] is not None:
-        out["train/loss"] = line["loss"]
-    norm = line["grad_norm"]
-    if norm is not None and math.isfinite(norm):
-        out["train/grad_norm"] = norm
+    out = {}
+    for metric in STEP:  # the metrics table's per-step numbers that have a tag
+        value = line.get(metric.name)
+        if metric.tag is None or value is None or not math.isfinite(value):
+            continue
+        out[metric.tag] = value / 2**20 if metric.unit == "bytes" else value  # bytes in MiB
+    # What follows from the line and the run's counters rather than being in the line:
+    out["speed/items_per_second"] = line["count"] / max(line["seconds"], 1e-9)
+    out["health/skipped_windows"] = totals.skipped_windows
+    out["health/oom_replays"] = totals.oom_replays
+    if "train/grad_norm" in out:
+        norm = out["train/grad_norm"]
         clip = 1.0 if not max_grad_norm or norm <= max_grad_norm else max_grad_norm / norm
         out["train/clip_ratio"] = clip
-    for key, tag in (("noise_scale", ""), ("noise_low", "_low"), ("noise_high", "_high")):
-        if line.get(key) is not None:
-            out[f"noise/b_simple{tag}"] = line[key]
     for key, value in line.items():
         if key.startswith("eval_") and value is not None:
             out[f"eval/{key[5:]}"] = value

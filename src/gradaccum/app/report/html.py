@@ -22,6 +22,7 @@ from typing import Any
 
 from gradaccum import __version__
 from gradaccum.app.folder import RunFolder
+from gradaccum.app.report.metrics import SUMMARY
 from gradaccum.memory import format_bytes
 
 __all__ = ["render", "write_report"]
@@ -341,25 +342,14 @@ def _status(
     return text, tone
 
 
-SUMMARY_ROWS = {  # key: (label, formatter), in the page's order; held_out_* follow the losses
-    "steps": ("optimizer steps", _num),
-    "samples": ("samples seen", _num),
-    "items": ("items seen", _num),
-    "effective_batch_final": ("effective batch at the end", _num),
-    "seconds_this_session": ("time (this session)", _seconds),
-    "first_loss": ("train loss, first step", _num),
-    "final_train_loss": ("train loss, mean of the last 10 steps", _num),
-    "peak_memory": ("peak training memory", _bytes),
-    "device": ("device", _num),
-    "windows": ("windows", _num),
-    "skipped_windows": ("skipped windows", _num),
-    "oom_replays": ("out-of-memory replays", _num),
-    "incidents": ("incidents", _num),
-    "batch_changes": ("effective batch changes", _changes),
-    "noise_scale": ("gradient noise scale B_simple (items)", _num),
-    "noise_interval": ("its 90% interval", lambda v: " to ".join(map(_num, v)) if v else "—"),
-    "noise_advice": ("noise scale advice", _num),
+FORMATS = {  # a metric's unit (report.metrics): how the page writes its value
+    "bytes": _bytes,
+    "seconds": _seconds,
+    "changes": _changes,
+    "interval": lambda v: " to ".join(map(_num, v)) if v else "—",
 }
+# key: (label, formatter), in the page's order (metrics.SUMMARY); held_out_* follow the losses
+SUMMARY_ROWS = {m.name: (m.label, FORMATS.get(m.unit, _num)) for m in SUMMARY}
 SHOWN_ELSEWHERE = {"targets", "stopped_by"}
 
 

@@ -9,6 +9,7 @@ import torch
 from gradaccum.app.folder import BASELINE, INCIDENTS
 from gradaccum.app.loop import _Run
 from gradaccum.app.report import plots
+from gradaccum.app.report.metrics import SUMMARY
 from gradaccum.engine import Accumulator
 from gradaccum.memory import format_bytes
 from gradaccum.noise import advice
@@ -111,25 +112,31 @@ def _summarize(
 
 
 def _summary_table(s: dict[str, Any]) -> str:
-    def fmt(v: Any) -> str:
+    def fmt(v: Any, unit: str = "") -> str:
+        if unit == "bytes":
+            return format_bytes(v)
+        if unit == "seconds":
+            return f"{v:.1f} s"
         return f"{v:.4f}" if isinstance(v, float) else str(v)
 
-    rows = [
-        ("optimizer steps", s["steps"]),
-        ("samples seen", s["samples"]),
-        ("items seen", s["items"]),
-        ("effective batch at the end", s["effective_batch_final"]),
-        ("time (this session)", f"{s['seconds_this_session']:.1f} s"),
-        (
-            "train loss (first -> last 10 steps)",
-            f"{fmt(s['first_loss'])} -> {fmt(s['final_train_loss'])}",
-        ),
-        *[(k.replace("_", " "), fmt(v)) for k, v in s.items() if k.startswith("held_out")],
-        *_baseline_rows(s.get("baseline")),
-        ("peak training memory", format_bytes(s["peak_memory"])),
-        ("skipped windows", s["skipped_windows"]),
-        ("out-of-memory replays", s["oom_replays"]),
-        ("incidents", s["incidents"]),
+    rows = []
+    for m in SUMMARY:  # the metrics table's printed rows, in its order
+        if not m.printed or m.name == "final_train_loss":
+            continue
+        if m.name == "first_loss":  # one row for the two train losses, the held-out after
+            rows.append(
+                (
+                    "train loss (first -> last 10 steps)",
+                    f"{fmt(s['first_loss'])} -> {fmt(s['final_train_loss'])}",
+                )
+            )
+            rows += [
+                (k.replace("_", " "), fmt(v)) for k, v in s.items() if k.startswith("held_out")
+            ]
+            rows += _baseline_rows(s.get("baseline"))
+            continue
+        rows.append((m.label, fmt(s[m.name], m.unit)))
+    rows += [
         ("stopped by", _STOPPED[s["stopped_by"]]),
         *[
             (name.replace("_", " "), _target_text(name, t))
