@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast test-slow lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,7 +32,12 @@ test: $(STAMP)
 
 # The unit tests alone (tests/unit/, in-process, under a minute): the loop while you work.
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q tests/unit
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist worksteal tests/unit
+
+# The heavy tier (tests marked slow: torchrun CLI runs, signals and resumes, the kills, the
+# planner's fresh-process checks), outside make test's budget; CI runs it after make test.
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist worksteal -m slow
 
 # Benchmarks are never part of `make test`: they time and measure, and write bench/results/.
 bench: $(STAMP)

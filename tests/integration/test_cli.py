@@ -41,6 +41,7 @@ def training_peaks(micro: int, effective: int, *extra: str, processes: int = 2) 
     return peaks
 
 
+@pytest.mark.slow
 def test_the_planned_micro_batch_fits_its_budget_in_a_fresh_process(tmp_path):
     budget = "220MB"
     proc = subprocess.run(
@@ -140,6 +141,7 @@ def test_a_budget_one_sample_does_not_fit_is_refused_with_what_would():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_plan_with_checkpointing_is_verified_with_checkpointing():
     """The fresh process once measured the plan without it (predicted 89.9 MiB at
     micro-batch 22, measured 172.4 MiB) while the summary claimed checkpointing. Memory is

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import cli as run_cli
 from helpers import run_lines
@@ -185,6 +186,7 @@ def test_a_closed_pipe_that_also_took_stderr_keeps_the_exit_status(tmp_path):
 # -- 8: resume keeps the run's records ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_plan_and_records_only_what_it_applies(tmp_path):
     run = tmp_path / "x"
     cli(

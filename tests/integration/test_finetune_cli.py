@@ -122,6 +122,7 @@ def test_lora_trains_only_the_adapters_and_exports_what_peft_loads(base, lora_ru
     assert held_out[-1] < held_out[0]
 
 
+@pytest.mark.slow
 def test_lora_resumes_after_sigterm_bitwise(tmp_path, base, data, lora_run):
     args = [*lora_args(base, data), "--export-every", 8]
     sigterm_then_resume_matches(tmp_path, args, stop_after=3, steps=16, straight=lora_run[0])

@@ -101,6 +101,7 @@ def kill_and_resume(tmp_path: Path, points: int, seed: int) -> None:
     print(f"{kills} kills at steps {targets[:kills]}: final parameters bitwise equal")
 
 
+@pytest.mark.slow
 def test_three_kills_then_resume_end_bitwise_equal(tmp_path):
     kill_and_resume(tmp_path, points=3, seed=0)
 

@@ -147,6 +147,7 @@ def test_local_hugging_face_model_trains(tmp_path):
     check_run_folder(run2, 2)
 
 
+@pytest.mark.slow
 def test_sigterm_mid_ramp_then_resume_equals_an_uninterrupted_run(tmp_path):
     """A linear ramp of the effective batch from 8 to 24 over the first 120 samples, in
     micro-batches of 4 (the last one of each window of 8 ragged at 3 would not be whole:
@@ -240,6 +241,7 @@ def test_flags_override_the_config_file(tmp_path):
     assert saved["steps"] == 2 and saved["recipe"] == "digits" and saved["effective_batch"] == 16
 
 
+@pytest.mark.slow
 def test_a_checkpoint_from_another_model_is_refused(tmp_path):
     run = tmp_path / "digits"
     cli(
@@ -288,6 +290,7 @@ def test_help_and_docs_cli_md_list_every_command_and_option():
         assert f"`{flag}`" in reference, f"docs/cli.md does not document gradaccum plan {flag}"
 
 
+@pytest.mark.slow
 def test_epochs_precision_and_a_planned_micro_batch(tmp_path):
     run = tmp_path / "digits"
     out = cli(

@@ -5,6 +5,7 @@ applied them, and Python trained minilm at TrainConfig's own learning rate."""
 
 import json
 
+import pytest
 import torch
 from helpers import cli, run_lines
 
@@ -25,6 +26,7 @@ FLAGS = ["--steps", "2", "--effective-batch", "8", "--micro-batch", "4", "--eval
 FLAGS += ["--checkpoint-every", "2", "--no-tensorboard"]
 
 
+@pytest.mark.slow
 def test_the_command_and_python_train_minilm_bit_for_bit(tmp_path):
     cli("train", "--recipe", "minilm", *FLAGS, "--out", tmp_path / "cli", threads=1)
     torch.set_num_threads(1)

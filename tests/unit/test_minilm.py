@@ -88,6 +88,7 @@ def window_and_full_batch(model, batch, micro):
     return {k: seen[0][k] for k in expected}, expected
 
 
+@pytest.mark.slow
 def test_a_window_of_micro_batches_gives_the_full_batch_gradient(pretrained):
     """32 docstrings (a slice of the recipe's 256: the equality does not depend on the count,
     and 256 would cost the suite a minute; bench/results/minilm_exact.md has 256), in 4
@@ -120,6 +121,7 @@ def test_a_window_of_micro_batches_gives_the_full_batch_gradient(pretrained):
     assert worst <= 1e-6
 
 
+@pytest.mark.slow
 def test_the_linear_probe_learns_from_the_frozen_encoder(pretrained):
     data = minilm.DocstringData(seed=0)
     # Every 4th paragraph (the probe embeds them all, which takes the suite too long).

@@ -120,6 +120,7 @@ def test_every_bad_argument_is_reported_at_once():
         )
 
 
+@pytest.mark.slow
 def test_checkpointing_cuts_saved_activations_and_auto_uses_it_only_when_needed():
     # Many narrow blocks over long sequences: one sample's activations outweigh the
     # parameters and any one block's backward, which checkpointing cannot remove.
@@ -157,6 +158,7 @@ def test_checkpointing_cuts_saved_activations_and_auto_uses_it_only_when_needed(
     assert not ga.recompute.checkpointing_enabled(model)
 
 
+@pytest.mark.slow
 def test_peak_does_not_grow_with_the_number_of_micro_batches():
     """Live tensor bytes (the counterpart of CUDA's allocator peak) of windows of N
     micro-batches of m samples: N = 1 is one plain m-sized step."""
@@ -178,6 +180,7 @@ def test_peak_does_not_grow_with_the_number_of_micro_batches():
     assert 0 <= peaks[16] - peaks[2] <= 16 * 8
 
 
+@pytest.mark.slow
 def test_fp16_plans_count_the_optimizer_state_even_when_warm_up_overflows():
     """The gpt recipe's first fp16 windows overflow (GradScaler starts at 65536), so no
     optimizer step ran in a one-window warm-up and AdamW's state was left out of the static

@@ -157,6 +157,7 @@ def test_fp32_accumulation_of_bf16_gradients_under_ddp_and_fsdp2(tmp_path):
     assert got["fsdp-fp32"]["head.weight"].dtype == torch.float32  # FSDP2's fp32 shards
 
 
+@pytest.mark.slow
 def test_the_planner_picks_window_or_micro_sync_for_fsdp2_from_the_budget(tmp_path, monkeypatch):
     """plan(sync="auto") on 2 FSDP2 ranks: window sync under a roomy budget; micro sync under
     one where the whole unsharded gradient held between micro-batches does not fit but one

@@ -89,6 +89,7 @@ def test_fsdp_trains_as_one_process_and_leaves_the_whole_model(fsdp_run):
     assert {"rank-0.pt", "rank-1.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"} == files
 
 
+@pytest.mark.slow
 def test_sigterm_then_resume_from_the_shards_ends_bitwise_equal(fsdp_run):
     root, _ = fsdp_run
     proc = subprocess.Popen(
@@ -154,6 +155,7 @@ def test_what_fsdp_does_not_do_is_named(options, message):
     assert any(message in p for p in cfg.problems()), cfg.problems()
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback_train_as_two_processes_on_one_node(fsdp_run):
     """Two torchrun agents, one process each, meeting at a c10d rendezvous on 127.0.0.1: what
     `torchrun --nnodes 2` does across machines."""
@@ -203,6 +205,7 @@ def test_two_nodes_on_loopback_train_as_two_processes_on_one_node(fsdp_run):
     assert [x["loss"] for x in metrics(root / "nodes")] == one_node
 
 
+@pytest.mark.slow
 def test_fsdp_plans_each_rank_on_its_shards_and_records_the_sync(tmp_path):
     planned = [a for a in ARGS if a not in ("--micro-batch", "2")]
     planned += ["--steps", "2", "--effective-batch", "4"]  # 2 per rank: probes of 1 and 2
@@ -243,6 +246,7 @@ def test_a_hugging_face_model_under_fsdp_exports_its_own_format(tmp_path):
     assert moved > 1e-4  # trained, not the starting weights
 
 
+@pytest.mark.slow
 def test_bf16_under_fsdp_computes_as_one_process_does(fsdp_run):
     """--precision bf16 --shard fsdp: autocast runs each forward on the fp32 shards' gathered
     parameters, as in one process, and gradients reduce in fp32. The first loss (the same

@@ -13,6 +13,7 @@ import sys
 import time
 
 import helpers
+import pytest
 import torch
 from helpers import max_rel_err
 from launch import torchrun
@@ -38,6 +39,7 @@ def whole_model(folder) -> dict[str, torch.Tensor]:
     return {**first["accumulator"]["model"], **last["accumulator"]["model"]}
 
 
+@pytest.mark.slow
 def test_two_stages_train_as_one_process_and_resume_bitwise(tmp_path):
     pipeline = [*torchrun(), "-m", "gradaccum", *ARGS, "--pipeline-stages", "2"]
     proc = run([*pipeline, "--out", "two"], tmp_path)
@@ -131,6 +133,7 @@ def test_the_guard_rolls_every_stage_back_and_evaluates_through_both(tmp_path):
     assert abs(summary["held_out_loss"] - want) <= 1e-5 * want, (summary["held_out_loss"], want)
 
 
+@pytest.mark.slow
 def test_fp16_through_two_stages_skips_and_steps_as_one_process(tmp_path):
     """fp16 autocast on both stages, one loss scale: the first window overflows at the
     starting scale (65536) in one process and in the pipeline alike, both skip it and halve

@@ -10,6 +10,7 @@ import sys
 import time
 
 import helpers
+import pytest
 import torch
 from helpers import max_rel_err
 from launch import torchrun
@@ -66,6 +67,7 @@ def test_torchrun_two_processes_train_the_global_batch_into_one_run_folder(tmp_p
     assert max_rel_err(got, want) <= 1e-5
 
 
+@pytest.mark.slow
 def test_sigterm_under_torchrun_stops_every_rank_at_one_checkpointed_window(tmp_path):
     args = [
         "train",
