@@ -16,3 +16,20 @@ def pytest_collection_modifyitems(items):
         kind = item.path.relative_to(HERE).parts[0]
         if kind in ("unit", "integration"):
             item.add_marker(getattr(pytest.mark, kind))
+
+
+@pytest.fixture
+def one_process_group():
+    """A process group of one (gloo on loopback), for the pipeline window's one stage."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -106,6 +106,7 @@ def tiny_hf_model(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_local_hugging_face_model_trains(tmp_path):
     model_dir = tiny_hf_model(tmp_path / "tiny-gpt2")
     run = tmp_path / "hf"
@@ -163,6 +164,7 @@ def test_sigterm_mid_ramp_then_resume_equals_an_uninterrupted_run(tmp_path):
     assert stopped["schedule"]["samples"] == 240
 
 
+@pytest.mark.slow
 def test_auto_batch_schedule_from_the_cli(tmp_path):
     """auto on digits: a micro-batch as large as the starting batch is halved (the noise
     scale needs 2+ micro-batches), batches only grow, in whole micro-batches, within the

@@ -3,7 +3,6 @@ pipeline's window and a replica's window compute the same step, and that the loo
 report never ask which kind they run."""
 
 import ast
-import socket
 from pathlib import Path
 
 import pytest
@@ -35,20 +34,6 @@ def test_pipeline_stages_share_one_batch_and_evaluate_through_the_chain():
     assert stage.replicas == 1 and stage.local(batch) is batch
     assert stage.across(None) == " through 2 pipeline stages (1f1b)"
     assert stage.evaluates() and stage.evaluated(torch.nn.Linear(1, 1)) is chain
-
-
-@pytest.fixture
-def one_process_group():
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_pipelined_step_and_a_replicated_step_hand_the_optimizer_one_gradient(

@@ -72,23 +72,6 @@ def test_total_norm_widens_low_precision_and_mixes_dtypes():
 # -- one tally on every path -------------------------------------------------------------------
 
 
-@pytest.fixture
-def one_process_group():
-    """A process group of one (gloo on loopback), for the pipeline window's one stage."""
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def window_gradient(model) -> dict[str, torch.Tensor]:
     """The gradient the optimizer steps on: SGD at lr 1 moves each weight by exactly it."""
     return {n: p.grad.clone() for n, p in model.named_parameters()}

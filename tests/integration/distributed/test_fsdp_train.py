@@ -221,6 +221,7 @@ def test_fsdp_plans_each_rank_on_its_shards_and_records_the_sync(tmp_path):
     assert (saved["sync"], saved["micro_batch"]) == ("window", plan["micro_size"])
 
 
+@pytest.mark.slow
 def test_a_hugging_face_model_under_fsdp_exports_its_own_format(tmp_path):
     """--hf-model under --shard fsdp: each decoder layer its own FSDP2 unit; at the end the
     whole model in Hugging Face's format (save_pretrained), loadable without torchrun."""

@@ -100,6 +100,7 @@ def test_two_stages_train_as_one_process_and_resume_bitwise(tmp_path):
     assert all(torch.equal(final[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
 def test_the_guard_rolls_every_stage_back_and_evaluates_through_both(tmp_path):
     """A learning rate of 10,000 without clipping: every window is skipped, the guard rolls
     both stages back to step 0 (each stage's own file of that step) three times, then stops.
