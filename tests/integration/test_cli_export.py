@@ -14,6 +14,7 @@ import pytest
 from helpers import cli, make_plan
 
 
+@pytest.mark.slow
 def test_plan_exports_a_deepspeed_config_that_multiplies_out_exactly():
     proc = cli(
         "plan",
@@ -51,6 +52,7 @@ def test_plan_exports_a_deepspeed_config_that_multiplies_out_exactly():
     assert json.loads(exported["snippet"]) == config
 
 
+@pytest.mark.slow
 def test_an_effective_batch_with_no_equal_split_is_refused_in_one_line():
     # 97 is prime: any planned micro-batch between 2 and 96 leaves a smaller last one, and
     # no equal micro-batch from half the planned size up divides 97

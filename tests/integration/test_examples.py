@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import gradaccum as ga
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +91,7 @@ def test_transformers_trainer_example_is_exact_where_the_plain_trainer_is_not():
     assert "B_simple" in out
 
 
+@pytest.mark.slow
 def test_lightning_trainer_example_is_exact_where_the_plain_recipe_is_not():
     out = run("lightning_trainer.py")
     plain = float(re.search(r"mean per micro-batch\s+(\S+)", out).group(1))

@@ -289,6 +289,7 @@ def test_a_full_disk_stops_with_one_line_and_the_run_resumes(tmp_path):
 # -- 11: the smaller ones ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_config_files_as_people_write_them(tmp_path):
     yaml = tmp_path / "c.yaml"
     yaml.write_text("recipe: digits\neffective-batch: 16\nlr: 2e-3\nbudget: 300000000\nsteps: 1\n")
@@ -340,6 +341,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_planning_children_die_with_their_parent_and_ctrl_c_is_one_line():
     args = ["plan", "--effective-batch", 256, "--budget", "200MB"]
     proc = start(*args)

@@ -128,6 +128,7 @@ def test_lora_resumes_after_sigterm_bitwise(tmp_path, base, data, lora_run):
     sigterm_then_resume_matches(tmp_path, args, stop_after=3, steps=16, straight=lora_run[0])
 
 
+@pytest.mark.slow
 def test_a_full_fine_tune_exports_a_model_transformers_loads(tmp_path, base, data):
     run = tmp_path / "run"
     args = ["--effective-batch", 32, "--micro-batch", 8, "--seq-len", 32, "--steps", 2]

@@ -125,6 +125,7 @@ def test_a_resumed_run_makes_the_same_decision(tmp_path):
         assert torch.equal(weights(part)[name], tensor), name
 
 
+@pytest.mark.slow
 def test_a_run_that_keeps_diverging_stops_at_its_last_good_checkpoint(tmp_path):
     """A learning rate of 10,000 without clipping: every replay diverges again, whatever data
     is set aside. After 3 rollbacks the guard stops the run where it was good, exit 1."""

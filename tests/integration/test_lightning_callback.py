@@ -91,6 +91,7 @@ def test_the_ragged_last_window_gives_its_full_batch_gradient():
     assert max(ours) <= 1e-6
 
 
+@pytest.mark.slow
 def test_b_simple_is_logged_and_matches_the_accumulator():
     """The linear-regression problem of tests/unit/test_noise.py, closed form
     B_simple = d + 1 + d s^2 / |delta|^2, inside the reported interval and within 15%; the

@@ -5,6 +5,7 @@ per step, equal to metrics.jsonl, across a rollback too."""
 import json
 import math
 
+import pytest
 import torch
 from helpers import cli, run_lines
 from support.faults import corrupt_samples, train_with_faults
@@ -18,6 +19,7 @@ torch.set_num_threads(1)
 lines = run_lines
 
 
+@pytest.mark.slow
 def test_target_loss_on_the_gpt_recipe_stops_there_checkpointed(tmp_path):
     run = tmp_path / "gpt"
     out = cli(

@@ -84,6 +84,7 @@ def test_ddp_gradients_differ_before_the_last_micro_batch_and_match_after(tmp_pa
     assert "noise=NoiseScale(...) with sync='micro'" in noise and "DDP" in noise
 
 
+@pytest.mark.slow
 def test_noise_scale_under_ddp_matches_the_closed_form(tmp_path):
     """Local prefixes before the reduction plus the global batch after it: the same estimate
     the single-process test checks (tests/test_diagnose.py), same tolerance."""

@@ -30,6 +30,7 @@ def full_batch_run() -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", ["transformers", "lightning"])
 def test_two_ranks_match_one_process_full_batch(tmp_path, framework):
     pytest.importorskip(framework)

@@ -41,6 +41,7 @@ def run(cmd: list[str], cwd) -> subprocess.CompletedProcess:
     return helpers.run(cmd, cwd, timeout=60)
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_train_the_global_batch_into_one_run_folder(tmp_path):
     proc = run([*torchrun(), "-m", "gradaccum", *ARGS, "--out", "two"], tmp_path)
     run([sys.executable, "-m", "gradaccum", *ARGS, "--out", "one"], tmp_path)
