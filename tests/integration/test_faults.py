@@ -344,14 +344,19 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_planning_children_die_with_their_parent_and_ctrl_c_is_one_line():
     args = ["plan", "--effective-batch", 256, "--budget", "200MB"]
+
+    def measuring_child(proc: subprocess.Popen) -> int:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            child = next(iter(_children(proc.pid)), None)
+            if child is not None:
+                return child
+            time.sleep(0.05)
+        raise AssertionError("the plan never started its measuring process")
+
     proc = start(*args)
-    deadline = time.monotonic() + 120
-    child = None
-    while child is None and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read()
-        child = next(iter(_children(proc.pid)), None)
-        time.sleep(0.05)
-    assert child is not None, "the plan never started its measuring process"
+    child = measuring_child(proc)
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
     deadline = time.monotonic() + 15
@@ -360,7 +365,9 @@ def test_planning_children_die_with_their_parent_and_ctrl_c_is_one_line():
     assert not _alive(child), "the measuring process outlived its parent"
 
     proc = start(*args)
-    time.sleep(4)  # planning, before any training
+    # Planning, before any training: once its measuring process runs, not after a fixed
+    # sleep (a cold start under load was still importing torch after 4 s).
+    measuring_child(proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
