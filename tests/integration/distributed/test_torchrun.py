@@ -75,7 +75,7 @@ def test_sigterm_under_torchrun_stops_every_rank_at_one_checkpointed_window(tmp_
         "--recipe",
         "digits",
         "--steps",
-        "400",
+        "200",
         "--effective-batch",
         "64",
         "--micro-batch",
@@ -106,8 +106,9 @@ def test_sigterm_under_torchrun_stops_every_rank_at_one_checkpointed_window(tmp_
     at = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"]
     logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert logged == list(range(1, at + 1)), (at, logged[-3:])  # every logged step is saved
-    assert 6 <= at < 400
+    assert 6 <= at < 200
 
-    run([*torchrun(), "-m", "gradaccum", "train", "--resume", "run"], tmp_path)
+    # The resumed run trains the rest: minutes, not seconds, on a loaded 2-core machine.
+    helpers.run([*torchrun(), "-m", "gradaccum", "train", "--resume", "run"], tmp_path, timeout=240)
     logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
-    assert logged == list(range(1, 401))
+    assert logged == list(range(1, 201))
