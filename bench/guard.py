@@ -51,7 +51,7 @@ def headroom(metrics: list[dict]) -> dict[str, float]:
 
 
 def run(folder: Path, seed: int, guard: bool = True, faults=None) -> dict:
-    cfg = TrainConfig(micro_batch=32, seed=seed, guard=guard, out=str(folder))
+    cfg = TrainConfig.of(micro_batch=32, seed=seed, guard=guard, out=str(folder))
     began = time.perf_counter()
     quiet = lambda *a, **k: None  # noqa: E731
     summary = train(cfg, log=quiet) if faults is None else train_with_faults(cfg, faults, quiet)

@@ -419,11 +419,11 @@ def plan_micro_batches(
             f"{format_bytes(smallest)}"
             + (
                 "; GPipe holds every micro-batch's activations at once, 1F1B only "
-                f"{stages}: try --pipeline-schedule 1f1b"
+                f"{stages}: try schedule='1f1b'"
                 if schedule == "gpipe"
                 else ""
             )
-            + "; raise --budget or use more stages"
+            + "; give a larger budget or use more stages"
         )
     short = [row for row in fitting if row[1] <= max_bubble + 1e-12]
     if short:

@@ -332,8 +332,8 @@ def plan(
     if measured_peak > usable:  # even one sample per micro-batch, measured, does not fit
         raise ValueError(_too_small(model, budget_bytes, margin, bool(m.blocks), measured_peak))
 
-    windows = math.ceil(per_rank / micro)
-    last = per_rank - (windows - 1) * micro
+    micro_batches = math.ceil(per_rank / micro)
+    last = per_rank - (micro_batches - 1) * micro
     notes = list(m.notes)
     if m.peak_fit.max_error > 0.05 and not m.peak_fit.bound:
         notes.append(
@@ -345,10 +345,12 @@ def plan(
         world_size=world_size,
         per_rank_batch=per_rank,
         micro_size=micro,
-        micro_batches=windows,
+        micro_batches=micro_batches,
         last_micro_size=last,
         budget=budget_bytes,
         margin=float(margin),
+        # what training will peak at is what the planned size peaked at, measured as it
+        # will run; the fit only chose the size to measure
         predicted_peak=measured_peak,
         static_bytes=m.static,
         overhead_bytes=m.overhead,

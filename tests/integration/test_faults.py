@@ -405,7 +405,7 @@ def test_resume_reapplies_the_runs_activation_checkpointing(tmp_path):
     for source in ("checkpoint", "plan"):
         if source == "plan":  # as if the run had stopped before its first checkpoint
             (run / "checkpoint.pt").unlink()
-        cfg = TrainConfig(**{**saved, "resume": str(run), "out": str(run)})
+        cfg = TrainConfig.of(**{**saved, "resume": str(run), "out": str(run)})
         built = _build(cfg, rank=0, world=1, log=lambda *a: None)
         try:
             assert built.checkpointing and checkpointing_enabled(built.model), source

@@ -32,7 +32,7 @@ def run(out, guard=True, faults=None, **kwargs):
         "guard": guard,
         "out": str(out),
     }
-    cfg = TrainConfig(**{**settings, **kwargs})
+    cfg = TrainConfig.of(**{**settings, **kwargs})
     quiet = lambda *a, **k: None  # noqa: E731
     return train(cfg, log=quiet) if faults is None else train_with_faults(cfg, faults, quiet)
 

@@ -54,7 +54,7 @@ def test_max_time_stops_cleanly_and_counts_every_session(tmp_path):
         "steps": 100000,
         "out": str(run),
     }
-    summary = train(TrainConfig(**settings, max_time="1.5s"), log=lambda *a, **k: None)
+    summary = train(TrainConfig.of(**settings, max_time="1.5s"), log=lambda *a, **k: None)
     first = summary["steps"]
     reached = summary["targets"]["max_time"]
     assert summary["stopped_by"] == "max_time" and reached["status"] == "reached"
@@ -63,7 +63,7 @@ def test_max_time_stops_cleanly_and_counts_every_session(tmp_path):
     assert "held_out_accuracy" in summary  # evaluated at the stop
 
     # --max-time may be raised on resume; the earlier session's time counts against it.
-    again = TrainConfig(**settings, max_time="3", resume=str(run))
+    again = TrainConfig.of(**settings, max_time="3", resume=str(run))
     summary = train(again, log=lambda *a, **k: None)
     assert summary["stopped_by"] == "max_time" and summary["steps"] > first
     assert summary["targets"]["max_time"]["value"] >= 3
@@ -85,9 +85,10 @@ def test_none_removes_a_target_and_config_numbers_read_as_bytes_and_seconds(tmp_
     config.write_text("max-memory = 5e8\nmax-time = 1.5e3\ntarget-loss = 2.5\n")
     args = parser().parse_args(["train", "--config", str(config), "--target-loss", "none"])
     cfg = resolve(args)
-    assert cfg.target_loss is None  # the flag's none beats the file's 2.5
-    assert cfg.max_memory == "500000000" and cfg.max_time == "1500.0"
-    assert cfg.targets().max_memory == 500_000_000 and cfg.targets().max_time == 1500
+    assert cfg.targets.target_loss is None  # the flag's none beats the file's 2.5
+    assert cfg.targets.max_memory == "500000000" and cfg.targets.max_time == "1500.0"
+    runtime = cfg.targets.runtime()
+    assert runtime.max_memory == 500_000_000 and runtime.max_time == 1500
 
 
 def test_target_accuracy_is_refused_where_nothing_measures_it(tmp_path, capsys):
@@ -104,7 +105,7 @@ def test_tensorboard_reads_every_scalar_once_per_step_across_a_rollback(tmp_path
 
     run = tmp_path / "tb"
     steps = 26
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         recipe="digits",
         steps=steps,
         effective_batch=32,
@@ -147,7 +148,7 @@ def test_tensorboard_reads_every_scalar_once_per_step_across_a_rollback(tmp_path
 
 
 def test_bad_targets_are_all_reported_at_once():
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         recipe="digits",
         max_time="ten",
         max_memory="5XB",
@@ -164,4 +165,4 @@ def test_bad_targets_are_all_reported_at_once():
         "max_memory: cannot read '5XB' as a memory size",
     ):
         assert needle in problems
-    assert TrainConfig(recipe="digits", max_time="90s", max_memory="1GiB").problems() == []
+    assert TrainConfig.of(recipe="digits", max_time="90s", max_memory="1GiB").problems() == []

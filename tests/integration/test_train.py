@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers import cli, run_lines, sigterm_then_resume_matches
 
-from gradaccum.app import TrainConfig
+from gradaccum.app import TrainConfig, train
+from gradaccum.app.config import SECTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "2"}
@@ -216,7 +217,7 @@ def test_three_config_mistakes_are_reported_together(tmp_path, suffix, text):
     assert proc.returncode == 2
     for part in (
         "effective_batch must be an integer >= 1, got 0",
-        "lr must be a positive number, got -1.0",
+        "lr must be a positive finite number, got -1.0",
         "precision must be one of fp32, bf16, fp16, got 'fp8'",
     ):
         assert part in proc.stderr
@@ -278,7 +279,7 @@ def test_help_and_docs_cli_md_list_every_command_and_option():
     top = cli("--help").stdout
     assert "train" in top and "plan" in top
     text = " ".join(cli("train", "--help").stdout.split())
-    for f in dataclasses.fields(TrainConfig):
+    for f in (f for section in SECTIONS.values() for f in dataclasses.fields(section)):
         flag = "--" + f.name.replace("_", "-")
         assert flag in text, flag
         assert f"`{flag}`" in reference, f"docs/cli.md does not document {flag}"
@@ -316,3 +317,13 @@ def test_epochs_precision_and_a_planned_micro_batch(tmp_path):
     assert plan["source"] == "planned" and sum(plan["micro_sizes"]) == 256
     assert "predicted peak" in out
     assert json.loads((run / "config.json").read_text())["precision"] == "bf16"
+
+
+def test_a_budget_too_small_is_refused_in_the_commands_flags_and_no_plan_is_written(tmp_path):
+    cfg = TrainConfig.of(recipe="digits", budget="1KB", steps=1, out=str(tmp_path / "run"))
+    with pytest.raises(ValueError) as err:
+        train(cfg, log=lambda *a, **k: None)
+    text = str(err.value)
+    assert text.startswith("budget 1000 B is too small for DigitsCNN"), text
+    assert "--checkpointing auto" in text and "checkpointing='auto'" not in text
+    assert not (tmp_path / "run" / "plan.json").exists()

@@ -94,14 +94,14 @@ def test_fine_tuning_options_are_checked_together():
     """All at once, in one message (TrainConfig.problems, what the CLI reports)."""
     from gradaccum.app import TrainConfig
 
-    problems = TrainConfig(
+    problems = TrainConfig.of(
         data="x.jsonl", lora=8, merge_lora=True, seq_len=1, eval_fraction=1.0
     ).problems()
     text = "\n".join(problems)
     assert "lora needs --hf-model" in text
     assert "seq_len must be" in text and "eval_fraction must be a number in [0, 1)" in text
-    assert TrainConfig(merge_lora=True).problems() == ["merge_lora needs --lora R"]
-    assert "seq_len applies to --data only" in "\n".join(TrainConfig(seq_len=16).problems())
+    assert TrainConfig.of(merge_lora=True).problems() == ["merge_lora needs --lora R"]
+    assert "seq_len applies to --data only" in "\n".join(TrainConfig.of(seq_len=16).problems())
 
 
 def test_a_sequence_length_the_model_cannot_take_is_refused(tmp_path, capsys):

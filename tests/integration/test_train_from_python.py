@@ -1,5 +1,5 @@
 """The command and Python train the same run: ``gradaccum train --recipe minilm ...`` and
-``gradaccum.app.train(TrainConfig(recipe="minilm", ...))`` resolve the recipe's defaults in
+``gradaccum.app.train(TrainConfig.of(recipe="minilm", ...))`` resolve the recipe's defaults in
 one place (TrainConfig), so their runs are equal bit for bit. Before 0.6 only the command
 applied them, and Python trained minilm at TrainConfig's own learning rate."""
 
@@ -30,14 +30,14 @@ FLAGS += ["--checkpoint-every", "2", "--no-tensorboard"]
 def test_the_command_and_python_train_minilm_bit_for_bit(tmp_path):
     cli("train", "--recipe", "minilm", *FLAGS, "--out", tmp_path / "cli", threads=1)
     torch.set_num_threads(1)
-    train(TrainConfig(recipe="minilm", **TRIMMED, out=str(tmp_path / "py")), log=lambda *a: None)
+    train(TrainConfig.of(recipe="minilm", **TRIMMED, out=str(tmp_path / "py")), log=lambda *a: None)
 
     configs = [json.loads((tmp_path / r / "config.json").read_text()) for r in ("cli", "py")]
     assert {k: v for k, v in configs[0].items() if k != "out"} == {
         k: v for k, v in configs[1].items() if k != "out"
     }
     # What the trimmed options leave to the recipe is the recipe's, on both paths.
-    assert configs[1]["lr"] == minilm.DEFAULTS["lr"] != TrainConfig(recipe="gpt").lr
+    assert configs[1]["lr"] == minilm.DEFAULTS["lr"] != TrainConfig.of(recipe="gpt").schedule.lr
     assert configs[1]["warmup_steps"] == minilm.DEFAULTS["warmup_steps"]
 
     losses = [[x["loss"] for x in run_lines(tmp_path / r)] for r in ("cli", "py")]

@@ -1,5 +1,5 @@
-"""TrainConfig (gradaccum.app.config): where a recipe's own defaults are resolved, once, for
-the command line, config files and Python alike."""
+"""gradaccum.app.config: options declared once, sections, one resolver of recipe defaults, and
+every problem of type or value in one pass."""
 
 import dataclasses
 
@@ -7,39 +7,154 @@ import pytest
 
 from gradaccum.app import TrainConfig
 from gradaccum.app.cli import parser
-from gradaccum.app.config import RecipeDefault
+from gradaccum.app.cli.train import read_config_file, resolve
+from gradaccum.app.config import (
+    OPTION_SECTION,
+    SECTIONS,
+    CheckConfig,
+    PlanConfig,
+    RecipeDefault,
+)
 from gradaccum.app.recipes import RECIPES, minilm
 
 
 def test_a_recipe_brings_its_own_defaults_to_a_configuration_made_in_python():
-    cfg = TrainConfig(recipe="minilm")
-    assert {k: getattr(cfg, k) for k in minilm.DEFAULTS} == minilm.DEFAULTS
-    assert TrainConfig().effective_batch == 64  # gpt keeps TrainConfig's own
+    cfg = TrainConfig.of(recipe="minilm")
+    assert {k: cfg.flat()[k] for k in minilm.DEFAULTS} == minilm.DEFAULTS
+    assert TrainConfig.of().batch.effective_batch == 64  # gpt keeps the option's own
+
+
+def test_sections_made_directly_resolve_the_same_defaults():
+    from gradaccum.app.config import Source
+
+    made = TrainConfig(source=Source(recipe="minilm"))
+    assert made.flat() == TrainConfig.of(recipe="minilm").flat()
 
 
 def test_a_value_given_wins_even_when_it_equals_the_general_default():
-    assert TrainConfig(recipe="minilm", effective_batch=64).effective_batch == 64
-    assert TrainConfig(recipe="minilm", lr=3e-3).lr == 3e-3
+    assert TrainConfig.of(recipe="minilm", effective_batch=64).batch.effective_batch == 64
+    assert TrainConfig.of(recipe="minilm", lr=3e-3).schedule.lr == 3e-3
 
 
 def test_a_hugging_face_model_replaces_the_recipe_and_its_defaults():
-    assert TrainConfig(recipe="minilm", hf_model="some/path").effective_batch == 64
+    assert TrainConfig.of(recipe="minilm", hf_model="some/path").batch.effective_batch == 64
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_every_default_a_recipe_sets_is_one_the_configuration_resolves(name):
     resolvable = {
-        f.name for f in dataclasses.fields(TrainConfig) if isinstance(f.default, RecipeDefault)
+        f.name
+        for cls in SECTIONS.values()
+        for f in dataclasses.fields(cls)
+        if isinstance(f.default, RecipeDefault)
     }
     assert set(RECIPES[name].defaults) <= resolvable
 
 
 def test_no_default_is_left_unresolved():
-    cfg = TrainConfig(recipe="segment")
-    assert not any(isinstance(v, RecipeDefault) for v in dataclasses.asdict(cfg).values())
+    for cfg in (TrainConfig.of(recipe="segment"), PlanConfig(recipe="segment")):
+        values = cfg.flat() if isinstance(cfg, TrainConfig) else dataclasses.asdict(cfg)
+        assert not any(isinstance(v, RecipeDefault) for v in values.values())
 
 
-def test_help_says_the_recipe_may_set_its_own(capsys):
+def test_plan_and_train_share_their_options_and_defaults():
+    """One flag, one default: what `gradaccum plan --recipe minilm` plans for is what `gradaccum
+    train --recipe minilm` trains (0.5's plan defaulted to 256 samples in 2GiB, train to 64
+    in 512MB)."""
+    for recipe in sorted(RECIPES):
+        planned, trained = PlanConfig(recipe=recipe), TrainConfig.of(recipe=recipe).flat()
+        for name in ("effective_batch", "budget", "margin", "meter", "checkpointing", "seed"):
+            assert getattr(planned, name) == trained[name], (recipe, name)
+    plan_fields = {f.name: f for f in dataclasses.fields(PlanConfig)}
+    check_fields = {f.name: f for f in dataclasses.fields(CheckConfig)}
+    for name, section in OPTION_SECTION.items():
+        train_field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+        for other in (plan_fields, check_fields):
+            if name in other:  # the same declaration, so the same check and choices
+                assert other[name].metadata["opt"] is train_field.metadata["opt"], name
+
+
+def test_every_problem_of_type_and_value_comes_in_one_list():
+    problems = TrainConfig.of(
+        effective_batch="many", lr=-1.0, budget="lots", shard="zero", seed=True
+    ).problems()
+    assert problems == [
+        "seed must be int, got True",
+        "effective_batch must be int, got 'many'",
+        "budget: cannot read 'lots' as a memory size; give bytes (2000000000) or a number "
+        "with a unit: B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of "
+        "1024), e.g. 2GiB or 1500MB",
+        "lr must be a positive finite number, got -1.0",
+        "shard must be one of ddp, fsdp, got 'zero'",
+    ]
+
+
+def test_checks_between_options_run_once_the_types_are_right():
+    cfg = TrainConfig.of(micro_batch=100, effective_batch=64, merge_lora=True)
+    assert cfg.problems() == [
+        "micro_batch 100 is larger than effective_batch 64",
+        "merge_lora needs --lora R",
+    ]
+
+
+def test_resumable_options_are_marked_where_they_are_declared():
+    from gradaccum.app.config import RESUMABLE
+
+    assert "steps" in RESUMABLE and "guard" in RESUMABLE
+    assert "effective_batch" not in RESUMABLE and "lr" not in RESUMABLE
+
+
+def test_a_config_file_takes_flat_keys_or_sections(tmp_path):
+    flat = tmp_path / "flat.toml"
+    flat.write_text("effective-batch = 32\nbudget = 3e8\nlr = 1e-3\n")
+    nested = tmp_path / "nested.toml"
+    nested.write_text(
+        "[batch]\neffective_batch = 32\n[memory]\nbudget = 3e8\n[schedule]\nlr = 1e-3\n"
+    )
+    assert (
+        read_config_file(str(flat))
+        == read_config_file(str(nested))
+        == {
+            "effective_batch": 32,
+            "budget": "300000000",
+            "lr": 1e-3,
+        }
+    )
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text("[memory]\neffective_batch = 32\n")
+    belongs = r"\[memory\] effective_batch \(it belongs under \[batch\]\)"
+    with pytest.raises(ValueError, match=belongs):
+        read_config_file(str(wrong))
+    twice = tmp_path / "twice.toml"
+    twice.write_text("lr = 1e-3\n[schedule]\nlr = 2e-3\n")
+    with pytest.raises(ValueError, match=r"given twice: lr and \[schedule\] lr"):
+        read_config_file(str(twice))
+
+
+def test_a_file_value_of_the_wrong_type_is_reported_with_the_flags_problems(tmp_path):
+    file = tmp_path / "run.yaml"
+    file.write_text("steps: five\n")
+    args = parser().parse_args(["train", "--config", str(file), "--lr", "0"])
+    with pytest.raises(ValueError) as err:
+        resolve(args)
+    assert "steps must be int, got 'five'" in str(err.value)
+    assert "lr must be a positive finite number, got 0.0" in str(err.value)
+
+
+def test_help_groups_options_by_section_and_says_the_recipe_may_set_its_own(capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(["train", "--help"])
-    assert "(default: 64, or the recipe's own)" in " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 64, or the recipe's own)" in out
+    assert "memory: the memory budget the micro-batch is planned for" in out
+    assert out.index("--effective-batch") < out.index("--budget") < out.index("--lr")
+
+
+def test_check_takes_micro_batch_and_its_old_spelling():
+    new = parser().parse_args(["check", "--micro-batch", "2"])
+    old = parser().parse_args(["check", "--micro-size", "2"])
+    assert new.micro_batch == old.micro_batch == 2
+    assert CheckConfig(batch=4, micro_batch=4).problems() == [
+        "micro_batch 4 must be smaller than batch 4: the check compares several micro-batches "
+        "against the whole batch"
+    ]

@@ -11,7 +11,8 @@ from helpers import TinyLM, capture_step_grads, make_model, max_rel_err, padded_
 
 import gradaccum as ga
 from gradaccum.app import kinds
-from gradaccum.app.kinds import Pipelined, Replicated, Sharded
+from gradaccum.app.config import Distributed, TrainConfig
+from gradaccum.app.kinds import Pipelined, Replicated, RunKind, Sharded
 
 APP = Path(kinds.__file__).parent
 
@@ -28,8 +29,8 @@ def test_a_replica_trains_its_share_of_the_batch_and_one_process_all_of_it():
 
 
 def test_pipeline_stages_share_one_batch_and_evaluate_through_the_chain():
-    chain = torch.nn.Identity()
-    stage = Pipelined(1, 2, "1f1b", chain)
+    stage = Pipelined(1, 2, Distributed(pipeline_stages=2))
+    stage.chained = chain = torch.nn.Identity()  # (wrap() makes it from the GPT's stage)
     batch = padded_lm_batch(seed=1)
     assert stage.replicas == 1 and stage.local(batch) is batch
     assert stage.across(None) == " through 2 pipeline stages (1f1b)"
@@ -63,7 +64,8 @@ def test_a_pipelined_step_and_a_replicated_step_hand_the_optimizer_one_gradient(
     window = PipelineWindow(
         PipelineStage(model, 0, 1, torch.device("cpu")), opt, ga.causal_lm_loss, 4
     )
-    piped = Pipelined(0, 1, "gpipe", model).step(window, batch, 4, None)
+    one = Distributed(pipeline_stages=1, pipeline_schedule="gpipe")
+    piped = Pipelined(0, 1, one).step(window, batch, 4, None)
     assert piped.count == result.count
     assert max_rel_err(seen[0], replicated) <= 1e-5
 
@@ -93,10 +95,21 @@ def kind_words(path: Path) -> set[str]:
     return names & KIND_WORDS
 
 
-@pytest.mark.parametrize("module", ["loop.py", "report/summary.py"])
-def test_the_loop_and_the_report_never_ask_which_kind_of_run_they_run(module):
-    # (PipelineWindow may be named in a type annotation, which is not a branch.)
-    assert kind_words(APP / module) - {"PipelineWindow"} == set()
+@pytest.mark.parametrize("module", ["loop.py", "report/summary.py", "build.py"])
+def test_the_build_the_loop_and_the_report_never_ask_which_kind_of_run_they_run(module):
+    # (PipelineWindow may be named in a type annotation, which is not a branch; the build
+    # hands the job's process count, ``world``, to RunKind.of.)
+    assert kind_words(APP / module) - {"PipelineWindow", "world"} == set()
+
+
+def test_the_configuration_and_the_job_make_the_kind_and_a_misfit_says_how_to_launch():
+    assert type(RunKind.of(TrainConfig.of(), 0, 1)) is Replicated
+    assert type(RunKind.of(TrainConfig.of(shard="fsdp"), 0, 2)) is Sharded
+    assert type(RunKind.of(TrainConfig.of(pipeline_stages=2), 1, 2)) is Pipelined
+    with pytest.raises(ValueError, match="launch it with torchrun --nproc-per-node N"):
+        RunKind.of(TrainConfig.of(shard="fsdp"), 0, 1)
+    with pytest.raises(ValueError, match="this job has 1 process;"):
+        RunKind.of(TrainConfig.of(pipeline_stages=2), 0, 1)
 
 
 def test_the_check_sees_a_branch_on_the_kind(tmp_path):

@@ -154,17 +154,17 @@ def test_the_recipe_brings_its_defaults_and_flags_and_files_override_them(tmp_pa
         return resolve(parser().parse_args(["train", *argv]))
 
     mine = cfg("--recipe", "minilm")
-    assert (mine.effective_batch, mine.budget, mine.steps) == (
+    assert (mine.batch.effective_batch, mine.memory.budget, mine.schedule.steps) == (
         minilm.DEFAULTS["effective_batch"],
         minilm.DEFAULTS["budget"],
         minilm.DEFAULTS["steps"],
     )
-    assert cfg("--recipe", "minilm", "--effective-batch", "64").effective_batch == 64
+    assert cfg("--recipe", "minilm", "--effective-batch", "64").batch.effective_batch == 64
     config = tmp_path / "run.toml"
     config.write_text('recipe = "minilm"\nlr = 0.0005\n')
     from_file = cfg("--config", str(config))
-    assert from_file.lr == 0.0005 and from_file.effective_batch == 256
-    assert cfg().effective_batch == 64  # gpt keeps TrainConfig's own
+    assert from_file.schedule.lr == 0.0005 and from_file.batch.effective_batch == 256
+    assert cfg().batch.effective_batch == 64  # gpt keeps TrainConfig's own
 
 
 def test_the_summary_sets_the_run_against_its_baseline():

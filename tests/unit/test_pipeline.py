@@ -93,7 +93,7 @@ def test_memory_raises_the_number_of_micro_batches_under_1f1b_only():
     plan = plan_micro_batches(16, 2, "1f1b", 1000, 100.0, budget=1500, margin=0.0)
     assert plan.micro_batches == 8 and plan.predicted == 1400
     # GPipe holds every micro-batch at once: 1000 + 16 x 100 whatever m is.
-    with pytest.raises(ValueError, match="at least 2.5 KiB.*try --pipeline-schedule 1f1b"):
+    with pytest.raises(ValueError, match="at least 2.5 KiB.*try schedule='1f1b'"):
         plan_micro_batches(16, 2, "gpipe", 1000, 100.0, budget=1500, margin=0.0)
 
 
@@ -111,7 +111,7 @@ def test_a_stage_measures_its_parameters_and_the_activations_it_saves():
 def test_a_pipeline_run_outside_torchrun_is_refused_in_one_line(tmp_path):
     from gradaccum.app import TrainConfig, train
 
-    cfg = TrainConfig(pipeline_stages=2, out=str(tmp_path / "run"))
+    cfg = TrainConfig.of(pipeline_stages=2, out=str(tmp_path / "run"))
     with pytest.raises(ValueError, match=r"^--pipeline-stages 2 runs one stage per process: "):
         train(cfg, log=lambda *a: None)
     assert not (tmp_path / "run").exists()
@@ -130,5 +130,5 @@ def test_a_pipeline_run_outside_torchrun_is_refused_in_one_line(tmp_path):
 def test_what_a_pipeline_run_does_not_do_is_named(options, message):
     from gradaccum.app import TrainConfig
 
-    cfg = TrainConfig(**{"pipeline_stages": 2, **options})
+    cfg = TrainConfig.of(**{"pipeline_stages": 2, **options})
     assert any(message in p for p in cfg.problems()), cfg.problems()

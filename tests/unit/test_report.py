@@ -62,7 +62,7 @@ class Page(HTMLParser):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     run = tmp_path_factory.mktemp("trained") / "digits-run"
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         recipe="digits",
         steps=4,
         micro_batch=16,

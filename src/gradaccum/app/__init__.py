@@ -2,7 +2,7 @@
 
 The library (``import gradaccum``) never imports this package; this package imports the
 library and its extras (tqdm, pyyaml, matplotlib, and the frameworks a recipe needs). From
-Python, ``train(TrainConfig(...))`` runs what ``gradaccum train`` runs.
+Python, ``train(TrainConfig.of(...))`` runs what ``gradaccum train`` runs.
 
     cli/        one module per command: parse, build, call
     trainer.py  train(): build, loop, report

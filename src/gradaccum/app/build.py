@@ -1,6 +1,6 @@
 """Everything a run needs before its first window: the run folder decided and locked, the
-model, data, optimizer and Accumulator, the micro-batch (checkpoint, saved plan, flag or a
-new plan), and the checks a resume must pass."""
+model, data, optimizer and window runner (each as the kind of run makes it), the micro-batch
+(app/planning.py), and the checks a resume must pass."""
 
 from __future__ import annotations
 
@@ -13,23 +13,15 @@ from typing import Any
 
 import torch
 
-from gradaccum.app import launch
+from gradaccum.app import launch, planning
 from gradaccum.app.config import RESUMABLE, TrainConfig
-from gradaccum.app.folder import BASELINE, CHECKPOINT, CONFIG, PLAN, RESUMES, RunFolder
+from gradaccum.app.folder import BASELINE, CHECKPOINT, CONFIG, RESUMES, RunFolder
 from gradaccum.app.guard import IncidentGuard
-from gradaccum.app.kinds import Pipelined, Replicated, RunKind, Sharded
+from gradaccum.app.kinds import RunKind
 from gradaccum.app.loop import _Run
-from gradaccum.app.measure import fresh_process_verifier
 from gradaccum.app.recipes import Recipe, get_recipe, hf_recipe
 from gradaccum.app.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
 from gradaccum.checkpoint import preserved_rng
-from gradaccum.engine import Accumulator
-from gradaccum.noise import NoiseScale
-from gradaccum.oom import OOMReplay
-from gradaccum.pipeline import ChainedStages, PipelineWindow
-from gradaccum.plan import plan
-from gradaccum.precision import PRECISIONS
-from gradaccum.recompute import enable_checkpointing
 from gradaccum.schedule import BatchSchedule
 
 
@@ -62,32 +54,22 @@ def _check_signature(saved: dict[str, Any], mine: dict[str, Any], path: Path) ->
 
 def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     """The run folder decided and locked, the model, data and optimizer, the micro-batch
-    (from the checkpoint, the saved plan, the flag, or a new plan) and the Accumulator."""
+    (from the checkpoint, the saved plan, the flag, or a new plan) and the window runner."""
     main = rank == 0
-    stages = cfg.pipeline_stages
-    if stages > 1 and world != stages:
+    kind = RunKind.of(cfg, rank, world)  # the job checked: how to launch it, if it does not fit
+    effective = cfg.batch.effective_batch
+    if kind.replicas > effective:
         raise ValueError(
-            f"--pipeline-stages {stages} runs one stage per process: launch it with torchrun "
-            f"--nproc-per-node {stages} (this job has {world} process{'es' * (world > 1)}; "
-            "pipeline replicas under data parallelism are not built yet)"
-        )
-    if cfg.shard == "fsdp" and world < 2:
-        raise ValueError(
-            "--shard fsdp shards the model over torchrun's processes and this job has one: "
-            "launch it with torchrun --nproc-per-node N (N >= 2)"
-        )
-    replicas = world // stages  # data-parallel copies; a pipeline's stages share the batch
-    if replicas > cfg.effective_batch:
-        raise ValueError(
-            f"effective_batch {cfg.effective_batch} cannot be split across {replicas} "
+            f"effective_batch {effective} cannot be split across {kind.replicas} "
             "processes: each needs at least one sample"
         )
-    recipe = hf_recipe(cfg.hf_model) if cfg.hf_model else get_recipe(cfg.recipe)
-    name = "hf" if cfg.hf_model else cfg.recipe
+    src = cfg.source
+    recipe = hf_recipe(src.hf_model) if src.hf_model else get_recipe(src.recipe)
+    name = "hf" if src.hf_model else src.recipe
     # Your own data is read and checked before anything is written: bad data leaves no folder.
-    loaded = _user_data(cfg, recipe) if cfg.data else None
-    folder = RunFolder(cfg.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    resuming = cfg.resume is not None
+    loaded = _user_data(cfg, recipe) if src.data else None
+    folder = RunFolder(cfg.output.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    resuming = cfg.output.resume is not None
     problem = saved_cfg = None
     if main:
         try:
@@ -98,43 +80,40 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
             folder.create()
         except ValueError as err:
             problem = str(err)
-    if world > 1:  # rank 0's folder and verdict, so no rank races another's mkdir
-        folder, problem = launch.broadcast((RunFolder(folder.path), problem))
+    # rank 0's folder and verdict, so no rank races another's mkdir (rank 0 keeps its lock)
+    path, problem = launch.broadcast((folder.path, problem))
+    if not main:
+        folder = RunFolder(path)
     if problem:
         raise ValueError(problem)
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(src.seed)
     model = recipe.build_model()
-    if cfg.lora is not None:
+    lora = cfg.model
+    if lora.lora is not None:
         from gradaccum.integrations import peft as finetune
 
-        targets = cfg.lora_targets.split(",") if cfg.lora_targets else None
+        targets = lora.lora_targets.split(",") if lora.lora_targets else None
         model = finetune.apply_lora(
-            model, cfg.lora, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=targets
+            model, lora.lora, alpha=lora.lora_alpha, dropout=lora.lora_dropout, targets=targets
         )
-        log(f"LoRA r={cfg.lora}: {finetune.trainable_summary(model)}")
+        log(f"LoRA r={lora.lora}: {finetune.trainable_summary(model)}")
     device = torch.device("cpu")
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0)
-    signature = _signature(recipe, model)  # the whole model's, on every stage
-    if stages > 1:
-        from gradaccum.app.recipes.gpt import GPTStage
-
-        model = GPTStage(model, rank, stages)  # this process's part; the rest is dropped
-    model.to(device)
-    kind = _kind(cfg, rank, world, model)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    signature = _signature(recipe, model)  # the whole model's, on every process
+    model = kind.wrap(model).to(device)
     if loaded is not None:
-        data = SequenceData(loaded, cfg.seed, recipe.logits)
+        data = SequenceData(loaded, src.seed, recipe.logits)
         recipe = dataclasses.replace(recipe, sample_batch=data.sample)
     else:
-        data = recipe.make_data(cfg.seed)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        data = recipe.make_data(src.seed)
+    sched = cfg.schedule
     total_steps = total_samples = None
-    if cfg.samples is not None or cfg.epochs is not None:
-        total_samples = cfg.samples or max(1, round(cfg.epochs * data.epoch_samples()))
+    if sched.samples is not None or sched.epochs is not None:
+        total_samples = sched.samples or max(1, round(sched.epochs * data.epoch_samples()))
     else:
-        total_steps = cfg.steps
+        total_steps = sched.steps
     saved = kind.load_saved(folder, device) if resuming else None
     if saved is not None:
         _check_signature(saved["signature"], signature, folder.path / CHECKPOINT)
@@ -152,66 +131,33 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     if main and resuming:
         _record_resume(folder, saved_cfg, cfg, saved["step"] if saved else 0)
     elif main:
-        folder.write_json(CONFIG, dataclasses.asdict(cfg))  # first: a crash is resumable
+        folder.write_json(CONFIG, cfg.flat())  # first: a crash is resumable
     if main and loaded is not None:
         save_cache(loaded, folder.path)  # a resume reads the sequences back
-    sharded = cfg.shard == "fsdp"
-    if sharded:
-        # The baseline first, on rank 0's whole model (its embedding passes in micro-batches
-        # of 8); sharding then starts every rank from rank 0's parameters. The plan is made
-        # on the shards, each rank measuring its own memory.
-        if main and not resuming and hasattr(data, "baseline"):
-            _baseline(folder, data, model, cfg.micro_batch or 8, log)
-        model = _fully_shard(model, log)
-        # The shards' parameters replace the model's: the optimizer is made over them.
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-        )
-    micro, checkpointing, sync = _micro_batch(
-        cfg, folder, saved, model, optimizer, recipe, device, main, world, log
+    # What the untrained model scores (minilm's probe), once, on rank 0's whole model.
+    baseline = _Baseline(folder, data, log, measure=main and not resuming)
+    model = kind.distribute(model, lambda m: baseline(m, cfg.batch.micro_batch or 8), log)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=sched.lr, weight_decay=sched.weight_decay)
+    micro, checkpointing, sync = planning.micro_batch(
+        cfg, folder, saved, kind, model, optimizer, recipe, device, log
     )
-    if main and not resuming and hasattr(data, "baseline") and not sharded:
-        _baseline(folder, data, model, micro, log)
-    if cfg.batch_schedule == "auto" and micro * replicas >= cfg.effective_batch and saved is None:
-        micro = max(1, math.ceil(cfg.effective_batch / replicas / 2))
+    baseline(model, micro)
+    if cfg.batch.batch_schedule == "auto" and micro * kind.replicas >= effective and saved is None:
+        micro = max(1, math.ceil(effective / kind.replicas / 2))
         log(
             f"--batch-schedule auto measures the noise scale, which needs 2+ micro-batches "
             f"per window: micro-batch {micro}"
         )
     schedule = BatchSchedule(
-        cfg.batch_schedule,
-        start=cfg.effective_batch,
-        unit=micro * replicas,
-        maximum=cfg.max_effective_batch,
+        cfg.batch.batch_schedule,
+        start=effective,
+        unit=micro * kind.replicas,
+        maximum=cfg.batch.max_effective_batch,
     )
-
-    if stages > 1:
-        acc = _pipeline_window(cfg, rank, world, model, device, optimizer, micro, log)
-    else:
-        train_model = model
-        if replicas > 1 and not sharded:
-            from torch.nn.parallel import DistributedDataParallel
-
-            train_model = DistributedDataParallel(
-                model, device_ids=[device] if device.type == "cuda" else None
-            )
-        acc = Accumulator(
-            train_model,
-            optimizer,
-            max_grad_norm=cfg.max_grad_norm or None,
-            precision=cfg.precision,
-            # Under DDP the ranks replay together, at the price of the window's reduction
-            # no longer overlapping its last backward: worth it where memory runs out (CUDA).
-            oom=OOMReplay()
-            if world == 1 or (device.type == "cuda" and cfg.shard == "ddp")
-            else None,
-            noise=NoiseScale() if cfg.noise_scale else None,
-            sync=sync,
-        )
+    acc = kind.window(cfg, model, optimizer, micro, sync, device, log)
     # With clipping, a gradient spike's step is already bounded: the loss tells damage.
-    guard = IncidentGuard(gradient=not cfg.max_grad_norm) if cfg.guard else None
+    guard = IncidentGuard(gradient=not cfg.numerics.max_grad_norm) if cfg.incidents.guard else None
     run = _Run(
         cfg=cfg,
         folder=folder,
@@ -222,14 +168,14 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         data=data,
         optimizer=optimizer,
         acc=acc,
-        micro=micro,
+        micro_batch=micro,
         checkpointing=checkpointing,
         signature=signature,
         schedule=schedule,
         start=0,
         total_steps=total_steps,
         total_samples=total_samples,
-        targets=cfg.targets(),
+        targets=cfg.targets.runtime(),
         guard=guard,
     )
     if saved is not None:
@@ -243,91 +189,42 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     return run
 
 
-def _kind(cfg: TrainConfig, rank: int, world: int, model: torch.nn.Module) -> RunKind:
-    """The kind of run the configuration and the job make (checked by ``_build`` first)."""
-    if cfg.pipeline_stages > 1:
-        return Pipelined(rank, world, cfg.pipeline_schedule, ChainedStages(model))
-    if cfg.shard == "fsdp":
-        return Sharded(rank, world)
-    return Replicated(rank, world)
-
-
-def _pipeline_window(cfg, rank, world, module, device, optimizer, micro, log):
-    """This stage's ``PipelineWindow``: its part of the model as a ``PipelineStage``, the
-    window's micro-batches of ``micro``, the tied head's copies kept equal."""
-    from torch.distributed.pipelining import PipelineStage
-
-    from gradaccum.loss import causal_lm_loss
-
-    if cfg.noise_scale:
-        log(
-            "the noise scale is not measured through a pipeline: the schedule runs the "
-            "window's micro-batches inside one call, so their separate gradients are not seen"
-        )
-    return PipelineWindow(
-        PipelineStage(module, rank, world, device),
-        optimizer,
-        causal_lm_loss,
-        cfg.effective_batch // micro,
-        schedule=cfg.pipeline_schedule,
-        max_grad_norm=cfg.max_grad_norm or None,
-        tied=module.tied(),
-        precision=cfg.precision,
-    )
-
-
-def _fully_shard(model: torch.nn.Module, log) -> torch.nn.Module:
-    """FSDP2 over the job's processes: each repeated block (a transformer's layers) its own
-    unit, gathered only while it computes, then the root for the rest. Every rank starts
-    from rank 0's parameters, as DistributedDataParallel starts (a baseline fitted on rank 0
-    alone, minilm's probe head, reaches every rank so)."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    from gradaccum.recompute import repeated_blocks
-
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src=0)
-    blocks = repeated_blocks(model)
-    for _, block in blocks:
-        fully_shard(block)
-    fully_shard(model)
-    world = dist.get_world_size()
-    log(
-        f"FSDP2 over {world} processes: {len(blocks)} blocks and the root, each rank holding "
-        f"1/{world} of the parameters, gradients and optimizer state"
-    )
-    return model
-
-
-def _baseline(folder: RunFolder, data: Any, model: torch.nn.Module, micro: int, log) -> None:
+class _Baseline:
     """What the untrained model scores by the recipe's simpler method (a linear probe on the
     pretrained encoder), measured once before training into baseline.json; the summary sets
     the run's result against it. Drawn from no generator the run uses. The recipe may start
-    the model from it (minilm's head starts from the probe's): rank 0 alone measures it, and
-    DistributedDataParallel copies rank 0's parameters to every rank when it wraps the
-    model, after this."""
-    log("measuring the baseline before training ...")
-    with preserved_rng():
-        result = data.baseline(model, micro)
-    shown = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "name")
-    log(f"baseline ({result['name']}): held-out {shown}")
-    folder.write_json(BASELINE, result)
+    the model from it (minilm's head starts from the probe's): rank 0 alone measures it, on
+    the whole model, and DistributedDataParallel (or FSDP2's start) copies rank 0's
+    parameters to every rank after this."""
+
+    def __init__(self, folder: RunFolder, data: Any, log, *, measure: bool) -> None:
+        self.folder, self.data, self.log = folder, data, log
+        self.pending = measure and hasattr(data, "baseline")
+
+    def __call__(self, model: torch.nn.Module, micro_batch: int) -> None:
+        if not self.pending:
+            return
+        self.pending = False
+        self.log("measuring the baseline before training ...")
+        with preserved_rng():
+            result = self.data.baseline(model, micro_batch)
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "name")
+        self.log(f"baseline ({result['name']}): held-out {shown}")
+        self.folder.write_json(BASELINE, result)
 
 
 def _constant_schedule_state(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, Any]:
     """The schedule's state for a checkpoint written before schedules (gradaccum < 0.3): a
     constant batch, so the position follows from the step."""
-    if cfg.batch_schedule != "constant":
+    if cfg.batch.batch_schedule != "constant":
         raise ValueError("a checkpoint from before batch schedules resumes with a constant batch")
     step = saved["step"]
     return {
         "spec": "constant",
         "step": step,
-        "samples": step * cfg.effective_batch,
+        "samples": step * cfg.batch.effective_batch,
         "items": saved["accumulator"]["accumulator"]["items"],
-        "current": cfg.effective_batch,
+        "current": cfg.batch.effective_batch,
         "changes": [],
     }
 
@@ -340,28 +237,28 @@ def _user_data(cfg: TrainConfig, recipe: Recipe) -> dict[str, Any]:
             f"--data needs a language model: --recipe gpt or --hf-model PATH (not {recipe.name})"
         )
     encoder = recipe.encoder()
-    seq_len = cfg.seq_len or min(128, encoder.max_len)
+    seq_len = cfg.source.seq_len or min(128, encoder.max_len)
     loaded = load_sequences(
-        cfg.data,
+        cfg.source.data,
         encoder,
         seq_len=seq_len,
-        eval_fraction=cfg.eval_fraction,
-        seed=cfg.seed,
-        text_field=cfg.text_field,
-        cache=Path(cfg.resume) if cfg.resume else None,
+        eval_fraction=cfg.source.eval_fraction,
+        seed=cfg.source.seed,
+        text_field=cfg.source.text_field,
+        cache=Path(cfg.output.resume) if cfg.output.resume else None,
     )
-    if cfg.resume and not (Path(cfg.resume) / f"data-{loaded['key']}.pt").is_file():
-        if any(Path(cfg.resume).glob("data-*.pt")):
+    if cfg.output.resume and not (Path(cfg.output.resume) / f"data-{loaded['key']}.pt").is_file():
+        if any(Path(cfg.output.resume).glob("data-*.pt")):
             raise DataError(
-                f"--resume {cfg.resume}: --data {cfg.data} is not the data this run began with "
-                "(its files or the tokenizer changed); start a new run with --out"
+                f"--resume {cfg.output.resume}: --data {cfg.source.data} is not the data this "
+                "run began with (its files or the tokenizer changed); start a new run with --out"
             )
     sequences = len(loaded["train"][0])
-    if sequences < cfg.effective_batch:
+    if sequences < cfg.batch.effective_batch:
         raise DataError(
-            f"--data {cfg.data}: {sequences} training sequences of {seq_len} tokens, fewer than "
-            f"one effective batch ({cfg.effective_batch}); lower --effective-batch or --seq-len, "
-            "or add data"
+            f"--data {cfg.source.data}: {sequences} training sequences of {seq_len} tokens, "
+            f"fewer than one effective batch ({cfg.batch.effective_batch}); lower "
+            "--effective-batch or --seq-len, or add data"
         )
     return loaded
 
@@ -369,7 +266,7 @@ def _user_data(cfg: TrainConfig, recipe: Recipe) -> dict[str, Any]:
 def _check_unchanged(saved: dict[str, Any], cfg: TrainConfig, path: Path) -> None:
     """A resumed run may train longer or report differently; anything else would make it a
     different run recorded as this one. Refuse, naming each change."""
-    mine = dataclasses.asdict(cfg)
+    mine = cfg.flat()
     changed = [
         f"{k} {saved[k]!r} -> {mine[k]!r}"
         for k in mine
@@ -385,121 +282,7 @@ def _check_unchanged(saved: dict[str, Any], cfg: TrainConfig, path: Path) -> Non
 
 def _record_resume(folder: RunFolder, saved: dict[str, Any], cfg: TrainConfig, start: int) -> None:
     """config.json becomes what the run now trains with; resumes.jsonl says what changed."""
-    mine = dataclasses.asdict(cfg)
+    mine = cfg.flat()
     changed = {k: [saved.get(k), mine[k]] for k in RESUMABLE if saved.get(k) != mine[k]}
     folder.append_line(RESUMES, {"step": start, "changed": changed})
     folder.write_json(CONFIG, {**saved, **{k: mine[k] for k in RESUMABLE}})
-
-
-def _micro_batch(cfg, folder, saved, model, optimizer, recipe, device, main, world, log):
-    """The micro-batch size and whether blocks recompute their activations: the checkpoint's,
-    else the saved plan's (a run that stopped before its first checkpoint), else a new plan
-    (or the flag's size). Whatever the source, checkpointing is applied here, so a resumed
-    run trains as it was planned."""
-    if saved is not None:
-        # (a checkpoint written before checkpointing was recorded: it was never on then)
-        info = {
-            "micro_size": saved["micro_batch"],
-            "checkpointing": saved.get("checkpointing"),
-            "sync": saved.get("sync", "window"),
-        }
-    elif cfg.resume is not None and (folder.path / PLAN).is_file():
-        info = folder.read_json(PLAN)
-    else:
-        if cfg.pipeline_stages > 1:
-            info = _pipeline_plan_info(cfg, model, main, log)
-        else:
-            info = _plan_info(cfg, model, optimizer, recipe, device, main, world, log)
-        if main:
-            folder.write_json(PLAN, info)
-    if info["checkpointing"]:
-        enable_checkpointing(model)
-    return info["micro_size"], bool(info["checkpointing"]), info.get("sync", "window")
-
-
-def _plan_info(cfg, model, optimizer, recipe, device, main, world, log) -> dict[str, Any]:
-    if cfg.micro_batch is not None:
-        return {
-            "micro_size": cfg.micro_batch,
-            "source": "given",
-            "checkpointing": cfg.checkpointing == "on",
-        }
-    per_rank = math.ceil(cfg.effective_batch / world)
-    # One plan for all ranks (same model and hardware): rank 0's, broadcast. Under FSDP2
-    # every rank plans its own shards together (gathers are collectives; the fullest rank's
-    # measurements decide, so all arrive at one plan), with sync "auto": the window's one
-    # reduce-scatter when the unsharded gradient fits between micro-batches, else one per
-    # micro-batch.
-    sharded = cfg.shard == "fsdp"
-    info = None
-    if main or sharded:
-        log(
-            f"planning the micro-batch{' and gradient sync' if sharded else ''} for an "
-            f"effective batch of {per_rank} per process in {cfg.budget}"
-            + (", each process measuring its shards" if sharded else "")
-            + f" ({recipe.summary})"
-        )
-        verify = None
-        if not sharded and not cfg.hf_model and not cfg.data and device.type == "cpu":
-            verify = fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed)
-        planned = plan(
-            model,
-            optimizer,
-            recipe.sample_batch(8),
-            recipe.loss_fn,
-            effective_batch=per_rank,
-            budget=cfg.budget,
-            precision=cfg.precision,
-            checkpointing=cfg.checkpointing,
-            verify=verify,
-            sync="auto" if sharded else "window",
-        )
-        log(planned.summary())
-        info = {**planned.to_dict(), "source": "planned"}
-    if world > 1 and not sharded:
-        info = launch.broadcast(info)
-    return info
-
-
-def _pipeline_plan_info(cfg: TrainConfig, module, main: bool, log) -> dict[str, Any]:
-    """The number of micro-batches through the pipeline: each stage counts its own memory
-    (parameters, gradients, AdamW's two states; the activations it saves per sample), the
-    fullest stage's numbers decide (one all-reduce), and rank 0 logs the plan. Activations
-    are measured under the run's autocast, as the stages will run."""
-    import torch.distributed as dist
-
-    from gradaccum.loss import causal_lm_loss
-    from gradaccum.memory import parse_bytes
-    from gradaccum.pipeline import measure_stage, plan_micro_batches
-
-    if cfg.micro_batch is not None:
-        return {"micro_size": cfg.micro_batch, "source": "given", "checkpointing": False}
-
-    def loss(out: torch.Tensor) -> torch.Tensor:
-        if module.is_last:
-            return causal_lm_loss(out, torch.zeros(out.shape[:2], dtype=torch.long))[0]
-        # Multiplying by its own values makes autograd keep the stage's output, as the
-        # stage keeps it for the gradient the next stage sends back.
-        return (out * out.detach()).sum()
-
-    autocast = PRECISIONS[cfg.precision]
-    device_type = next(module.parameters()).device.type
-    with preserved_rng(), torch.autocast(device_type, autocast, enabled=autocast is not None):
-        static, per_sample = measure_stage(module, module.sample_input, loss)
-    fullest = torch.tensor([float(static), per_sample], dtype=torch.float64)
-    dist.all_reduce(fullest, op=dist.ReduceOp.MAX)
-    planned = plan_micro_batches(
-        cfg.effective_batch,
-        cfg.pipeline_stages,
-        cfg.pipeline_schedule,
-        int(fullest[0]),
-        float(fullest[1]),
-        parse_bytes(cfg.budget),
-    )
-    log(planned.summary())
-    return {
-        "micro_size": planned.micro_size,
-        "source": "planned",
-        "checkpointing": False,
-        "pipeline": planned.to_dict(),
-    }

@@ -1,29 +1,69 @@
-"""TrainConfig: the one source of defaults, help text and validation for
-``gradaccum train`` (its fields' ``help`` are the CLI's --help), and what a resume may change."""
+"""The command's configuration: keyword-only sections of options, each option declared once.
+
+An option (``Opt``) is its default, its help line (the CLI's --help), its check and whether a
+resumed run may change it. ``TrainConfig`` groups train's options in sections (source, model,
+batch, memory, numerics, schedule, incidents, targets, output, distributed); ``gradaccum plan``
+and ``gradaccum check`` declare their fields from the same options, so one flag means one
+thing, with one default, in every command.
+
+Every option's name is unique across the sections: it is the flag (``effective_batch`` is
+``--effective-batch``), the key in a config file (flat, or under its section's table) and in
+a run folder's config.json (flat, as gradaccum 0.5 wrote it, so old runs resume). A recipe's
+own defaults (minilm trains 256 samples per step) are resolved as a configuration is made,
+so the CLI, a config file and Python train the same run. ``problems()`` reports every
+problem, of type or of value, in one list.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
-from gradaccum.app.recipes import RECIPES
+from gradaccum.app.recipes import GPT_SHAPE, RECIPES
 from gradaccum.app.targets import Targets, parse_seconds
-from gradaccum.memory import parse_bytes
+from gradaccum.export import FRAMEWORKS
+from gradaccum.memory import METERS, parse_bytes
 from gradaccum.pipeline import SCHEDULES
 from gradaccum.plan import CHECKPOINTING
 from gradaccum.precision import PRECISIONS
 from gradaccum.schedule import LR_RULES, schedule_problems
-from gradaccum.validate import int_problem
 
-__all__ = ["RESUMABLE", "SHARDS", "RecipeDefault", "TrainConfig"]
+__all__ = [
+    "RESUMABLE",
+    "SECTIONS",
+    "SHARDS",
+    "Batch",
+    "CheckConfig",
+    "HINTS",
+    "OPTION_SECTION",
+    "Distributed",
+    "Incidents",
+    "Memory",
+    "Model",
+    "Numerics",
+    "Opt",
+    "Output",
+    "PlanConfig",
+    "RecipeDefault",
+    "Schedule",
+    "Source",
+    "TargetsConfig",
+    "TrainConfig",
+    "base_type",
+    "type_problem",
+]
 
 SHARDS = ("ddp", "fsdp")
 
 
 class RecipeDefault:
     """The default of an option a recipe may set otherwise (minilm trains an effective batch
-    of 256, not 64). A configuration resolves it as it is made (``__post_init__``), so a run
-    is the same whether it comes from the command line, a config file or Python."""
+    of 256, not 64), resolved as a configuration is made."""
 
     __slots__ = ("value",)
 
@@ -34,478 +74,349 @@ class RecipeDefault:
         return f"{self.value}, or the recipe's own"
 
 
-@dataclass(kw_only=True)
-class TrainConfig:
-    recipe: str = field(
-        default="gpt",
-        metadata={
-            "help": "built-in model and data: gpt (byte-level GPT on the Python stdlib's source), "
-            "digits (GroupNorm CNN on scikit-learn's digits), minilm (fine-tune pretrained "
-            "MiniLM on stdlib docstrings), segment (U-Net segmenting 256x256 procedural "
-            "images; segment-batchnorm: the same with BatchNorm); minilm and segment set "
-            "their own batch, budget and length",
-            "choices": sorted(RECIPES),
-        },
-    )
-    hf_model: str | None = field(
-        default=None,
-        metadata={
-            "help": "a Hugging Face causal LM from a local directory or config JSON (no hub); "
-            "replaces --recipe",
-            "metavar": "PATH",
-        },
-    )
-    data: str | None = field(
-        default=None,
-        metadata={
-            "help": "train on your own text: a .txt file, a .jsonl file (a text field per line, "
-            "or prompt/completion pairs) or a folder of them; with --recipe gpt (bytes) or "
-            "--hf-model (its tokenizer)",
-            "metavar": "PATH",
-        },
-    )
-    text_field: str = field(
-        default="text", metadata={"help": "the .jsonl field that holds each document's text"}
-    )
-    seq_len: int | None = field(
-        default=None,
-        metadata={
-            "help": "tokens per sequence for --data (default: the model's own length, at most "
-            "128); documents are packed, prompt/completion pairs padded"
-        },
-    )
-    eval_fraction: float = field(
-        default=0.1,
-        metadata={"help": "share of --data's sequences held out for evaluation (seeded)"},
-    )
-    lora: int | None = field(
-        default=None,
-        metadata={
-            "help": "train LoRA adapters of this rank on the frozen --hf-model (PEFT; "
-            "pip install 'gradaccum[finetune]')",
-            "metavar": "R",
-        },
-    )
-    lora_alpha: float | None = field(
-        default=None, metadata={"help": "LoRA scaling alpha (default: 2 x --lora)"}
-    )
-    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input"})
-    lora_targets: str | None = field(
-        default=None,
-        metadata={
-            "help": "comma-separated layer names to adapt (default: the attention projections "
-            "of common causal LMs, e.g. q_proj,v_proj or GPT-2's c_attn)",
-            "metavar": "NAMES",
-        },
-    )
-    export_every: int | None = field(
-        default=None,
-        metadata={
-            "help": "also export the weights every N steps (they are always exported at the "
-            "end): the LoRA adapter, or the fine-tuned --hf-model, in Hugging Face format"
-        },
-    )
-    merge_lora: bool = field(
-        default=False,
-        metadata={"help": "with --lora, also export the base with the adapters merged in"},
-    )
-    effective_batch: int = field(
-        default=RecipeDefault(64),
-        metadata={"help": "samples per optimizer step (sequences for the LMs, images for digits)"},
-    )
-    batch_schedule: str = field(
-        default="constant",
-        metadata={
-            "help": "how the effective batch changes, in whole micro-batches: constant; "
-            "steps:S=B,... (B samples from step S on); samples:N=B,... (from N samples seen "
-            "on); linear:N=B (a ramp from --effective-batch to B over N samples); auto "
-            "(raised toward the measured critical batch, within --max-effective-batch)",
-            "metavar": "SCHEDULE",
-        },
-    )
-    max_effective_batch: int | None = field(
-        default=None,
-        metadata={"help": "auto's ceiling (default: 8 x --effective-batch)"},
-    )
-    lr_scaling: str = field(
-        default="sqrt",
-        metadata={
-            "help": "how --lr follows a scheduled batch: sqrt (x sqrt(B / B0), the rule for "
-            "Adam), linear (x B / B0, the rule for SGD) or none; --lr is the rate at "
-            "--effective-batch",
-            "choices": list(LR_RULES),
-        },
-    )
-    micro_batch: int | None = field(
-        default=None,
-        metadata={"help": "samples per micro-batch; planned from --budget when not given"},
-    )
-    budget: str = field(
-        default=RecipeDefault("512MB"),
-        metadata={"help": "memory budget for planning the micro-batch: bytes or 2GiB, 1500MB, ..."},
-    )
-    checkpointing: str = field(
-        default="off",
-        metadata={
-            "help": "activation checkpointing of the model's repeated blocks: off, on, or auto "
-            "(only when the plan finds nothing fits without)",
-            "choices": list(CHECKPOINTING),
-        },
-    )
-    pipeline_stages: int = field(
-        default=1,
-        metadata={
-            "help": "cut the model into this many pipeline stages, one per process (under "
-            "torchrun --nproc-per-node S; --recipe gpt): each window's micro-batches stream "
-            "through the stages, exactly",
-            "metavar": "S",
-        },
-    )
-    pipeline_schedule: str = field(
-        default="1f1b",
-        metadata={
-            "help": "the pipeline's schedule: 1f1b (holds at most S micro-batches' "
-            "activations) or gpipe (all of them)",
-            "choices": list(SCHEDULES),
-        },
-    )
-    shard: str = field(
-        default="ddp",
-        metadata={
-            "help": "how torchrun's processes hold the model: ddp (each a whole copy) or fsdp "
-            "(FSDP2: each holds 1/N of the parameters, gradients and optimizer state; "
-            "checkpoints through torch.distributed.checkpoint, and model.pt, the whole "
-            "model, at the end)",
-            "choices": list(SHARDS),
-        },
-    )
-    lr: float = field(default=RecipeDefault(3e-3), metadata={"help": "peak learning rate (AdamW)"})
-    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
-    warmup_steps: int = field(
-        default=RecipeDefault(10),
-        metadata={"help": "linear warm-up steps, then cosine decay to 10% of --lr"},
-    )
-    steps: int | None = field(
-        default=RecipeDefault(150), metadata={"help": "optimizer steps to train"}
-    )
-    epochs: float | None = field(
-        default=None, metadata={"help": "train this many passes over the data instead of --steps"}
-    )
-    samples: int | None = field(
-        default=None,
-        metadata={"help": "train on this many samples instead of --steps (e.g. with a schedule)"},
-    )
-    precision: str = field(
-        default="fp32",
-        metadata={
-            "help": "fp32, bf16 (autocast) or fp16 (autocast + GradScaler)",
-            "choices": list(PRECISIONS),
-        },
-    )
-    max_grad_norm: float | None = field(
-        default=1.0,
-        metadata={"help": "clip the window's gradient to this global norm (0 turns clipping off)"},
-    )
-    seed: int = field(default=0, metadata={"help": "seed for initialization and data order"})
-    noise_scale: bool = field(
-        default=True,
-        metadata={
-            "help": "estimate the gradient noise scale (the critical batch) from each window; "
-            "--no-noise-scale turns it off"
-        },
-    )
-    eval_every: int = field(
-        default=RecipeDefault(50), metadata={"help": "held-out evaluation every N steps"}
-    )
-    checkpoint_every: int = field(
-        default=RecipeDefault(50), metadata={"help": "checkpoint every N steps"}
-    )
-    keep_checkpoints: int = field(
-        default=2,
-        metadata={
-            "help": "with the guard, keep the last K checkpoints under checkpoints/ (hard "
-            "links: no extra space while they are also checkpoint.pt)",
-            "metavar": "K",
-        },
-    )
-    guard: bool = field(
-        default=True,
-        metadata={
-            "help": "the incident guard: a window whose loss (without clipping: or gradient "
-            "norm) is far above the recent ones, or a run of skipped windows, rolls the run "
-            "back to its last "
-            "checkpoint and skips those windows' samples (incidents.jsonl); --no-guard "
-            "turns it off"
-        },
-    )
-    target_loss: float | None = field(
-        default=None,
-        metadata={
-            "help": "stop when the held-out loss reaches this (checked at each evaluation: "
-            "--eval-every)",
-            "metavar": "LOSS",
-        },
-    )
-    target_accuracy: float | None = field(
-        default=None,
-        metadata={
-            "help": "stop when the held-out accuracy reaches this, in (0, 1] (recipes that "
-            "measure accuracy: digits)",
-            "metavar": "ACC",
-        },
-    )
-    max_time: str | None = field(
-        default=None,
-        metadata={
-            "help": "stop after this much training time over all sessions of the run: "
-            "seconds, or 90s, 15m, 2h",
-            "metavar": "TIME",
-        },
-    )
-    max_memory: str | None = field(
-        default=None,
-        metadata={
-            "help": "stop if the peak training memory reaches this: bytes or 2GiB, 1500MB, ...",
-            "metavar": "BYTES",
-        },
-    )
-    tensorboard: bool = field(
-        default=True,
-        metadata={
-            "help": "write TensorBoard event files under RUN/tensorboard when the tensorboard "
-            "package is installed; --no-tensorboard turns them off"
-        },
-    )
-    out: str | None = field(
-        default=None, metadata={"help": "run folder (default: runs/RECIPE-TIME)", "metavar": "DIR"}
-    )
-    resume: str | None = field(
-        default=None,
-        metadata={
-            "help": "continue the run in this folder exactly where its checkpoint stopped; flags "
-            "given with it override its saved config (e.g. a larger --steps)",
-            "metavar": "DIR",
-        },
-    )
-    config: str | None = field(
-        default=None,
-        metadata={
-            "help": "read options from a TOML or YAML file; flags override it",
-            "metavar": "FILE",
-        },
-    )
+Check = Callable[[Any], "str | None"]  # a value of the right type -> what is wrong, or None
 
-    def __post_init__(self) -> None:
-        # The recipe's own defaults, where it has them (not for --hf-model, which replaces
-        # the recipe), then TrainConfig's: the one place a default is resolved.
-        own = {}
-        if self.hf_model is None and self.recipe in RECIPES:
-            own = RECIPES[self.recipe].defaults
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, RecipeDefault):
-                setattr(self, f.name, own.get(f.name, value.value))
+
+class Opt:
+    """One option, declared once: calling it makes the dataclass field of any configuration
+    that has it (a field object belongs to one class, so each gets its own)."""
+
+    def __init__(
+        self,
+        default: Any,
+        help: str,
+        *,
+        check: Check | None = None,
+        choices: typing.Iterable[str] | None = None,
+        metavar: str | None = None,
+        resumable: bool = False,
+    ) -> None:
+        self.default, self.help, self.check = default, help, check
+        self.choices = list(choices) if choices is not None else None
+        self.metavar, self.resumable = metavar, resumable
+
+    def __call__(self, *, default: Any = dataclasses.MISSING, help: str | None = None) -> Any:
+        return field(
+            default=self.default if default is dataclasses.MISSING else default,
+            metadata={"opt": self, "help": self.help if help is None else help},
+        )
+
+
+# ----- checks: each takes a value already of the option's type ---------------------------
+
+
+def at_least(minimum: int) -> Check:
+    def check(value: int) -> str | None:
+        return None if value >= minimum else f"must be an integer >= {minimum}"
+
+    return check
+
+
+def _positive(value: float) -> str | None:
+    return None if math.isfinite(value) and value > 0 else "must be a positive finite number"
+
+
+def _non_negative(value: float) -> str | None:
+    return None if math.isfinite(value) and value >= 0 else "must be a finite number >= 0"
+
+
+def _finite(value: float) -> str | None:
+    return None if math.isfinite(value) else "must be a finite number"
+
+
+def _fraction(value: float) -> str | None:  # [0, 1)
+    return None if 0 <= value < 1 else "must be a number in [0, 1)"
+
+
+def _accuracy(value: float) -> str | None:  # (0, 1]
+    return None if 0 < value <= 1 else "must be a number in (0, 1]"
+
+
+def _bytes(value: str) -> str | None:
+    try:
+        parse_bytes(value)
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return None
+
+
+def _seconds(value: str) -> str | None:
+    try:
+        parse_seconds(value)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _recipe(value: str) -> str | None:
+    return None if value in RECIPES else f"must be one of {', '.join(sorted(RECIPES))}"
+
+
+# ----- the options ---------------------------------------------------------------------
+
+RECIPE = Opt(
+    "gpt",
+    "built-in model and data: gpt (byte-level GPT on the Python stdlib's source), digits "
+    "(GroupNorm CNN on scikit-learn's digits), minilm (fine-tune pretrained MiniLM on stdlib "
+    "docstrings), segment (U-Net segmenting 256x256 procedural images; segment-batchnorm: the "
+    "same with BatchNorm); minilm and segment set their own batch, budget and length",
+    check=_recipe,
+    choices=sorted(RECIPES),
+)
+HF_MODEL = Opt(
+    None,
+    "a Hugging Face causal LM from a local directory or config JSON (no hub); replaces --recipe",
+    metavar="PATH",
+)
+SEED = Opt(0, "seed for initialization and data order")
+EFFECTIVE_BATCH = Opt(
+    RecipeDefault(64),
+    "samples per optimizer step, over all processes (sequences for the LMs, images for digits)",
+    check=at_least(1),
+)
+MICRO_BATCH = Opt(
+    None, "samples per micro-batch; planned from --budget when not given", check=at_least(1)
+)
+BUDGET = Opt(
+    RecipeDefault("512MB"),
+    "memory budget for planning the micro-batch: bytes, or a number with B, KB, MB, GB "
+    "(powers of 1000) or KiB, MiB, GiB (powers of 1024)",
+    check=_bytes,
+)
+MARGIN = Opt(
+    0.15,
+    "fraction of the budget the plan keeps free: on CPU the same training run's resident "
+    "memory varies from one process to the next",
+    check=_fraction,
+)
+METER = Opt(
+    "auto",
+    "what memory means: auto (CUDA's allocator on a GPU, resident memory on CPU), rss, or "
+    "tensors (live tensor bytes: deterministic, blind to the allocator's overheads, slow)",
+    choices=METERS,
+)
+CHECKPOINTING_OPT = Opt(
+    "off",
+    "activation checkpointing of the model's repeated blocks: off, on, or auto (only when the "
+    "plan finds nothing fits without)",
+    choices=CHECKPOINTING,
+)
+PRECISION = Opt("fp32", "fp32, bf16 (autocast) or fp16 (autocast + GradScaler)", choices=PRECISIONS)
+
+
+@dataclass(kw_only=True)
+class Source:
+    """model and data"""
+
+    recipe: str = RECIPE()
+    hf_model: str | None = HF_MODEL()
+    data: str | None = Opt(
+        None,
+        "train on your own text: a .txt file, a .jsonl file (a text field per line, or "
+        "prompt/completion pairs) or a folder of them; with --recipe gpt (bytes) or --hf-model "
+        "(its tokenizer)",
+        metavar="PATH",
+    )()
+    text_field: str = Opt("text", "the .jsonl field that holds each document's text")()
+    seq_len: int | None = Opt(
+        None,
+        "tokens per sequence for --data (default: the model's own length, at most 128); "
+        "documents are packed, prompt/completion pairs padded",
+        check=at_least(2),
+    )()
+    eval_fraction: float = Opt(
+        0.1, "share of --data's sequences held out for evaluation (seeded)", check=_fraction
+    )()
+    seed: int = SEED()
 
     def problems(self) -> list[str]:
-        """Every problem with this configuration, so a user fixes them in one pass."""
-        out: list[str] = []
-
-        def positive_int(name: str, optional: bool = False, minimum: int = 1) -> None:
-            value = getattr(self, name)
-            if value is None and optional:
-                return
-            if (problem := int_problem(value, name, minimum)) is not None:
-                out.append(problem)
-
-        positive_int("effective_batch")
-        positive_int("seq_len", optional=True, minimum=2)
-        if (
-            isinstance(self.eval_fraction, bool)
-            or not isinstance(self.eval_fraction, (int, float))
-            or not 0 <= self.eval_fraction < 1
-        ):
-            out.append(f"eval_fraction must be a number in [0, 1), got {self.eval_fraction!r}")
-        positive_int("lora", optional=True)
-        positive_int("export_every", optional=True)
-        if self.lora is not None and self.hf_model is None:
-            out.append("lora needs --hf-model PATH: PEFT adapts Hugging Face models")
-        if self.merge_lora and self.lora is None:
-            out.append("merge_lora needs --lora R")
         if self.data is None and self.seq_len is not None:
-            out.append("seq_len applies to --data only; give --data PATH too")
-        positive_int("micro_batch", optional=True)
-        positive_int("steps", optional=True)
-        positive_int("samples", optional=True)
-        if self.samples is not None and self.epochs is not None:
-            out.append("give --samples or --epochs, not both")
-        out.extend(
-            schedule_problems(
-                self.batch_schedule,
-                self.effective_batch if int_problem(self.effective_batch, "") is None else 1,
-                1,
-                self.max_effective_batch,
-            )
-        )
-        if self.batch_schedule == "auto" and not self.noise_scale:
-            out.append("batch_schedule auto needs the noise scale: drop --no-noise-scale")
-        if self.max_effective_batch is not None and self.batch_schedule != "auto":
-            out.append("max_effective_batch applies to --batch-schedule auto only")
-        if self.lr_scaling not in LR_RULES:
-            out.append(f"lr_scaling must be one of {', '.join(LR_RULES)}, got {self.lr_scaling!r}")
-        positive_int("eval_every")
-        positive_int("checkpoint_every")
-        positive_int("keep_checkpoints")
-        out.extend(self._target_problems())
-        positive_int("warmup_steps", minimum=0)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            out.append(f"seed must be an integer, got {self.seed!r}")
-        if (
-            isinstance(self.micro_batch, int)
-            and isinstance(self.effective_batch, int)
-            and self.micro_batch > self.effective_batch
-        ):
+            return ["seq_len applies to --data only; give --data PATH too"]
+        return []
+
+
+@dataclass(kw_only=True)
+class Model:
+    """LoRA adapters"""
+
+    lora: int | None = Opt(
+        None,
+        "train LoRA adapters of this rank on the frozen --hf-model (PEFT; pip install "
+        "'gradaccum[finetune]')",
+        check=at_least(1),
+        metavar="R",
+    )()
+    lora_alpha: float | None = Opt(None, "LoRA scaling alpha (default: 2 x --lora)")()
+    lora_dropout: float = Opt(0.0, "dropout on the LoRA input", check=_fraction)()
+    lora_targets: str | None = Opt(
+        None,
+        "comma-separated layer names to adapt (default: the attention projections of common "
+        "causal LMs, e.g. q_proj,v_proj or GPT-2's c_attn)",
+        metavar="NAMES",
+    )()
+
+
+@dataclass(kw_only=True)
+class Batch:
+    """the effective batch and its micro-batches"""
+
+    effective_batch: int = EFFECTIVE_BATCH()
+    micro_batch: int | None = MICRO_BATCH()
+    batch_schedule: str = Opt(
+        "constant",
+        "how the effective batch changes, in whole micro-batches: constant; steps:S=B,... (B "
+        "samples from step S on); samples:N=B,... (from N samples seen on); linear:N=B (a "
+        "ramp from --effective-batch to B over N samples); auto (raised toward the measured "
+        "critical batch, within --max-effective-batch)",
+        metavar="SCHEDULE",
+    )()
+    max_effective_batch: int | None = Opt(
+        None, "auto's ceiling (default: 8 x --effective-batch)", check=at_least(1)
+    )()
+    noise_scale: bool = Opt(
+        True,
+        "estimate the gradient noise scale (the critical batch) from each window; "
+        "--no-noise-scale turns it off",
+        resumable=True,
+    )()
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.micro_batch is not None and self.micro_batch > self.effective_batch:
             out.append(
                 f"micro_batch {self.micro_batch} is larger than effective_batch "
                 f"{self.effective_batch}"
             )
-        if self.micro_batch is None:
-            try:
-                parse_bytes(self.budget)
-            except (ValueError, TypeError) as err:
-                out.append(f"budget: {err}")
-        for name in ("lr", "weight_decay"):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not (math.isfinite(value) and (value > 0 if name == "lr" else value >= 0))
-            ):
-                out.append(
-                    f"{name} must be a {'positive' if name == 'lr' else 'non-negative'} "
-                    f"number, got {value!r}"
-                )
-        if self.max_grad_norm is not None and (
-            isinstance(self.max_grad_norm, bool)
-            or not isinstance(self.max_grad_norm, (int, float))
-            or self.max_grad_norm < 0
-        ):
-            out.append(f"max_grad_norm must be a number >= 0, got {self.max_grad_norm!r}")
-        if self.epochs is not None:
-            if (
-                isinstance(self.epochs, bool)
-                or not isinstance(self.epochs, (int, float))
-                or not (math.isfinite(self.epochs) and self.epochs > 0)
-            ):
-                out.append(f"epochs must be a positive finite number, got {self.epochs!r}")
-        if self.checkpointing not in CHECKPOINTING:
-            allowed = ", ".join(CHECKPOINTING)
-            out.append(f"checkpointing must be one of {allowed}, got {self.checkpointing!r}")
-        if self.precision not in PRECISIONS:
-            out.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.hf_model is None and self.recipe not in RECIPES:
-            out.append(f"recipe must be one of {', '.join(sorted(RECIPES))}, got {self.recipe!r}")
-        out.extend(self._pipeline_problems())
-        out.extend(self._shard_problems())
+        start = self.effective_batch if self.effective_batch >= 1 else 1
+        out += schedule_problems(self.batch_schedule, start, 1, self.max_effective_batch)
+        if self.batch_schedule == "auto" and not self.noise_scale:
+            out.append("batch_schedule auto needs the noise scale: drop --no-noise-scale")
+        if self.max_effective_batch is not None and self.batch_schedule != "auto":
+            out.append("max_effective_batch applies to --batch-schedule auto only")
         return out
 
-    def _shard_problems(self) -> list[str]:
-        if self.shard not in SHARDS:
-            return [f"shard must be one of {', '.join(SHARDS)}, got {self.shard!r}"]
-        if self.shard == "ddp":
-            return []
-        out = []
-        if self.pipeline_stages != 1:
-            out.append("shard fsdp with pipeline_stages: one or the other (2D is not built)")
-        if self.lora is not None:
-            out.append(
-                "shard fsdp with lora: the adapters are a few megabytes, nothing to shard; "
-                "use --shard ddp"
-            )
-        if self.precision == "fp16":
-            out.append(
-                "shard fsdp with precision fp16: each rank would see only its own shards' "
-                "overflow; use --precision bf16"
-            )
-        return out
 
-    def _pipeline_problems(self) -> list[str]:
-        if self.pipeline_schedule not in SCHEDULES:
-            allowed = ", ".join(SCHEDULES)
-            return [f"pipeline_schedule must be one of {allowed}, got {self.pipeline_schedule!r}"]
-        if (problem := int_problem(self.pipeline_stages, "pipeline_stages")) is not None:
-            return [problem]
-        if self.pipeline_stages == 1:
-            return []
-        from gradaccum.app.recipes import GPT_SHAPE
+@dataclass(kw_only=True)
+class Memory:
+    """the memory budget the micro-batch is planned for"""
 
-        out = []
-        # What a pipeline run does not do yet, each with what to use instead.
-        if self.hf_model is not None or self.recipe != "gpt":
-            out.append("pipeline_stages splits the built-in GPT only: use --recipe gpt")
-        elif self.pipeline_stages > GPT_SHAPE["n_layers"]:
-            out.append(
-                f"pipeline_stages {self.pipeline_stages}: the GPT has "
-                f"{GPT_SHAPE['n_layers']} blocks, so at most {GPT_SHAPE['n_layers']} stages"
-            )
-        if self.data is not None:
-            out.append(
-                "pipeline_stages with --data: a pipeline runs micro-batches of one shape, and "
-                "your data's last window of an epoch is shorter; train it without a pipeline"
-            )
-        if self.batch_schedule != "constant":
-            out.append(
-                "pipeline_stages needs a constant batch (the schedule runs one micro-batch "
-                f"shape), not batch_schedule {self.batch_schedule}"
-            )
-        if self.checkpointing != "off":
-            out.append("pipeline_stages runs without activation checkpointing: --checkpointing off")
-        if (
-            isinstance(self.micro_batch, int)
-            and isinstance(self.effective_batch, int)
-            and self.micro_batch <= self.effective_batch
-            and self.effective_batch % self.micro_batch
-        ):
-            out.append(
-                f"pipeline_stages needs equal micro-batches: micro_batch {self.micro_batch} "
-                f"does not divide effective_batch {self.effective_batch}"
-            )
-        return out
+    budget: str = BUDGET()
+    margin: float = MARGIN()
+    meter: str = METER()
+    checkpointing: str = CHECKPOINTING_OPT()
 
-    def _target_problems(self) -> list[str]:
-        out = []
-        for name, low, high in (("target_loss", None, None), ("target_accuracy", 0, 1)):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or (low is not None and not low < value <= high)
-            ):
-                what = "a number in (0, 1]" if low is not None else "a finite number"
-                out.append(f"{name} must be {what}, got {value!r}")
-        if self.target_accuracy is not None:
-            recipe = RECIPES.get(self.recipe)
-            if self.hf_model or self.data or recipe is None or "accuracy" not in recipe.metrics:
-                measured = [n for n, r in sorted(RECIPES.items()) if "accuracy" in r.metrics]
-                out.append(
-                    "target_accuracy needs a recipe whose evaluation measures accuracy "
-                    f"({', '.join(measured)}); this run measures held-out loss: use --target-loss"
-                )
-        if self.max_time is not None:
-            try:
-                parse_seconds(self.max_time)
-            except ValueError as err:
-                out.append(f"max_time: {err}")
-        if self.max_memory is not None:
-            try:
-                parse_bytes(self.max_memory)
-            except (ValueError, TypeError) as err:
-                out.append(f"max_memory: {err}")
-        return out
+    @property
+    def budget_bytes(self) -> int:
+        return parse_bytes(self.budget)
 
-    def targets(self) -> Targets:
+
+@dataclass(kw_only=True)
+class Numerics:
+    """precision and clipping"""
+
+    precision: str = PRECISION()
+    max_grad_norm: float | None = Opt(
+        1.0,
+        "clip the window's gradient to this global norm (0 turns clipping off)",
+        check=_non_negative,
+    )()
+
+
+@dataclass(kw_only=True)
+class Schedule:
+    """optimizer, learning rate and length"""
+
+    lr: float = Opt(RecipeDefault(3e-3), "peak learning rate (AdamW)", check=_positive)()
+    weight_decay: float = Opt(0.01, "AdamW weight decay", check=_non_negative)()
+    warmup_steps: int = Opt(
+        RecipeDefault(10),
+        "linear warm-up steps, then cosine decay to 10% of --lr",
+        check=at_least(0),
+    )()
+    lr_scaling: str = Opt(
+        "sqrt",
+        "how --lr follows a scheduled batch: sqrt (x sqrt(B / B0), the rule for Adam), linear "
+        "(x B / B0, the rule for SGD) or none; --lr is the rate at --effective-batch",
+        choices=LR_RULES,
+    )()
+    steps: int | None = Opt(
+        RecipeDefault(150), "optimizer steps to train", check=at_least(1), resumable=True
+    )()
+    epochs: float | None = Opt(
+        None,
+        "train this many passes over the data instead of --steps",
+        check=_positive,
+        resumable=True,
+    )()
+    samples: int | None = Opt(
+        None,
+        "train on this many samples instead of --steps (e.g. with a schedule)",
+        check=at_least(1),
+        resumable=True,
+    )()
+
+    def problems(self) -> list[str]:
+        if self.samples is not None and self.epochs is not None:
+            return ["give --samples or --epochs, not both"]
+        return []
+
+
+@dataclass(kw_only=True)
+class Incidents:
+    """the incident guard"""
+
+    guard: bool = Opt(
+        True,
+        "the incident guard: a window whose loss (without clipping: or gradient norm) is far "
+        "above the recent ones, or a run of skipped windows, rolls the run back to its last "
+        "checkpoint and skips those windows' samples (incidents.jsonl); --no-guard turns it off",
+        resumable=True,  # the way to train on past a run the guard stopped
+    )()
+    keep_checkpoints: int = Opt(
+        2,
+        "with the guard, keep the last K checkpoints under checkpoints/ (hard links: no extra "
+        "space while they are also checkpoint.pt)",
+        check=at_least(1),
+        metavar="K",
+        resumable=True,
+    )()
+
+
+@dataclass(kw_only=True)
+class TargetsConfig:
+    """when to stop early"""
+
+    target_loss: float | None = Opt(
+        None,
+        "stop when the held-out loss reaches this (checked at each evaluation: --eval-every)",
+        check=_finite,
+        metavar="LOSS",
+        resumable=True,
+    )()
+    target_accuracy: float | None = Opt(
+        None,
+        "stop when the held-out accuracy reaches this, in (0, 1] (recipes that measure "
+        "accuracy: digits)",
+        check=_accuracy,
+        metavar="ACC",
+        resumable=True,
+    )()
+    max_time: str | None = Opt(
+        None,
+        "stop after this much training time over all sessions of the run: seconds, or 90s, 15m, 2h",
+        check=_seconds,
+        metavar="TIME",
+        resumable=True,
+    )()
+    max_memory: str | None = Opt(
+        None,
+        "stop if the peak training memory reaches this: bytes or 2GiB, 1500MB, ...",
+        check=_bytes,
+        metavar="BYTES",
+        resumable=True,
+    )()
+
+    def runtime(self) -> Targets:
         return Targets(
             target_loss=self.target_loss,
             target_accuracy=self.target_accuracy,
@@ -514,22 +425,344 @@ class TrainConfig:
         )
 
 
+@dataclass(kw_only=True)
+class Output:
+    """the run folder, evaluation, checkpoints and exports"""
+
+    out: str | None = Opt(None, "run folder (default: runs/RECIPE-TIME)", metavar="DIR")()
+    resume: str | None = Opt(
+        None,
+        "continue the run in this folder exactly where its checkpoint stopped; options given "
+        "with it override its saved config (e.g. a larger --steps)",
+        metavar="DIR",
+    )()
+    config: str | None = Opt(
+        None, "read options from a TOML or YAML file; flags override it", metavar="FILE"
+    )()
+    eval_every: int = Opt(
+        RecipeDefault(50), "held-out evaluation every N steps", check=at_least(1), resumable=True
+    )()
+    checkpoint_every: int = Opt(
+        RecipeDefault(50), "checkpoint every N steps", check=at_least(1), resumable=True
+    )()
+    export_every: int | None = Opt(
+        None,
+        "also export the weights every N steps (they are always exported at the end): the "
+        "LoRA adapter, or the fine-tuned --hf-model, in Hugging Face format",
+        check=at_least(1),
+        resumable=True,
+    )()
+    merge_lora: bool = Opt(
+        False, "with --lora, also export the base with the adapters merged in", resumable=True
+    )()
+    tensorboard: bool = Opt(
+        True,
+        "write TensorBoard event files under RUN/tensorboard when the tensorboard package is "
+        "installed; --no-tensorboard turns them off",
+        resumable=True,
+    )()
+
+
+@dataclass(kw_only=True)
+class Distributed:
+    """how torchrun's processes share the work"""
+
+    pipeline_stages: int = Opt(
+        1,
+        "cut the model into this many pipeline stages, one per process (under torchrun "
+        "--nproc-per-node S; --recipe gpt): each window's micro-batches stream through the "
+        "stages, exactly",
+        check=at_least(1),
+        metavar="S",
+    )()
+    pipeline_schedule: str = Opt(
+        "1f1b",
+        "the pipeline's schedule: 1f1b (holds at most S micro-batches' activations) or gpipe "
+        "(all of them)",
+        choices=SCHEDULES,
+    )()
+    shard: str = Opt(
+        "ddp",
+        "how torchrun's processes hold the model: ddp (each a whole copy) or fsdp (FSDP2: each "
+        "holds 1/N of the parameters, gradients and optimizer state; checkpoints through "
+        "torch.distributed.checkpoint, and model.pt, the whole model, at the end)",
+        choices=SHARDS,
+    )()
+
+
+# ----- types ---------------------------------------------------------------------------
+
+
+def base_type(tp: Any) -> Any:
+    """int for ``int``, str for ``str | None``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return tp
+
+
+def _optional(tp: Any) -> bool:
+    return type(None) in typing.get_args(tp)
+
+
+def type_problem(name: str, value: Any, tp: Any) -> str | None:
+    """What is wrong with ``value``'s type for a field typed ``tp`` (an int is a float; a
+    bool is neither), or None."""
+    if value is None and _optional(tp):
+        return None
+    base = base_type(tp)
+    if isinstance(value, bool) and base is not bool:
+        ok = False
+    elif base is float:
+        ok = isinstance(value, (int, float))
+    else:
+        ok = isinstance(value, base)
+    return None if ok else f"{name} must be {base.__name__}, got {value!r}"
+
+
+def _hints(cls: type) -> list[tuple[Any, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in fields(cls)]
+
+
+def _field_problems(obj: Any) -> list[str]:
+    """Each field's type, then, where the type is right, its own check and choices."""
+    out = []
+    hints = typing.get_type_hints(type(obj))
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if (problem := type_problem(f.name, value, hints[f.name])) is not None:
+            out.append(problem)
+            continue
+        opt: Opt | None = f.metadata.get("opt")
+        if value is None or opt is None:
+            continue
+        if opt.choices is not None and value not in opt.choices:
+            out.append(f"{f.name} must be one of {', '.join(opt.choices)}, got {value!r}")
+        elif opt.check is not None and (problem := opt.check(value)) is not None:
+            if problem.startswith("must "):
+                problem = f"{f.name} {problem}, got {value!r}"
+            else:
+                problem = f"{f.name}: {problem}"
+            out.append(problem)
+    return out
+
+
+def _resolve_recipe_defaults(objs: typing.Iterable[Any], recipe: Any, hf_model: Any) -> None:
+    """Each ``RecipeDefault`` left in ``objs`` becomes the recipe's own value, where it has
+    one (not for --hf-model, which replaces the recipe), else the option's."""
+    own = {}
+    if hf_model is None and isinstance(recipe, str) and recipe in RECIPES:
+        own = RECIPES[recipe].defaults
+    for obj in objs:
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, RecipeDefault):
+                setattr(obj, f.name, own.get(f.name, value.value))
+
+
+# ----- train -----------------------------------------------------------------------------
+
+# section attribute -> its class, in --help's order
+SECTIONS: dict[str, type] = {
+    "source": Source,
+    "model": Model,
+    "batch": Batch,
+    "memory": Memory,
+    "numerics": Numerics,
+    "schedule": Schedule,
+    "incidents": Incidents,
+    "targets": TargetsConfig,
+    "output": Output,
+    "distributed": Distributed,
+}
+# option name -> the section that holds it (names are unique across sections)
+OPTION_SECTION: dict[str, str] = {
+    f.name: section for section, cls in SECTIONS.items() for f in fields(cls)
+}
+assert len(OPTION_SECTION) == sum(len(fields(c)) for c in SECTIONS.values()), "a name twice"
+# option name -> its type
+HINTS: dict[str, Any] = {f.name: tp for cls in SECTIONS.values() for f, tp in _hints(cls)}
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything ``gradaccum train`` runs with. ``TrainConfig.of(recipe="minilm", steps=5)``
+    makes one from option names; ``flat()`` gives them back."""
+
+    source: Source = field(default_factory=Source)
+    model: Model = field(default_factory=Model)
+    batch: Batch = field(default_factory=Batch)
+    memory: Memory = field(default_factory=Memory)
+    numerics: Numerics = field(default_factory=Numerics)
+    schedule: Schedule = field(default_factory=Schedule)
+    incidents: Incidents = field(default_factory=Incidents)
+    targets: TargetsConfig = field(default_factory=TargetsConfig)
+    output: Output = field(default_factory=Output)
+    distributed: Distributed = field(default_factory=Distributed)
+
+    def __post_init__(self) -> None:
+        _resolve_recipe_defaults(self.sections(), self.source.recipe, self.source.hf_model)
+
+    @classmethod
+    def of(cls, **options: Any) -> TrainConfig:
+        """A configuration from option names (as flags, config files and config.json spell
+        them); a name that is no option is refused."""
+        unknown = sorted(set(options) - set(OPTION_SECTION))
+        if unknown:
+            raise ValueError(
+                f"unknown option{'s' * (len(unknown) > 1)} {', '.join(unknown)}; known "
+                f"options: {', '.join(sorted(OPTION_SECTION))}"
+            )
+        grouped: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for name, value in options.items():
+            grouped[OPTION_SECTION[name]][name] = value
+        return cls(**{name: SECTIONS[name](**values) for name, values in grouped.items()})
+
+    def sections(self) -> list[Any]:
+        return [getattr(self, name) for name in SECTIONS]
+
+    def flat(self) -> dict[str, Any]:
+        """Option name -> value, every option: config.json's form."""
+        return {f.name: getattr(s, f.name) for s in self.sections() for f in fields(s)}
+
+    def problems(self) -> list[str]:
+        """Every problem with this configuration, of type or of value, so a user fixes them in
+        one pass. A check between options runs only when their own types are right."""
+        out: list[str] = []
+        for section in self.sections():
+            out += _field_problems(section)
+        if any(type_problem(k, v, HINTS[k]) for k, v in self.flat().items()):
+            return out  # the checks between options read values of their own types
+        for section in self.sections():
+            if hasattr(section, "problems"):
+                out += section.problems()
+        return out + self._between_sections()
+
+    def _between_sections(self) -> list[str]:
+        src, model, num = self.source, self.model, self.numerics
+        out = []
+        if model.lora is not None and src.hf_model is None:
+            out.append("lora needs --hf-model PATH: PEFT adapts Hugging Face models")
+        if self.output.merge_lora and model.lora is None:
+            out.append("merge_lora needs --lora R")
+        if self.targets.target_accuracy is not None:
+            recipe = RECIPES.get(src.recipe)
+            if src.hf_model or src.data or recipe is None or "accuracy" not in recipe.metrics:
+                measured = [n for n, r in sorted(RECIPES.items()) if "accuracy" in r.metrics]
+                out.append(
+                    "target_accuracy needs a recipe whose evaluation measures accuracy "
+                    f"({', '.join(measured)}); this run measures held-out loss: use --target-loss"
+                )
+        dist = self.distributed
+        if dist.shard == "fsdp":
+            if dist.pipeline_stages != 1:
+                out.append("shard fsdp with pipeline_stages: one or the other (2D is not built)")
+            if model.lora is not None:
+                out.append(
+                    "shard fsdp with lora: the adapters are a few megabytes, nothing to shard; "
+                    "use --shard ddp"
+                )
+            if num.precision == "fp16":
+                out.append(
+                    "shard fsdp with precision fp16: each rank would see only its own shards' "
+                    "overflow; use --precision bf16"
+                )
+        if dist.pipeline_stages > 1:
+            out += self._pipeline_problems()
+        return out
+
+    def _pipeline_problems(self) -> list[str]:
+        """What a pipeline run does not do yet, each with what to use instead."""
+        src, batch, stages = self.source, self.batch, self.distributed.pipeline_stages
+        out = []
+        if src.hf_model is not None or src.recipe != "gpt":
+            out.append("pipeline_stages splits the built-in GPT only: use --recipe gpt")
+        elif stages > GPT_SHAPE["n_layers"]:
+            out.append(
+                f"pipeline_stages {stages}: the GPT has {GPT_SHAPE['n_layers']} blocks, so at "
+                f"most {GPT_SHAPE['n_layers']} stages"
+            )
+        if src.data is not None:
+            out.append(
+                "pipeline_stages with --data: a pipeline runs micro-batches of one shape, and "
+                "your data's last window of an epoch is shorter; train it without a pipeline"
+            )
+        if batch.batch_schedule != "constant":
+            out.append(
+                "pipeline_stages needs a constant batch (the schedule runs one micro-batch "
+                f"shape), not batch_schedule {batch.batch_schedule}"
+            )
+        if self.memory.checkpointing != "off":
+            out.append("pipeline_stages runs without activation checkpointing: --checkpointing off")
+        micro, effective = batch.micro_batch, batch.effective_batch
+        if micro is not None and micro <= effective and effective % micro:
+            out.append(
+                f"pipeline_stages needs equal micro-batches: micro_batch {micro} does not "
+                f"divide effective_batch {effective}"
+            )
+        return out
+
+
 # What a resumed run may change: how long it trains and how it reports. Everything else
 # defines the run and must stay as it was (a different run belongs in its own folder).
-RESUMABLE = (
-    "steps",
-    "epochs",
-    "samples",
-    "eval_every",
-    "checkpoint_every",
-    "noise_scale",
-    "export_every",
-    "merge_lora",
-    "keep_checkpoints",
-    "target_loss",
-    "target_accuracy",
-    "max_time",
-    "max_memory",
-    "tensorboard",
-    "guard",  # the way to train on past a run the guard stopped
+RESUMABLE = tuple(
+    f.name for cls in SECTIONS.values() for f in fields(cls) if f.metadata["opt"].resumable
 )
+
+
+# ----- plan and check: the same options, where they mean the same ---------------------
+
+
+@dataclass(kw_only=True)
+class PlanConfig:
+    """``gradaccum plan``: train's options for the model and the memory, and the plan's own."""
+
+    recipe: str = RECIPE(help="built-in model and data to plan for")
+    seed: int = SEED(help="seed for the model's initialization")
+    effective_batch: int = EFFECTIVE_BATCH()
+    world_size: int = Opt(1, "processes the effective batch is split over", check=at_least(1))()
+    budget: str = BUDGET()
+    margin: float = MARGIN()
+    meter: str = METER()
+    checkpointing: str = CHECKPOINTING_OPT()
+    precision: str = PRECISION()
+    export: str | None = Opt(
+        None,
+        "also print the plan as this framework's settings, with an equal micro-batch x "
+        "accumulation steps x processes = the effective batch exactly",
+        choices=FRAMEWORKS,
+        metavar="FRAMEWORK",
+    )()
+    json: bool = Opt(False, "print the plan as JSON")()
+    plot: str | None = Opt(
+        None, "draw predicted vs measured memory per probed size to this PNG", metavar="FILE.png"
+    )()
+
+    def __post_init__(self) -> None:
+        _resolve_recipe_defaults([self], self.recipe, None)
+
+    def problems(self) -> list[str]:
+        return _field_problems(self)
+
+
+@dataclass(kw_only=True)
+class CheckConfig:
+    """``gradaccum check``: train's options for the model, and the batch compared."""
+
+    recipe: str = RECIPE(help="built-in model and data to audit")
+    hf_model: str | None = HF_MODEL(
+        help="audit a Hugging Face causal LM from a local directory or config JSON instead"
+    )
+    seed: int = SEED(help="seed for the model and the batch")
+    batch: int = Opt(16, "samples in the batch compared", check=at_least(2))()
+    micro_batch: int = MICRO_BATCH(default=4, help="samples per micro-batch, fewer than --batch")
+
+    def problems(self) -> list[str]:
+        out = _field_problems(self)
+        if not out and self.micro_batch >= self.batch:
+            out.append(
+                f"micro_batch {self.micro_batch} must be smaller than batch {self.batch}: "
+                "the check compares several micro-batches against the whole batch"
+            )
+        return out

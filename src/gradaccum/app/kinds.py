@@ -1,10 +1,11 @@
 """The kinds of run: one process or DDP replicas, FSDP2 shards, pipeline stages.
 
-Each kind is a class with the small interface the loop and the report use: how the batch
-reaches this process, how one window runs, what a checkpoint holds of this process's part
-and how it is restored, which module evaluates, and how the whole model is gathered at the
-end. The loop calls these and never asks which kind it has; what differs between kinds
-lives here, and how each is built lives in build.py.
+Each kind is a class with the small interface the build, the loop and the report use: the
+job it needs, this process's part of the model, how the model is spread over the processes,
+how the micro-batch is planned, the window runner, how the batch reaches this process, how
+one window runs, what a checkpoint holds of this process's part and how it is restored,
+which module evaluates, and how the whole model is gathered at the end. Nobody else asks
+which kind a run is: what differs between kinds lives here.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from typing import Any
 
 import torch
 
-from gradaccum.app import launch
+from gradaccum.app import launch, planning
 from gradaccum.app.folder import RunFolder
 from gradaccum.batching import shard, split
+from gradaccum.engine import Accumulator
+from gradaccum.noise import NoiseScale
+from gradaccum.oom import OOMReplay
 from gradaccum.window import StepResult
 
 __all__ = ["Pipelined", "Replicated", "RunKind", "Sharded"]
@@ -32,6 +36,48 @@ class RunKind:
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
+
+    @staticmethod
+    def of(cfg: Any, rank: int, world: int) -> RunKind:
+        """The kind of run the configuration makes, checked against the job (a ValueError
+        saying how to launch it when the job does not fit)."""
+        if cfg.distributed.pipeline_stages > 1:
+            return Pipelined(rank, world, cfg.distributed)
+        if cfg.distributed.shard == "fsdp":
+            return Sharded(rank, world)
+        return Replicated(rank, world)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """This process's part of the model (before it moves to its device)."""
+        return model
+
+    def distribute(self, model: torch.nn.Module, before: Any, log) -> torch.nn.Module:
+        """The model as the processes hold it (the optimizer is made over its parameters
+        after this). ``before(model)`` runs first where the whole model must be seen before
+        it is spread (minilm's baseline); a kind that keeps the model whole leaves it for
+        later."""
+        return model
+
+    def plan(self, cfg: Any, model, optimizer, recipe, device, log) -> dict[str, Any]:
+        """A new plan (plan.json's record): rank 0 plans, every rank takes its plan."""
+        return planning.window_plan(
+            cfg, model, optimizer, recipe, device, self.rank, self.world, log, each_rank=False
+        )
+
+    def window(self, cfg: Any, model, optimizer, micro_batch: int, sync: str, device, log) -> Any:
+        """The window runner: an Accumulator over the model, DDP's copy on several ranks.
+        Under DDP the ranks replay an out-of-memory window together, at the price of the
+        window's reduction no longer overlapping its last backward: worth it where memory
+        runs out (CUDA)."""
+        train_model = model
+        if self.replicas > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            train_model = DistributedDataParallel(
+                model, device_ids=[device] if device.type == "cuda" else None
+            )
+        replay = self.world == 1 or device.type == "cuda"
+        return _accumulator(cfg, train_model, optimizer, sync, replay)
 
     @property
     def main(self) -> bool:
@@ -50,9 +96,10 @@ class RunKind:
         """This process's part of the window's batch."""
         return shard(batch, self.rank, self.replicas) if self.replicas > 1 else batch
 
-    def step(self, acc: Any, batch: Any, micro: int, loss_fn: Any) -> StepResult:
-        """One window: the batch cut into micro-batches of ``micro``, one optimizer step."""
-        return acc.step(split(batch, micro), loss_fn)
+    def step(self, acc: Any, batch: Any, micro_batch: int, loss_fn: Any) -> StepResult:
+        """One window: the batch cut into micro-batches of ``micro_batch``, one optimizer
+        step."""
+        return acc.step(split(batch, micro_batch), loss_fn)
 
     def agree(self, value: Any) -> Any:
         """Rank 0's value on the ranks that act on it together (all of them when together;
@@ -109,6 +156,28 @@ class Sharded(RunKind):
 
     together = True
 
+    def __init__(self, rank: int, world: int) -> None:
+        if world < 2:
+            raise ValueError(
+                "--shard fsdp shards the model over torchrun's processes and this job has one: "
+                "launch it with torchrun --nproc-per-node N (N >= 2)"
+            )
+        super().__init__(rank, world)
+
+    def distribute(self, model, before, log):
+        """The baseline first, on rank 0's whole model; sharding then starts every rank from
+        rank 0's parameters."""
+        before(model)
+        return _fully_shard(model, log)
+
+    def plan(self, cfg, model, optimizer, recipe, device, log):
+        return planning.window_plan(
+            cfg, model, optimizer, recipe, device, self.rank, self.world, log, each_rank=True
+        )
+
+    def window(self, cfg, model, optimizer, micro_batch, sync, device, log):
+        return _accumulator(cfg, model, optimizer, sync, replay=False)
+
     def save_parts(self, acc: Any, folder: RunFolder, step: int) -> dict[str, Any] | None:
         problem = folder.prepare_shards(step) if self.main else None
         if not launch.any_rank(problem is not None):
@@ -143,9 +212,54 @@ class Pipelined(RunKind):
 
     together = True
 
-    def __init__(self, rank: int, world: int, schedule: str, chained: torch.nn.Module) -> None:
+    def __init__(self, rank: int, world: int, distributed: Any) -> None:
+        stages = distributed.pipeline_stages
+        if world != stages:
+            raise ValueError(
+                f"--pipeline-stages {stages} runs one stage per process: launch it with "
+                f"torchrun --nproc-per-node {stages} (this job has {world} "
+                f"process{'es' * (world > 1)}; pipeline replicas under data parallelism are "
+                "not built yet)"
+            )
         super().__init__(rank, world)
-        self.schedule, self.chained = schedule, chained
+        self.schedule = distributed.pipeline_schedule
+        self.chained: torch.nn.Module | None = None
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """This stage's blocks; the rest of the model is dropped."""
+        from gradaccum.app.recipes.gpt import GPTStage
+        from gradaccum.pipeline import ChainedStages
+
+        stage = GPTStage(model, self.rank, self.world)
+        self.chained = ChainedStages(stage)
+        return stage
+
+    def plan(self, cfg, model, optimizer, recipe, device, log):
+        return planning.pipeline_plan(cfg, model, log)
+
+    def window(self, cfg, model, optimizer, micro_batch, sync, device, log):
+        """This stage's ``PipelineWindow``: its part of the model as a ``PipelineStage``, the
+        window's micro-batches of ``micro_batch``, the tied head's copies kept equal."""
+        from torch.distributed.pipelining import PipelineStage
+
+        from gradaccum.loss import causal_lm_loss
+        from gradaccum.pipeline import PipelineWindow
+
+        if cfg.batch.noise_scale:
+            log(
+                "the noise scale is not measured through a pipeline: the schedule runs the "
+                "window's micro-batches inside one call, so their separate gradients are not seen"
+            )
+        return PipelineWindow(
+            PipelineStage(model, self.rank, self.world, device),
+            optimizer,
+            causal_lm_loss,
+            cfg.batch.effective_batch // micro_batch,
+            schedule=self.schedule,
+            max_grad_norm=cfg.numerics.max_grad_norm or None,
+            tied=model.tied(),
+            precision=cfg.numerics.precision,
+        )
 
     @property
     def replicas(self) -> int:
@@ -154,7 +268,7 @@ class Pipelined(RunKind):
     def across(self, cfg: Any) -> str:
         return f" through {self.world} pipeline stages ({self.schedule})"
 
-    def step(self, acc: Any, batch: Any, micro: int, loss_fn: Any) -> StepResult:
+    def step(self, acc: Any, batch: Any, micro_batch: int, loss_fn: Any) -> StepResult:
         return acc.step(batch["input_ids"], target=batch["labels"])
 
     def evaluated(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -186,3 +300,40 @@ class Pipelined(RunKind):
 
     def prune(self, folder: RunFolder, keep_steps: set[int]) -> None:
         folder.prune_parts(keep_steps)
+
+
+def _accumulator(cfg: Any, model, optimizer, sync: str, replay: bool) -> Accumulator:
+    return Accumulator(
+        model,
+        optimizer,
+        max_grad_norm=cfg.numerics.max_grad_norm or None,
+        precision=cfg.numerics.precision,
+        oom=OOMReplay() if replay else None,
+        noise=NoiseScale() if cfg.batch.noise_scale else None,
+        sync=sync,
+    )
+
+
+def _fully_shard(model: torch.nn.Module, log) -> torch.nn.Module:
+    """FSDP2 over the job's processes: each repeated block (a transformer's layers) its own
+    unit, gathered only while it computes, then the root for the rest. Every rank starts
+    from rank 0's parameters, as DistributedDataParallel starts (a baseline fitted on rank 0
+    alone, minilm's probe head, reaches every rank so)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from gradaccum.recompute import repeated_blocks
+
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+    blocks = repeated_blocks(model)
+    for _, block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    world = dist.get_world_size()
+    log(
+        f"FSDP2 over {world} processes: {len(blocks)} blocks and the root, each rank holding "
+        f"1/{world} of the parameters, gradients and optimizer state"
+    )
+    return model

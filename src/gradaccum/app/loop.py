@@ -98,7 +98,7 @@ class _Run:
     data: Any
     optimizer: torch.optim.Optimizer
     acc: Accumulator | PipelineWindow
-    micro: int
+    micro_batch: int
     checkpointing: bool
     signature: dict[str, Any]
     schedule: BatchSchedule
@@ -162,17 +162,19 @@ class _Run:
         window's batch: linear warm-up over --warmup-steps windows, then cosine decay to 10%
         of --lr over the rest of the run, times the batch rule (--lr-scaling)."""
         cfg, step = self.cfg, self.schedule.step
-        if step < cfg.warmup_steps:
-            shape = (step + 1) / (cfg.warmup_steps + 1)
+        if step < cfg.schedule.warmup_steps:
+            shape = (step + 1) / (cfg.schedule.warmup_steps + 1)
         else:
             if self.total_samples is not None:
-                done, warm = self.schedule.samples, cfg.warmup_steps * cfg.effective_batch
+                warm = cfg.schedule.warmup_steps * cfg.batch.effective_batch
+                done = self.schedule.samples
                 total = self.total_samples
             else:
-                done, warm, total = step, cfg.warmup_steps, self.total_steps
+                done, warm, total = step, cfg.schedule.warmup_steps, self.total_steps
             progress = (done - warm) / max(1, total - warm)
             shape = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
-        return cfg.lr * shape * lr_factor(cfg.lr_scaling, size, cfg.effective_batch)
+        rule, start = cfg.schedule.lr_scaling, cfg.batch.effective_batch
+        return cfg.schedule.lr * shape * lr_factor(rule, size, start)
 
     def length(self) -> str:
         if self.total_samples is not None:
@@ -186,10 +188,10 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
     target was met; with the guard, a rollback after each incident."""
     cfg, folder, schedule = run.cfg, run.folder, run.schedule
     kind = run.kind
-    windows = math.ceil(math.ceil(cfg.effective_batch / kind.replicas) / run.micro)
+    per_window = math.ceil(math.ceil(cfg.batch.effective_batch / kind.replicas) / run.micro_batch)
     log(
-        f"training {run.length()}: effective batch {cfg.effective_batch} = {windows} "
-        f"micro-batch{'es' if windows > 1 else ''} of up to {run.micro}{kind.across(cfg)}"
+        f"training {run.length()}: effective batch {cfg.batch.effective_batch} = {per_window} "
+        f"micro-batch{'es' if per_window > 1 else ''} of up to {run.micro_batch}{kind.across(cfg)}"
         + ("" if schedule.kind == "constant" else f"; schedule: {schedule.describe()}")
         + f"; {run.data.epoch_samples():,} samples per epoch; run folder {folder.path}"
     )
@@ -233,7 +235,7 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             batch = kind.local(batch)
             if run.device.type == "cuda":
                 batch = to_device(batch, run.device)
-            result = kind.step(run.acc, batch, run.micro, run.recipe.loss_fn)
+            result = kind.step(run.acc, batch, run.micro_batch, run.recipe.loss_fn)
             schedule.update(result, samples)
             if schedule.kind == "auto":
                 # Each rank reads the noise off its own prefixes: rank 0's decision holds.
@@ -286,8 +288,8 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             memory.window_done()
             end = run.done()
             limit = run.targets.limit_reached(run.elapsed, line["peak_memory"])
-            if kind.evaluates() and (step % cfg.eval_every == 0 or end or limit):
-                evaluated = run.data.evaluate(kind.evaluated(run.model), run.micro)
+            if kind.evaluates() and (step % cfg.output.eval_every == 0 or end or limit):
+                evaluated = run.data.evaluate(kind.evaluated(run.model), run.micro_batch)
                 line.update({f"eval_{k}": v for k, v in evaluated.items()})
             hit = run.targets.check(line, run.elapsed) if run.main else None
             _write_line(metrics, line, folder, last)
@@ -301,14 +303,15 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             # the other in a collective.)
             hit = launch.broadcast(hit)  # rank 0 evaluates: its verdict stops every rank
             stopping = launch.any_rank(bool(stop))  # a signal on any rank stops them all
-            if stopping or hit or step % cfg.checkpoint_every == 0 or end:
+            if stopping or hit or step % cfg.output.checkpoint_every == 0 or end:
                 _checkpoint(run, step, last)
                 last = step
-            exporting = bool(cfg.export_every and step % cfg.export_every == 0 or end or hit)
+            every = cfg.output.export_every
+            exporting = bool(every and step % every == 0 or end or hit)
             # A model held in shards is gathered whole (every rank takes part) once, for
             # model.pt at the end and for the Hugging Face export; None where it is whole.
             whole = None
-            if end or hit or exporting and cfg.hf_model is not None:
+            if end or hit or exporting and cfg.source.hf_model is not None:
                 whole = kind.gather(run.model)
             if exporting:
                 _export(run, log, whole)
@@ -348,7 +351,7 @@ def _events(run: _Run, log):
     """The TensorBoard writer (rank 0, when asked for and installed), else None."""
     from gradaccum.app.report import events
 
-    if not (run.main and run.cfg.tensorboard):
+    if not (run.main and run.cfg.output.tensorboard):
         return None
     if not events.available():
         log(
@@ -356,7 +359,7 @@ def _events(run: _Run, log):
             "(pip install 'gradaccum[tensorboard]'); metrics.jsonl has every number"
         )
         return None
-    return events.EventLog(run.folder.path, run.start, run.cfg.max_grad_norm or None)
+    return events.EventLog(run.folder.path, run.start, run.cfg.numerics.max_grad_norm or None)
 
 
 def _rollback(run: _Run, incident: Incident, blamed: list[tuple[int, int, int]], log) -> bool:
@@ -429,7 +432,7 @@ def _checkpoint(run: _Run, step: int, last: int) -> None:
         return
     state = {
         "step": step,
-        "micro_batch": run.micro,
+        "micro_batch": run.micro_batch,
         "sync": run.kind.sync_mode(run.acc),
         "checkpointing": run.checkpointing,
         "signature": run.signature,
@@ -445,7 +448,7 @@ def _checkpoint(run: _Run, step: int, last: int) -> None:
     try:
         run.folder.save_checkpoint(state)
         if run.guard is not None:
-            run.folder.keep_checkpoint(step, run.cfg.keep_checkpoints)
+            run.folder.keep_checkpoint(step, run.cfg.incidents.keep_checkpoints)
         run.kind.prune(run.folder, {step, *(s for s, _ in run.folder.kept_checkpoints())})
     except ValueError as err:
         raise ValueError(_stopped(run.folder, str(err), last)) from None
@@ -469,15 +472,15 @@ def _export(run: _Run, log, whole: dict[str, torch.Tensor] | None = None) -> Non
     beside each. Each folder is written whole (a temporary sibling, then a rename). Under
     FSDP2, ``whole`` is the model's state_dict gathered from the shards."""
     cfg = run.cfg
-    if not run.main or cfg.hf_model is None:
+    if not run.main or cfg.source.hf_model is None:
         return
     from gradaccum.integrations import peft as finetune
 
-    tokenizer = _tokenizer(cfg.hf_model)
+    tokenizer = _tokenizer(cfg.source.hf_model)
     out = run.folder.path / "export"
-    if cfg.lora is not None:
+    if cfg.model.lora is not None:
         written = [finetune.save_adapter(run.model, out / "adapter")]
-        if cfg.merge_lora:
+        if cfg.output.merge_lora:
             written.append(finetune.save_merged(run.model, out / "merged", tokenizer))
     else:
         written = [finetune.save_full(run.model, out / "model", tokenizer, state_dict=whole)]

@@ -151,7 +151,7 @@ def test_fsdp_in_one_process_is_refused_in_one_line(tmp_path):
 def test_what_fsdp_does_not_do_is_named(options, message):
     from gradaccum.app import TrainConfig
 
-    cfg = TrainConfig(**{"shard": "fsdp", **options})
+    cfg = TrainConfig.of(**{"shard": "fsdp", **options})
     assert any(message in p for p in cfg.problems()), cfg.problems()
 
 

@@ -5,81 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from gradaccum.app.cli import options
+from gradaccum.app.config import PlanConfig
 from gradaccum.app.measure import fresh_process_verifier
-from gradaccum.app.recipes import RECIPES, get_recipe
-from gradaccum.export import FRAMEWORKS
-from gradaccum.memory import METERS
-from gradaccum.plan import CHECKPOINTING, Plan, plan
-from gradaccum.precision import PRECISIONS
-
-
-@dataclass(kw_only=True)
-class PlanConfig:
-    effective_batch: int = field(
-        default=256, metadata={"help": "samples per optimizer step, over all ranks"}
-    )
-    budget: str = field(
-        default="2GiB",
-        metadata={
-            "help": "memory budget: bytes, or a number with B, KB, MB, GB (powers of "
-            "1000) or KiB, MiB, GiB (powers of 1024)"
-        },
-    )
-    recipe: str = field(
-        default="gpt", metadata={"help": "built-in model and data", "choices": sorted(RECIPES)}
-    )
-    world_size: int = field(default=1, metadata={"help": "ranks the effective batch is split over"})
-    margin: float = field(
-        default=0.15,
-        metadata={
-            "help": "fraction of the budget kept free: on CPU the same training run's "
-            "resident memory varies from one process to the next (bench/results/memory.md)"
-        },
-    )
-    checkpointing: str = field(
-        default="off",
-        metadata={
-            "help": "activation checkpointing of repeated blocks: off, on, or auto (only "
-            "when nothing fits without)",
-            "choices": list(CHECKPOINTING),
-        },
-    )
-    precision: str = field(
-        default="fp32", metadata={"help": "autocast precision", "choices": list(PRECISIONS)}
-    )
-    seed: int = field(default=0, metadata={"help": "seed for the model's initialization"})
-    meter: str = field(
-        default="auto",
-        metadata={
-            "help": "what memory means: auto (CUDA's allocator on a GPU, resident memory on "
-            "CPU), rss, or tensors (live tensor bytes: deterministic, blind to the "
-            "allocator's overheads, slow)",
-            "choices": list(METERS),
-        },
-    )
-    export: str | None = field(
-        default=None,
-        metadata={
-            "help": "also print the plan as this framework's settings, with an equal "
-            "micro-batch x accumulation steps x ranks = the effective batch exactly",
-            "choices": list(FRAMEWORKS),
-            "metavar": "FRAMEWORK",
-        },
-    )
-    json: bool = field(default=False, metadata={"help": "print the plan as JSON"})
-    plot: str | None = field(
-        default=None,
-        metadata={
-            "help": "draw predicted vs measured memory per probed size to this PNG",
-            "metavar": "FILE.png",
-        },
-    )
+from gradaccum.app.recipes import get_recipe
+from gradaccum.plan import Plan, plan
+from gradaccum.validate import invalid_configuration
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -95,7 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = options.build(PlanConfig, options.given(args, PlanConfig))
+    cfg = PlanConfig(**options.given(args, PlanConfig))
+    if problems := cfg.problems():
+        raise ValueError(invalid_configuration(problems))
     if cfg.plot and not Path(cfg.plot).resolve().parent.is_dir():
         raise ValueError(f"--plot {cfg.plot}: folder {Path(cfg.plot).parent} does not exist")
     recipe = get_recipe(cfg.recipe)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +13,12 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 from gradaccum.app import Interrupted, TrainConfig, train
+from gradaccum.app.config import HINTS, OPTION_SECTION, SECTIONS, base_type
 from gradaccum.app.folder import CONFIG, RunFolder
 from gradaccum.app.launch import is_main, shutdown
 from gradaccum.validate import invalid_configuration
 
-_FILE_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"config", "resume"}
+_FILE_KEYS = set(OPTION_SECTION) - {"config", "resume"}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -35,7 +34,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    """TOML or YAML, parsed safely; keys may use dashes or underscores; unknown keys refused."""
+    """TOML or YAML, parsed safely, into option names: flat keys, or keys under their
+    section's table (``[batch]`` then ``effective_batch = 256``); dashes or underscores;
+    unknown keys and an option given twice refused."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--config {path}: no such file")
@@ -56,54 +57,60 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise ValueError(f"--config {path}: use a .toml, .yaml or .yml file")
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a table of options, got {type(data).__name__}")
-    spelled: dict[str, list[str]] = {}
-    for key in data:
-        spelled.setdefault(str(key).replace("-", "_"), []).append(str(key))
-    twice = [" and ".join(v) for v in spelled.values() if len(v) > 1]
+    found: dict[str, tuple[str, Any]] = {}  # option -> (as written, value)
+    twice, unknown = [], []
+
+    def add(key: str, value: Any, written: str, section: str | None = None) -> None:
+        name = key.replace("-", "_")
+        if name not in OPTION_SECTION or (section and OPTION_SECTION[name] != section):
+            home = OPTION_SECTION.get(name)
+            unknown.append(written + (f" (it belongs under [{home}])" if home else ""))
+        elif name in found:
+            twice.append(f"{found[name][0]} and {written}")
+        else:
+            found[name] = (written, value)
+
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name in SECTIONS and isinstance(value, dict):
+            for inner, v in value.items():
+                add(str(inner), v, f"[{key}] {inner}", name)
+        else:
+            add(str(key), value, str(key))
     if twice:
         raise ValueError(f"--config {path}: the same option given twice: {'; '.join(twice)}")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(data) - _FILE_KEYS)
     if unknown:
         raise ValueError(
             f"--config {path}: unknown option{'s' if len(unknown) > 1 else ''} "
             f"{', '.join(unknown)}; known options: {', '.join(sorted(_FILE_KEYS))}"
         )
-    return data
+    return {name: _coerce(name, value) for name, (_, value) in found.items()}
 
 
-def _check_types(values: dict[str, Any], source: str) -> list[str]:
-    """Problems with the types of values from a file (flags are typed by argparse). Two
-    spellings are taken as what they mean: YAML 1.1 reads ``2e-3`` (no dot) as a string, so
-    a float option takes a string that is a number; the budget takes a number of bytes."""
-    hints = typing.get_type_hints(TrainConfig)
-    problems = []
-    for key, value in list(values.items()):
-        base = options._base_type(hints[key])
-        if base is float and isinstance(value, str):
-            try:
-                values[key] = value = float(value)
-            except ValueError:
-                pass
-        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if key in ("budget", "max_memory") and numeric and float(value).is_integer():
-            values[key] = value = str(int(value))  # 5e8 in TOML or YAML is a float
-        if key == "max_time" and numeric:
-            values[key] = value = str(value)
-        ok = (
-            (value is None and type(None) in typing.get_args(hints[key]))
-            or (isinstance(value, base) and not (isinstance(value, bool) and base is not bool))
-            or (base is float and isinstance(value, int) and not isinstance(value, bool))
-        )
-        if not ok:
-            problems.append(f"{key} must be {base.__name__}, got {value!r} in {source}")
-    return problems
+def _coerce(name: str, value: Any) -> Any:
+    """A file's spellings taken as what they mean (flags are typed by argparse; a wrong type
+    is left for the configuration's own check): YAML 1.1 reads ``2e-3`` (no dot) as a
+    string, so a float option takes a string that is a number; the budget and
+    --max-memory take a number of bytes, --max-time a number of seconds."""
+    base = base_type(HINTS[name])
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if name in ("budget", "max_memory") and numeric and float(value).is_integer():
+        return str(int(value))  # 5e8 in TOML or YAML is a float
+    if name == "max_time" and numeric:
+        return str(value)
+    return value
 
 
 def resolve(args: argparse.Namespace) -> TrainConfig:
+    """One configuration from, in rising order: the options' and the recipe's defaults, a
+    resumed run's saved config, a config file, the flags."""
     flags = options.given(args, TrainConfig)
     values: dict[str, Any] = {}
-    problems: list[str] = []
     if flags.get("resume"):
         folder = RunFolder(flags["resume"])
         folder.check_usable(resume=True)
@@ -113,10 +120,10 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
     from_file: dict[str, Any] = {}
     if flags.get("config"):
         from_file = read_config_file(flags["config"])
-        problems += _check_types(from_file, flags["config"])
         values.update(from_file)
-    # (a recipe's own defaults, for what no flag or file gives: TrainConfig resolves them)
     values.update(flags)
+    cfg = TrainConfig.of(**values)
+    problems = cfg.problems()
     for other in ("epochs", "samples"):
         if ("steps" in flags or "steps" in from_file) and values.get(other) is not None:
             problems.append(
@@ -125,8 +132,7 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
             )
     if problems:
         raise ValueError(invalid_configuration(problems))
-    cfg = TrainConfig(**values)
-    if cfg.resume and cfg.out != cfg.resume:
+    if cfg.output.resume and cfg.output.out != cfg.output.resume:
         raise ValueError(
             "--out and --resume name different folders; a resumed run stays in its folder"
         )

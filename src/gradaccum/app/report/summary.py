@@ -29,7 +29,7 @@ def final_evaluation(run: _Run) -> dict[str, float] | None:
             known = {k[5:]: v for k, v in lines[-1].items() if k.startswith("eval_")}
     known = run.kind.agree(known)
     if not known:
-        known = run.data.evaluate(run.kind.evaluated(run.model), run.micro)
+        known = run.data.evaluate(run.kind.evaluated(run.model), run.micro_batch)
     return known if run.main else None
 
 
@@ -71,7 +71,7 @@ def _report(
     write_report(out, summary=summary, metrics=lines)
     if table:
         log(_summary_table(summary))
-        if cfg.noise_scale:
+        if cfg.batch.noise_scale:
             log(summary["noise_advice"])
     return summary
 

@@ -1,0 +1,180 @@
+"""The run's micro-batch: the checkpoint's, else the saved plan's, else the flag's, else a new
+plan, which the kind of run makes (``RunKind.plan``: one plan for every rank, each rank's
+shards, or a pipeline's micro-batch count). Library errors name API arguments; these are the
+command's, so the plan's advice is translated into flags here."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+
+from gradaccum.app import launch
+from gradaccum.app.config import TrainConfig
+from gradaccum.app.folder import PLAN, RunFolder
+from gradaccum.app.measure import fresh_process_verifier
+from gradaccum.app.recipes import Recipe
+from gradaccum.checkpoint import preserved_rng
+from gradaccum.plan import plan
+from gradaccum.precision import PRECISIONS
+from gradaccum.recompute import enable_checkpointing
+
+# the library's argument -> the command's flag, for advice written as name=value
+FLAGS = {
+    "budget": "--budget",
+    "checkpointing": "--checkpointing",
+    "effective_batch": "--effective-batch",
+    "micro_size": "--micro-batch",
+    "schedule": "--pipeline-schedule",
+    "precision": "--precision",
+}
+
+
+def as_flags(message: str) -> str:
+    """``checkpointing='auto'`` in a library error as ``--checkpointing auto``."""
+
+    def flag(match: re.Match) -> str:
+        return f"{FLAGS[match.group(1)]} {match.group(3)}"
+
+    names = "|".join(FLAGS)
+    return re.sub(rf"\b({names})=(['\"]?)([\w.]+)\2", flag, message)
+
+
+def micro_batch(
+    cfg: TrainConfig,
+    folder: RunFolder,
+    saved: dict[str, Any] | None,
+    kind: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    recipe: Recipe,
+    device: torch.device,
+    log,
+) -> tuple[int, bool, str]:
+    """(micro-batch size, whether blocks recompute their activations, gradient sync). Whatever
+    the source, checkpointing is applied here, so a resumed run trains as it was planned.
+    plan.json is a record of the library's ``Plan`` (``Plan.to_dict()``), in its words:
+    ``micro_size`` is the size the command's --micro-batch gives."""
+    if saved is not None:
+        # (a checkpoint written before checkpointing was recorded: it was never on then)
+        info = {
+            "micro_size": saved["micro_batch"],
+            "checkpointing": saved.get("checkpointing"),
+            "sync": saved.get("sync", "window"),
+        }
+    elif cfg.output.resume is not None and (folder.path / PLAN).is_file():
+        info = folder.read_json(PLAN)
+    elif cfg.batch.micro_batch is not None:
+        info = {
+            "micro_size": cfg.batch.micro_batch,
+            "source": "given",
+            "checkpointing": cfg.memory.checkpointing == "on",
+        }
+        if kind.main:
+            folder.write_json(PLAN, info)
+    else:
+        try:
+            info = kind.plan(cfg, model, optimizer, recipe, device, log)
+        except ValueError as err:
+            raise ValueError(as_flags(str(err))) from err
+        if kind.main:
+            folder.write_json(PLAN, info)
+    if info["checkpointing"]:
+        enable_checkpointing(model)
+    return info["micro_size"], bool(info["checkpointing"]), info.get("sync", "window")
+
+
+def window_plan(
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    recipe: Recipe,
+    device: torch.device,
+    rank: int,
+    world: int,
+    log,
+    *,
+    each_rank: bool,
+) -> dict[str, Any]:
+    """The micro-batch of an Accumulator's window. One plan for all ranks (same model and
+    hardware): rank 0's, broadcast; or, ``each_rank`` (FSDP2), every rank planning its own
+    shards together (gathers are collectives; the fullest rank's measurements decide, so all
+    arrive at one plan), with sync "auto": the window's one reduce-scatter when the
+    unsharded gradient fits between micro-batches, else one per micro-batch."""
+    per_rank = math.ceil(cfg.batch.effective_batch / world)
+    info = None
+    if rank == 0 or each_rank:
+        log(
+            f"planning the micro-batch{' and gradient sync' if each_rank else ''} for an "
+            f"effective batch of {per_rank} per process in {cfg.memory.budget}"
+            + (", each process measuring its shards" if each_rank else "")
+            + f" ({recipe.summary})"
+        )
+        verify = None
+        own_data = cfg.source.hf_model or cfg.source.data
+        if not each_rank and not own_data and device.type == "cpu":
+            verify = fresh_process_verifier(
+                cfg.source.recipe, cfg.numerics.precision, cfg.source.seed, cfg.memory.meter
+            )
+        planned = plan(
+            model,
+            optimizer,
+            recipe.sample_batch(8),
+            recipe.loss_fn,
+            effective_batch=per_rank,
+            budget=cfg.memory.budget_bytes,
+            margin=cfg.memory.margin,
+            meter=cfg.memory.meter,
+            precision=cfg.numerics.precision,
+            checkpointing=cfg.memory.checkpointing,
+            verify=verify,
+            sync="auto" if each_rank else "window",
+        )
+        log(planned.summary())
+        info = {**planned.to_dict(), "source": "planned"}
+    if world > 1 and not each_rank:
+        info = launch.broadcast(info)
+    return info
+
+
+def pipeline_plan(cfg: TrainConfig, module: Any, log) -> dict[str, Any]:
+    """The number of micro-batches through the pipeline: each stage counts its own memory
+    (parameters, gradients, AdamW's two states; the activations it saves per sample), the
+    fullest stage's numbers decide (one all-reduce), and rank 0 logs the plan. Activations
+    are measured under the run's autocast, as the stages will run."""
+    import torch.distributed as dist
+
+    from gradaccum.loss import causal_lm_loss
+    from gradaccum.pipeline import measure_stage, plan_micro_batches
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        if module.is_last:
+            return causal_lm_loss(out, torch.zeros(out.shape[:2], dtype=torch.long))[0]
+        # Multiplying by its own values makes autograd keep the stage's output, as the
+        # stage keeps it for the gradient the next stage sends back.
+        return (out * out.detach()).sum()
+
+    autocast = PRECISIONS[cfg.numerics.precision]
+    device_type = next(module.parameters()).device.type
+    with preserved_rng(), torch.autocast(device_type, autocast, enabled=autocast is not None):
+        static, per_sample = measure_stage(module, module.sample_input, loss)
+    fullest = torch.tensor([float(static), per_sample], dtype=torch.float64)
+    dist.all_reduce(fullest, op=dist.ReduceOp.MAX)
+    planned = plan_micro_batches(
+        cfg.batch.effective_batch,
+        cfg.distributed.pipeline_stages,
+        cfg.distributed.pipeline_schedule,
+        int(fullest[0]),
+        float(fullest[1]),
+        cfg.memory.budget_bytes,
+        margin=cfg.memory.margin,
+    )
+    log(planned.summary())
+    return {
+        "micro_size": planned.micro_size,
+        "source": "planned",
+        "checkpointing": False,
+        "pipeline": planned.to_dict(),
+    }
