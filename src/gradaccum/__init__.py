@@ -40,4 +40,4 @@ __all__ = [
     "windows",
 ]
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
