@@ -360,3 +360,19 @@ def sigterm_then_resume_matches(
     assert [x["step"] for x in run_lines(stopped)] == list(range(1, steps + 1))
     assert [x["loss"] for x in run_lines(stopped)] == [x["loss"] for x in run_lines(straight)]
     return at
+
+
+def bitwise_equal(a, b) -> bool:
+    """Two saved states hold the same keys, the same values and bitwise-equal tensors."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import bitwise_equal, run_lines
 from helpers import cli as run_cli
-from helpers import run_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -224,8 +224,8 @@ class Evil:
 
 
 def test_damaged_checkpoints_are_one_line_and_never_unpickled(tmp_path):
-    run = tmp_path / "x"
-    cli("train", *DIGITS, "--steps", 2, "--out", run, check=True)
+    run = tmp_path / "x"  # (without the guard: no kept checkpoint to fall back to)
+    cli("train", *DIGITS, "--steps", 2, "--no-guard", "--out", run, check=True)
     good = (run / "checkpoint.pt").read_bytes()
     Evil.marker = tmp_path / "pwned"
     for damaged in (good[:200], b"", pickle.dumps({"format": Evil()})):
@@ -233,6 +233,90 @@ def test_damaged_checkpoints_are_one_line_and_never_unpickled(tmp_path):
         line = one_line(cli("train", "--resume", run), "checkpoint.pt cannot be read")
         assert "weights_only=False" not in line
     assert not Evil.marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["a flipped bit", "deleted and truncated"])
+def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_kept_one(tmp_path, damage):
+    """The newest checkpoint (checkpoint.pt and its kept copy, step 30) damaged: the resume
+    says so in one line, goes back to the kept step 25, trains steps 26-30 again and ends
+    bitwise equal to the run before the damage."""
+    from support.faults import flip_tensor_bit
+
+    run = tmp_path / "run"
+    args = [*DIGITS, "--steps", 30, "--checkpoint-every", 5, "--eval-every", 10]
+    cli("train", *args, "--no-tensorboard", "--out", run, check=True)
+    straight = torch.load(run / "checkpoint.pt", weights_only=True)
+    losses = [(x["step"], x["loss"], x["count"]) for x in run_lines(run)]
+    newest = run / "checkpoints" / "step-00000030.pt"
+    if damage == "a flipped bit":
+        flip_tensor_bit(run / "checkpoint.pt", record=2, byte=7, bit=5)
+        flip_tensor_bit(newest, record=2, byte=7, bit=5)
+        said = "checkpoint.pt is damaged: its contents do not match the checksum"
+    else:
+        (run / "checkpoint.pt").unlink()
+        newest.write_bytes(newest.read_bytes()[:1000])
+        said = "checkpoint.pt is missing"
+    proc = cli("train", "--resume", run, check=True)
+    out = proc.stdout + proc.stderr
+    assert said in out and "resuming from" in out and "step-00000025.pt instead" in out, out
+    assert "(step 25): the steps after it are trained again" in out
+    assert "Traceback" not in out
+    again = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert again["step"] == 30
+    for part in ("model", "optimizer"):  # every tensor, every state entry
+        assert bitwise_equal(straight["accumulator"][part], again["accumulator"][part]), part
+    assert [(x["step"], x["loss"], x["count"]) for x in run_lines(run)] == losses
+
+
+def test_no_intact_checkpoint_is_refused_in_one_line(tmp_path):
+    from support.faults import flip_tensor_bit
+
+    run = tmp_path / "run"
+    cli("train", *DIGITS, "--steps", 4, "--checkpoint-every", 2, "--out", run, check=True)
+    for file in [run / "checkpoint.pt", *sorted((run / "checkpoints").glob("*.pt"))]:
+        flip_tensor_bit(file, record=2, byte=3, bit=1)
+    line = one_line(cli("train", "--resume", run, "--steps", 6), "checkpoint.pt is damaged")
+    assert "no kept checkpoint under checkpoints/ is intact either" in line
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("side") / "run"
+    cli("train", *DIGITS, "--steps", 3, "--no-guard", "--out", run, check=True)
+    return run
+
+
+@pytest.mark.parametrize(
+    "name, damage, said",
+    [
+        ("metrics.jsonl", lambda t: t.replace("\n", "\nnot json\n", 1), "line 2 is damaged"),
+        (
+            "metrics.jsonl",
+            lambda t: t.replace('"step": 2', '"step": "two"', 1),
+            "line 2 is damaged",
+        ),
+        ("metrics.jsonl", bytes(range(256)), "metrics.jsonl (not text)"),
+        ("plan.json", "[1, 2]", "plan.json holds a list [1, 2], not a table with micro_size"),
+        ("config.json", "[1]", "config.json holds a list [1], not a table with effective_batch"),
+        ("config.json", "{", "config.json is not valid JSON"),
+    ],
+)
+def test_damaged_side_files_are_named_in_one_line_at_resume(
+    finished_run, tmp_path, name, damage, said
+):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    file = run / name
+    if callable(damage):
+        file.write_text(damage(file.read_text()))
+    else:
+        file.write_bytes(damage if isinstance(damage, bytes) else damage.encode())
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"}
+    one_line(cli("train", "--resume", run, "--steps", 5), said)
+    after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"}
+    assert after == before  # refused before anything was written
 
 
 def test_argparse_refusals_are_one_line_too():

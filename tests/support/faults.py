@@ -81,3 +81,28 @@ def train_with_faults(cfg: Any, faults: Callable[[int, Any], Any], log=print) ->
     from gradaccum.app.trainer import _train
 
     return _train(cfg, log, faults)
+
+
+def flip_tensor_bit(path, record: int = 0, byte: int = 0, bit: int = 0) -> tuple[str, int]:
+    """Flip one bit in the tensor data of a torch.save file, in place, as a disk's or a copy's
+    damage would: byte ``byte`` of its ``record``-th tensor record (sorted by name). Returns
+    (record name, file offset). The file still loads: only a checksum can tell."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        names = sorted(
+            (i for i in archive.infolist() if "/data/" in i.filename and i.file_size > byte),
+            key=lambda i: i.filename,
+        )
+        info = names[record]
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset)
+        header = f.read(30)  # the local file header: name and extra lengths at 26 and 28
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        offset = info.header_offset + 30 + name_len + extra_len + byte
+        f.seek(offset)
+        value = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([value ^ (1 << bit)]))
+    return info.filename, offset

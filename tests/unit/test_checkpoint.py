@@ -144,3 +144,23 @@ def test_plan_and_check_leave_the_cuda_generator_untouched(what):
         ga.check(model, batch, LM_LOSS, micro_size=4, tolerance=1e-2)
     after = torch.cuda.get_rng_state_all()
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_states_digest_survives_a_save_and_load_and_changes_with_one_bit(tmp_path):
+    from support.faults import flip_tensor_bit
+
+    from gradaccum.checkpoint import state_digest
+
+    model, acc = build(0)
+    acc.step(ga.split(DATA[0], 4), lm_loss_with_host_randomness)
+    state = {"step": 1, "accumulator": acc.state_dict(), "names": ["a", "b"], "none": None}
+    torch.save(state, tmp_path / "c.pt")
+    again = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert state_digest(again) == state_digest(state)
+    assert state_digest(dict(reversed(list(state.items())))) == state_digest(state)
+    assert state_digest({**state, "step": 2}) != state_digest(state)
+    assert state_digest({**state, "step": 1.0}) != state_digest(state)  # types count too
+
+    flip_tensor_bit(tmp_path / "c.pt", record=3, byte=5, bit=2)
+    damaged = torch.load(tmp_path / "c.pt", weights_only=True)  # it loads: nothing else tells
+    assert state_digest(damaged) != state_digest(state)

@@ -75,8 +75,9 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         try:
             folder.check_usable(resume=resuming)
             if resuming:
-                saved_cfg = folder.read_json(CONFIG)
+                saved_cfg = folder.read_json(CONFIG, needs=("effective_batch",))
                 _check_unchanged(saved_cfg, cfg, folder.path)
+                folder.check_resumable()
             folder.create()
         except ValueError as err:
             problem = str(err)
@@ -114,7 +115,7 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         total_samples = sched.samples or max(1, round(sched.epochs * data.epoch_samples()))
     else:
         total_steps = sched.steps
-    saved = kind.load_saved(folder, device) if resuming else None
+    saved = _resume_from(kind, folder, device, log) if resuming else None
     if saved is not None:
         _check_signature(saved["signature"], signature, folder.path / CHECKPOINT)
         if "schedule" not in saved:
@@ -187,6 +188,42 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         log(f"resuming {folder.path} at {where} (micro-batch {micro})")
     run.skip_ahead()
     return run
+
+
+def _resume_from(kind: RunKind, folder: RunFolder, device: torch.device, log):
+    """The checkpoint a resume continues from: checkpoint.pt, verified; when it is damaged or
+    missing, the newest kept checkpoint that is intact, said in one line with the step the
+    run goes back to (the steps after it are trained again, exactly); None when the run
+    stopped before its first checkpoint. Every rank tries the same files and takes the same
+    one (a rank whose part of a checkpoint is damaged rules that checkpoint out for all)."""
+    kept = [file for _, file in reversed(folder.kept_checkpoints())]
+    lost = None  # what was wrong with the newest checkpoint
+    for file in [None, *kept]:
+        saved, problem = None, None
+        try:
+            saved = kind.load_saved(folder, device, file)
+        except ValueError as err:
+            problem = str(err)
+        if file is None and saved is None and problem is None:
+            if not kept:
+                return None  # stopped before its first checkpoint: from step 0
+            problem = f"{folder.path / CHECKPOINT} is missing"
+        told = launch.first_message(problem)
+        if told is not None:
+            lost = lost or told
+            continue
+        if lost is not None:
+            log(
+                f"{lost}; resuming from {file} instead, the newest intact checkpoint (step "
+                f"{saved['step']}): the steps after it are trained again"
+            )
+        return saved
+    raise ValueError(
+        f"{lost}"
+        + ("; no kept checkpoint under checkpoints/ is intact either" if kept else "")
+        + ". Restore it, or move it away to resume the run from step 0 with its saved "
+        "configuration"
+    )
 
 
 class _Baseline:

@@ -374,8 +374,8 @@ class Incidents:
     )()
     keep_checkpoints: int = Opt(
         2,
-        "with the guard, keep the last K checkpoints under checkpoints/ (hard links: no extra "
-        "space while they are also checkpoint.pt)",
+        "with the guard, keep the last K checkpoints under checkpoints/ (copies of their own: "
+        "a rollback's target, and a resume's when checkpoint.pt is damaged)",
         check=at_least(1),
         metavar="K",
         resumable=True,

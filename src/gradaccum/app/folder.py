@@ -4,8 +4,10 @@
     plan.json       the plan (or the micro-batch given), written once, never replaced
     resumes.jsonl   one line per resume: the step it resumed at and what it changed
     metrics.jsonl   one line per optimizer step, cut back to the checkpoint's step on resume
-    checkpoint.pt   at window boundaries (torch.load(..., weights_only=True)), written atomically
-    checkpoints/    with the incident guard: the last K checkpoints, step-N.pt, to roll back to
+    checkpoint.pt   at window boundaries (torch.load(..., weights_only=True)), written atomically,
+                    with the SHA-256 of everything in it, verified on load
+    checkpoints/    with the incident guard: copies of the last K checkpoints, step-N.pt, to
+                    roll back to, and for a resume to fall back on
     stages/         a pipeline's later stages: stage-S-step-N.pt, each stage's part of the
                     checkpoint of step N (checkpoint.pt holds the first stage's)
     shards/         under FSDP2 (--shard fsdp): step-N/, every rank's shards of step N's
@@ -39,6 +41,8 @@ from typing import Any
 
 import torch
 
+from gradaccum.checkpoint import file_digest, state_digest
+
 __all__ = ["CHECKPOINT_FORMAT", "RunFolder"]
 
 CHECKPOINT_FORMAT = "gradaccum.run/1"
@@ -47,6 +51,7 @@ METRICS, CHECKPOINT, LOCK = "metrics.jsonl", "checkpoint.pt", ".lock"
 KEPT, INCIDENTS, STAGES = "checkpoints", "incidents.jsonl", "stages"
 SHARDS, MODEL = "shards", "model.pt"
 BASELINE = "baseline.json"
+DIGEST = "sha256"  # a checkpoint's checksum, over everything else in it
 
 
 class RunFolder:
@@ -109,17 +114,29 @@ class RunFolder:
 
     # -- files --------------------------------------------------------------------------------
 
-    def read_json(self, name: str) -> Any:
+    def read_json(self, name: str, *, needs: tuple[str, ...] = ()) -> Any:
+        """A JSON file of the folder; with ``needs``, a table holding those keys (a run's
+        config.json and plan.json), else a ValueError naming the file."""
         file = self.path / name
         try:
-            return json.loads(file.read_text())
+            value = json.loads(file.read_text())
         except OSError as err:
             raise ValueError(f"cannot read {file}: {_reason(err)}") from None
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            where = f" ({err.msg} at line {err.lineno})" if hasattr(err, "lineno") else ""
             raise ValueError(
-                f"{file} is not valid JSON ({err.msg} at line {err.lineno}); it was damaged "
-                "outside gradaccum: restore it, or start a new run"
+                f"{file} is not valid JSON{where}; it was damaged outside gradaccum: restore "
+                "it, or start a new run"
             ) from None
+        if needs:
+            missing = [k for k in needs if not isinstance(value, dict) or k not in value]
+            if missing:
+                held = f"{type(value).__name__} {json.dumps(value)[:40]}"
+                raise ValueError(
+                    f"{file} holds a {held}, not a table with {', '.join(missing)}; it was "
+                    "damaged outside gradaccum: restore it, or start a new run"
+                )
+        return value
 
     def write_json(self, name: str, obj: Any) -> None:
         self._write(name, lambda tmp: tmp.write_text(json.dumps(obj, indent=2, default=str)))
@@ -145,13 +162,13 @@ class RunFolder:
     # -- checkpoint ---------------------------------------------------------------------------
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
-        self._write(CHECKPOINT, lambda tmp: torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp))
+        self._write(CHECKPOINT, lambda tmp: torch.save(_sealed(state), tmp))
 
     def load_checkpoint(
         self, device: torch.device, file: Path | None = None
     ) -> dict[str, Any] | None:
-        """The checkpoint (checkpoint.pt, or ``file``), or None when the run stopped before
-        its first one."""
+        """The checkpoint (checkpoint.pt, or ``file``), its checksum verified, or None when
+        the run stopped before its first one. A damaged file is a ValueError saying so."""
         file = file or self.path / CHECKPOINT
         if not file.exists():
             return None
@@ -163,27 +180,30 @@ class RunFolder:
             # torch's own message may suggest weights_only=False: never, for a file that
             # cannot be read safely. Name the file and what to do instead.
             raise ValueError(
-                f"{file} cannot be read as a gradaccum checkpoint ({type(err).__name__}); it "
-                f"is truncated, damaged or not a checkpoint. Move it away to resume the run from "
-                "step 0 with its saved configuration"
+                f"{file} cannot be read as a gradaccum checkpoint ({type(err).__name__}): it "
+                "is truncated, damaged or not a checkpoint"
             ) from None
         if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{file} is not a gradaccum run checkpoint")
+        # (a checkpoint of gradaccum 0.6 or before has no checksum: read as it is)
+        recorded = saved.pop(DIGEST, None)
+        if recorded is not None and state_digest(saved) != recorded:
+            raise ValueError(
+                f"{file} is damaged: its contents do not match the checksum written with it "
+                f"(step {saved.get('step', '?')})"
+            )
         return saved
 
     def keep_checkpoint(self, step: int, keep: int) -> None:
-        """Keep checkpoint.pt as checkpoints/step-N.pt (a hard link, so no second copy while
-        both exist; a copy where links are not supported), and only the last ``keep``."""
+        """Keep checkpoint.pt as checkpoints/step-N.pt, a copy of its own (damage to one file
+        leaves the other whole), and only the last ``keep``."""
         kept = self.path / KEPT
         target = kept / f"step-{step:08d}.pt"
         tmp = target.with_name(target.name + ".tmp")
         try:
             kept.mkdir(exist_ok=True)
             tmp.unlink(missing_ok=True)
-            try:
-                os.link(self.path / CHECKPOINT, tmp)
-            except OSError:
-                shutil.copyfile(self.path / CHECKPOINT, tmp)
+            shutil.copyfile(self.path / CHECKPOINT, tmp)
             os.replace(tmp, target)
             for _, old in self.kept_checkpoints()[:-keep]:
                 old.unlink()
@@ -213,7 +233,7 @@ class RunFolder:
         except OSError as err:
             raise ValueError(f"cannot write {self.path / STAGES}: {_reason(err)}") from None
         name = f"{STAGES}/stage-{stage}-step-{step:08d}.pt"
-        self._write(name, lambda tmp: torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp))
+        self._write(name, lambda tmp: torch.save(_sealed(state), tmp))
 
     def load_stage(self, stage: int, step: int, device: torch.device) -> dict[str, Any]:
         file = self.path / STAGES / f"stage-{stage}-step-{step:08d}.pt"
@@ -269,6 +289,40 @@ class RunFolder:
             raise ValueError(f"cannot write {final}: {_reason(err)}") from None
         return name
 
+    def shard_digests(self, name: str) -> dict[str, str]:
+        """Rank 0, after the commit: the checksum of every file in the checkpoint's shard
+        folder ``name`` (every rank's DCP files and rank-R.pt), for checkpoint.pt to hold."""
+        folder = self.path / name
+        try:
+            return {
+                str(f.relative_to(folder)): file_digest(f)
+                for f in sorted(folder.rglob("*"))
+                if f.is_file()
+            }
+        except OSError as err:
+            raise ValueError(f"cannot read {folder}: {_reason(err)}") from None
+
+    def check_shards(self, name: str, digests: dict[str, str] | None) -> str | None:
+        """What is wrong with the shard folder ``name`` against the checksums written with
+        it (None: whole, or a checkpoint from before checksums)."""
+        folder = self.path / name
+        if not folder.is_dir():
+            return (
+                f"{folder} is missing: the checkpoint needs every rank's shards; restore it, "
+                "or start a new run"
+            )
+        if digests is None:
+            return None
+        for rel, recorded in digests.items():
+            file = folder / rel
+            try:
+                whole = file_digest(file) == recorded
+            except OSError:
+                return f"{file} is missing or unreadable: the checkpoint needs every rank's part"
+            if not whole:
+                return f"{file} is damaged: its bytes do not match the checksum written with it"
+        return None
+
     def load_shards(self, acc: Any, name: str) -> None:
         """Every rank: its shards and state of the checkpoint's folder ``name``."""
         from gradaccum.checkpoint import load_sharded
@@ -308,20 +362,48 @@ class RunFolder:
         """metrics.jsonl cut back to the steps up to ``through_step`` (a crash may have left
         later steps, or half a line), then opened for appending."""
         file = self.path / METRICS
-        kept = []
-        if file.exists():
-            for raw in file.read_text().splitlines():
-                try:
-                    line = json.loads(raw)
-                except json.JSONDecodeError:
-                    continue  # the half line a crash can leave
-                if isinstance(line, dict) and line.get("step", 0) <= through_step:
-                    kept.append(raw)
+        kept = [raw for step, raw in self._metric_lines() if step <= through_step]
         self._write(METRICS, lambda tmp: tmp.write_text("".join(x + "\n" for x in kept)))
         try:
             return file.open("a")
         except OSError as err:
             raise ValueError(f"cannot write {file}: {_reason(err)}") from None
+
+    def check_resumable(self) -> None:
+        """Before a resume writes anything: the side files it will read again are whole
+        (plan.json, metrics.jsonl), else a ValueError naming the file (and the line)."""
+        if (self.path / PLAN).is_file():
+            self.read_json(PLAN, needs=("micro_size", "checkpointing"))
+        self._metric_lines()
+
+    def _metric_lines(self) -> list[tuple[int, str]]:
+        """(step, raw line) of metrics.jsonl; a damaged line is a ValueError naming it, but
+        for the half line a crash can leave at the end, which is dropped."""
+        file = self.path / METRICS
+        if not file.exists():
+            return []
+        try:
+            raws = file.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(
+                f"cannot read {file} ({getattr(err, 'strerror', None) or 'not text'}); "
+                "restore it, or start a new run"
+            ) from None
+        out = []
+        for number, raw in enumerate(raws, 1):
+            try:
+                line = json.loads(raw)
+                step = line["step"] if isinstance(line, dict) else None
+            except (json.JSONDecodeError, KeyError):
+                step = None
+            if isinstance(step, int) and not isinstance(step, bool):
+                out.append((step, raw))
+            elif number < len(raws):
+                raise ValueError(
+                    f"{file} line {number} is damaged ({raw[:40]!r}): a step's record would "
+                    "be lost; restore the file, or delete that line to resume without it"
+                )
+        return out
 
     def metrics(self) -> list[dict[str, Any]]:
         return self.lines(METRICS)
@@ -332,6 +414,12 @@ class RunFolder:
         if not file.exists():
             return []
         return [json.loads(x) for x in file.read_text().splitlines() if x.strip()]
+
+
+def _sealed(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint as written: its format, and the checksum of everything in it."""
+    whole = {"format": CHECKPOINT_FORMAT, **state}
+    return {**whole, DIGEST: state_digest(whole)}
 
 
 def _reason(err: Exception) -> str:

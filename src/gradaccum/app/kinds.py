@@ -187,7 +187,25 @@ class Sharded(RunKind):
                 problem = str(err)
         if launch.any_rank(problem is not None):
             raise ValueError(problem or "another rank could not write its shards")
-        return {"shards": folder.commit_shards(step) if self.main else None}
+        if not self.main:
+            return {"shards": None}
+        name = folder.commit_shards(step)
+        return {"shards": name, "files": folder.shard_digests(name)}
+
+    def load_saved(
+        self, folder: RunFolder, device: torch.device, file: Path | None = None
+    ) -> dict[str, Any] | None:
+        """checkpoint.pt, and the shard folder it names checked against its checksums by
+        rank 0 before any rank reads it (DCP reads collectively: all or none)."""
+        saved = folder.load_checkpoint(device, file)
+        problem = None
+        if saved is not None and self.main:
+            part = saved["accumulator"]
+            problem = folder.check_shards(part["shards"], part.get("files"))
+        problem = launch.broadcast(problem)
+        if problem is not None:
+            raise ValueError(problem)
+        return saved
 
     def restore(self, acc: Any, folder: RunFolder, state: Any) -> None:
         folder.load_shards(acc, state["shards"])

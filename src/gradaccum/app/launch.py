@@ -60,6 +60,16 @@ def broadcast(value, src: int = 0):
     return box[0]
 
 
+def first_message(message: str | None) -> str | None:
+    """The lowest rank's message among the ranks that have one, on every rank (None: none
+    has): what went wrong, said by whichever process saw it."""
+    if _alone():
+        return message
+    gathered: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, message)
+    return next((m for m in gathered if m is not None), None)
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when it is true on any (e.g. a signal that reached one rank)."""
     if _alone():

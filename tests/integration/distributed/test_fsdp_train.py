@@ -122,6 +122,31 @@ def test_sigterm_then_resume_from_the_shards_ends_bitwise_equal(fsdp_run):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+def test_a_flipped_bit_in_a_shard_falls_back_to_the_kept_step_and_ends_bitwise_equal(fsdp_run):
+    """One bit of one rank's .distcp file of step 10 flipped (checkpoint.pt and its kept copy
+    both name that folder): the resume says which file, goes back to the kept step 8, trains
+    steps 9-10 again and leaves the model the run left before the damage."""
+    import shutil
+
+    root, _ = fsdp_run
+    damaged = root / "damaged"
+    shutil.copytree(root / "two", damaged)
+    before = torch.load(damaged / "model.pt", weights_only=True)
+    [shard, *_] = sorted((damaged / "shards" / "step-00000010").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+    proc = run([*torchrun(), "-m", "gradaccum", "train", "--resume", "damaged"], root)
+    assert f"{shard.name} is damaged: its bytes do not match the checksum" in proc.stdout
+    assert "step-00000008.pt instead, the newest intact checkpoint (step 8)" in proc.stdout
+    assert [x["step"] for x in metrics(damaged)] == list(range(1, 11))
+    assert [x["loss"] for x in metrics(damaged)] == [x["loss"] for x in metrics(root / "two")]
+    after = torch.load(damaged / "model.pt", weights_only=True)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in after)
+
+
 def test_fsdp_in_one_process_is_refused_in_one_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "gradaccum", *ARGS, "--shard", "fsdp", "--out", "run"],

@@ -99,6 +99,21 @@ def test_two_stages_train_as_one_process_and_resume_bitwise(tmp_path):
     final, want = whole_model(tmp_path / "stopped"), whole_model(tmp_path / "two")
     assert all(torch.equal(final[k], want[k]) for k in want)
 
+    # One bit of stage 1's part of step 20 flipped: every stage goes back to the kept step 0
+    # (the newest checkpoint whose every part is intact), said once, and trains it all again.
+    import shutil
+
+    from support.faults import flip_tensor_bit
+
+    shutil.copytree(tmp_path / "two", tmp_path / "damaged")
+    flip_tensor_bit(tmp_path / "damaged" / "stages" / "stage-1-step-00000020.pt", record=1)
+    again = run([*torchrun(), "-m", "gradaccum", "train", "--resume", "damaged"], tmp_path)
+    assert "stage-1-step-00000020.pt is damaged: its contents do not match" in again.stdout
+    assert "step-00000000.pt instead, the newest intact checkpoint (step 0)" in again.stdout
+    assert [x["loss"] for x in metrics(tmp_path / "damaged")] == [x["loss"] for x in two]
+    final = whole_model(tmp_path / "damaged")
+    assert all(torch.equal(final[k], want[k]) for k in want)
+
 
 @pytest.mark.slow
 def test_the_guard_rolls_every_stage_back_and_evaluates_through_both(tmp_path):

@@ -114,7 +114,7 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
     if flags.get("resume"):
         folder = RunFolder(flags["resume"])
         folder.check_usable(resume=True)
-        saved = folder.read_json(CONFIG)
+        saved = folder.read_json(CONFIG, needs=("effective_batch",))
         values.update({k: v for k, v in saved.items() if k in _FILE_KEYS})
         values["out"] = flags["resume"]
     from_file: dict[str, Any] = {}
