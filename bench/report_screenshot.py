@@ -91,7 +91,8 @@ def make_run(folder: Path) -> Path:
     quiet = lambda *a, **k: None  # noqa: E731
     cfg = dict(recipe="digits", micro_batch=16, effective_batch=64, eval_every=10)
     bad = corrupt_samples([(24 * 64, 25 * 64)])
-    train_with_faults(TrainConfig.of(**cfg, steps=40, checkpoint_every=10, out=str(run)), bad, quiet)
+    first = TrainConfig.of(**cfg, steps=40, checkpoint_every=10, out=str(run))
+    train_with_faults(first, bad, quiet)
     again = TrainConfig.of(
         **cfg, steps=100, checkpoint_every=10, target_accuracy=0.98, out=str(run), resume=str(run)
     )

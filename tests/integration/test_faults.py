@@ -150,6 +150,20 @@ def test_sighup_checkpoints_at_the_window_boundary(tmp_path):
     assert checkpoint_step(run) == steps(run)[-1]
 
 
+def test_under_nohup_sighup_stays_ignored_and_the_run_finishes(tmp_path):
+    def as_nohup() -> None:
+        _ctrl_c_as_at_a_terminal()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does before exec
+
+    run = tmp_path / "x"
+    proc = start("train", *DIGITS, "--steps", 40, "--out", run, preexec_fn=as_nohup)
+    wait_for_steps(run, 3, proc)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "stopped by" not in err and steps(run) == list(range(1, 41))
+
+
 def test_a_closed_output_pipe_stops_training_with_a_checkpoint(tmp_path):
     """`gradaccum train ... | head -2`: the reader goes away after two lines."""
     run = tmp_path / "x"

@@ -155,3 +155,19 @@ def test_a_run_that_keeps_diverging_stops_at_its_last_good_checkpoint(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_by"] == "length" and lines(out)[-1]["step"] == 60
     assert json.loads((out / "resumes.jsonl").read_text())["changed"] == {"guard": [True, False]}
+
+
+def test_a_divergence_in_the_warm_up_stops_the_run_and_blames_no_data(tmp_path):
+    """--lr 1e3 on digits: the loss leaps from chance level at once. The guard calls it a
+    divergence from the first windows on (0.6 judged nothing for 20 windows, then set 240
+    clean samples aside), sets nothing aside, and the command says to lower --lr."""
+    out = tmp_path / "run"
+    args = ["--recipe", "digits", "--lr", "1000", "--steps", 30, "--effective-batch", 16]
+    proc = cli("train", *args, "--micro-batch", 8, "--out", out, check=False, threads=1)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    [incident] = lines(out, "incidents.jsonl")
+    assert incident["kind"] == "divergence" and incident["step"] <= 3, incident
+    assert "nothing set aside" in incident["action"] and incident["rolled_back_to"] == 0
+    assert "the loss diverged in the warm-up" in proc.stderr and "lower --lr" in proc.stderr
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert saved["skips"] == [] and saved["step"] == 0  # back at the start, no data blamed

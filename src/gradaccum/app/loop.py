@@ -197,7 +197,10 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
     )
     if run.targets.describe():
         log(f"targets: {run.targets.describe()}")
-    previous = {s: signal.signal(s, lambda signum, _: stop.append(signum)) for s in STOP_SIGNALS}
+    # A signal the run was started ignoring (nohup's SIGHUP, a shell's background SIGINT)
+    # stays ignored: whoever started the run asked for that.
+    caught = [s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {s: signal.signal(s, lambda signum, _: stop.append(signum)) for s in caught}
     reached = run.targets.already(run.elapsed) if run.start else None
     if reached is not None:  # a resume of a run at its limit or target trains nothing more
         run.stopped_by = reached
@@ -375,9 +378,16 @@ def _rollback(run: _Run, incident: Incident, blamed: list[tuple[int, int, int]],
         )
     back, file = kept[-1]
     run.restore(run.kind.load_saved(run.folder, run.device, file), rollback=True)
-    gave_up = run.retries >= GUARD_RETRIES
+    gave_up = run.retries >= GUARD_RETRIES or not incident.blames_data
     span = [blamed[0][1], blamed[-1][2]]
-    if gave_up:
+    if not incident.blames_data:
+        action = (
+            f"stopped: the loss grew {incident.seen['loss'] / incident.seen['first_loss']:.3g}x "
+            "over the first window's in the warm-up, which is the optimization diverging "
+            "(too high a learning rate?), not bad data: nothing set aside; the run is back at "
+            f"step {back}"
+        )
+    elif gave_up:
         action = (
             f"stopped: {run.retries} rollbacks in a row did not get past it; the run is back "
             f"at step {back}, its last good checkpoint"

@@ -139,18 +139,28 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
+def _guard_stop(folder: Path) -> str:
+    """What to do after the guard stopped a run: its last incident says why."""
+    incidents = folder / "incidents.jsonl"
+    last = RunFolder(folder).lines("incidents.jsonl")[-1:] if incidents.is_file() else []
+    if last and last[0].get("kind") == "divergence":
+        return (
+            f"gradaccum: the loss diverged in the warm-up (see {incidents}); start a new run "
+            "with a lower --lr (or longer --warmup-steps)"
+        )
+    return (
+        f"gradaccum: the incident guard stopped the run (see {incidents}); to train through "
+        f"it: gradaccum train --resume {folder} --no-guard"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = resolve(args)
     try:
         summary = train(cfg)
         if summary.get("stopped_by") == "guard":  # it gave up: the run did not finish
             if is_main():
-                folder = Path(summary["run_folder"])
-                say(
-                    f"gradaccum: the incident guard stopped the run (see "
-                    f"{folder / 'incidents.jsonl'}); to train through it: gradaccum train "
-                    f"--resume {folder} --no-guard"
-                )
+                say(_guard_stop(Path(summary["run_folder"])))
             return 1
     except Interrupted as stop:
         if is_main():  # every rank stops; one says so
