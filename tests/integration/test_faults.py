@@ -150,6 +150,7 @@ def test_sighup_checkpoints_at_the_window_boundary(tmp_path):
     assert checkpoint_step(run) == steps(run)[-1]
 
 
+@pytest.mark.slow
 def test_under_nohup_sighup_stays_ignored_and_the_run_finishes(tmp_path):
     def as_nohup() -> None:
         _ctrl_c_as_at_a_terminal()
@@ -249,7 +250,9 @@ def test_damaged_checkpoints_are_one_line_and_never_unpickled(tmp_path):
     assert not Evil.marker.exists()
 
 
-@pytest.mark.parametrize("damage", ["a flipped bit", "deleted and truncated"])
+@pytest.mark.parametrize(
+    "damage", ["a flipped bit", pytest.param("deleted and truncated", marks=pytest.mark.slow)]
+)
 def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_kept_one(tmp_path, damage):
     """The newest checkpoint (checkpoint.pt and its kept copy, step 30) damaged: the resume
     says so in one line, goes back to the kept step 25, trains steps 26-30 again and ends
@@ -300,6 +303,7 @@ def finished_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, damage, said",
     [

@@ -156,6 +156,7 @@ def test_a_fault_that_recurs_after_every_rollback_stops_at_its_last_good_checkpo
     assert json.loads((out / "resumes.jsonl").read_text())["changed"] == {"guard": [True, False]}
 
 
+@pytest.mark.slow
 def test_a_divergence_in_the_warm_up_stops_the_run_and_blames_no_data(tmp_path):
     """--lr 1e3 on digits: the loss leaps from chance level at once. The guard calls it a
     divergence from the first windows on (0.6 judged nothing for 20 windows, then set 240

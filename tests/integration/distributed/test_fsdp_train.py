@@ -82,11 +82,14 @@ def test_fsdp_trains_as_one_process_and_leaves_the_whole_model(fsdp_run):
 
     # The checkpoint names its shards; the shard folders of older steps are gone.
     saved = torch.load(two / "checkpoint.pt", weights_only=True)
-    assert saved["accumulator"] == {"shards": "shards/step-00000010"}
+    assert saved["accumulator"]["shards"] == "shards/step-00000010"
     kept = sorted(p.name for p in (two / "shards").iterdir())
     assert kept == ["step-00000008", "step-00000010"]  # --keep-checkpoints 2
     files = {p.name for p in (two / "shards" / "step-00000010").iterdir()}
     assert {"rank-0.pt", "rank-1.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"} == files
+    # with the SHA-256 of each, which a resume checks before any rank reads them
+    digests = saved["accumulator"]["files"]
+    assert set(digests) == files and all(len(d) == 64 for d in digests.values())
 
 
 @pytest.mark.slow
