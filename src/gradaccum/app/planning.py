@@ -57,10 +57,6 @@ def micro_batch(
     the source, checkpointing is applied here, so a resumed run trains as it was planned.
     plan.json is a record of the library's ``Plan`` (``Plan.to_dict()``), in its words:
     ``micro_size`` is the size the command's --micro-batch gives."""
-    recorded = None
-    if cfg.output.resume is not None and (folder.path / PLAN).is_file():
-        # read, and checked, now: the report reads it again at the end
-        recorded = folder.read_json(PLAN, needs=("micro_size", "checkpointing"))
     if saved is not None:
         # (a checkpoint written before checkpointing was recorded: it was never on then)
         info = {
@@ -68,8 +64,9 @@ def micro_batch(
             "checkpointing": saved.get("checkpointing"),
             "sync": saved.get("sync", "window"),
         }
-    elif recorded is not None:
-        info = recorded
+    elif cfg.output.resume is not None and (folder.path / PLAN).is_file():
+        # (rank 0 checked it before the resume wrote anything: RunFolder.check_resumable)
+        info = folder.read_json(PLAN, needs=("micro_size", "checkpointing"))
     elif cfg.batch.micro_batch is not None:
         info = {
             "micro_size": cfg.batch.micro_batch,
