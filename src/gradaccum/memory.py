@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
+import math
 import re
 import weakref
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ __all__ = [
     "tensor_bytes",
 ]
 
+_MAX_BYTES = 2**63  # what torch and the OS count sizes in
 _UNITS = {
     "b": 1,
     "kb": 10**3,
@@ -71,11 +73,15 @@ def parse_bytes(text: str | int) -> int:
                 "(powers of 1024), e.g. 2GiB or 1500MB"
             )
         value = float(match.group(1)) * _UNITS[unit or "b"]
+        if not math.isfinite(value) or value >= _MAX_BYTES:
+            raise ValueError(f"a memory size must be below 2**63 bytes (8 EiB), got {text!r}")
         if not float(value).is_integer() and unit in ("", "b"):
             raise ValueError(f"a number of bytes must be whole, got {text!r}")
         value = int(value)
     if value <= 0:
         raise ValueError(f"a memory size must be positive, got {text!r}")
+    if value >= _MAX_BYTES:
+        raise ValueError(f"a memory size must be below 2**63 bytes (8 EiB), got {text!r}")
     return value
 
 

@@ -370,7 +370,8 @@ def _limit_file_size(limit: int):
 
 def test_a_full_disk_stops_with_one_line_and_the_run_resumes(tmp_path):
     """RLIMIT_FSIZE makes every write past 30 kB fail as a full disk does (Python ignores
-    SIGXFSZ, so the write returns an error): the first checkpoint cannot be written."""
+    SIGXFSZ, so the write returns an error): the first checkpoint, after 5 steps, cannot be
+    written. (A start whose first write fails leaves nothing: test_failed_starts.py.)"""
     run = tmp_path / "x"
     full = cli(
         "train",
@@ -379,6 +380,7 @@ def test_a_full_disk_stops_with_one_line_and_the_run_resumes(tmp_path):
         20,
         "--checkpoint-every",
         5,
+        "--no-guard",
         "--out",
         run,
         preexec_fn=_limit_file_size(30_000),

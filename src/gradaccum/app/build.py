@@ -73,21 +73,33 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
     problem = saved_cfg = None
     if main:
         try:
-            folder.check_usable(resume=resuming)
+            folder.open(resume=resuming, log=log)
             if resuming:
                 saved_cfg = folder.read_json(CONFIG, needs=("effective_batch",))
                 _check_unchanged(saved_cfg, cfg, folder.path)
                 folder.check_resumable()
-            folder.create()
         except ValueError as err:
             problem = str(err)
+            folder.abandon()
     # rank 0's folder and verdict, so no rank races another's mkdir (rank 0 keeps its lock)
     path, problem = launch.broadcast((folder.path, problem))
     if not main:
         folder = RunFolder(path)
     if problem:
         raise ValueError(problem)
+    try:
+        return _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log)
+    except BaseException:
+        # Failed before the first step (a bad option found late, the plan, Ctrl-C): nothing
+        # is left that would refuse the same command, fixed (RunFolder.abandon).
+        folder.abandon()
+        raise
 
+
+def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
+    """The model, data, optimizer, micro-batch and window runner, in the opened folder."""
+    main, src, effective = kind.main, cfg.source, cfg.batch.effective_batch
+    resuming = cfg.output.resume is not None
     torch.manual_seed(src.seed)
     model = recipe.build_model()
     lora = cfg.model

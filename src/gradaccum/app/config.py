@@ -168,7 +168,7 @@ HF_MODEL = Opt(
     "a Hugging Face causal LM from a local directory or config JSON (no hub); replaces --recipe",
     metavar="PATH",
 )
-SEED = Opt(0, "seed for initialization and data order")
+SEED = Opt(0, "seed for initialization and data order", check=at_least(0))
 EFFECTIVE_BATCH = Opt(
     RecipeDefault(64),
     "samples per optimizer step, over all processes (sequences for the LMs, images for digits)",
@@ -246,7 +246,9 @@ class Model:
         check=at_least(1),
         metavar="R",
     )()
-    lora_alpha: float | None = Opt(None, "LoRA scaling alpha (default: 2 x --lora)")()
+    lora_alpha: float | None = Opt(
+        None, "LoRA scaling alpha (default: 2 x --lora)", check=_positive
+    )()
     lora_dropout: float = Opt(0.0, "dropout on the LoRA input", check=_fraction)()
     lora_targets: str | None = Opt(
         None,
@@ -517,7 +519,11 @@ def type_problem(name: str, value: Any, tp: Any) -> str | None:
         ok = isinstance(value, (int, float))
     else:
         ok = isinstance(value, base)
-    return None if ok else f"{name} must be {base.__name__}, got {value!r}"
+    if not ok:
+        return f"{name} must be {base.__name__}, got {value!r}"
+    if base is int and not -(2**63) <= value < 2**63:  # torch's and numpy's int64
+        return f"{name} must be an integer below 2**63, got {value}"
+    return None
 
 
 def _hints(cls: type) -> list[tuple[Any, Any]]:

@@ -58,6 +58,8 @@ class RunFolder:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._lock_fd: int | None = None
+        self.made = False  # this process made the folder: a failed start removes it
+        self._ours = False  # it was empty or a start that never trained: abandon clears it
 
     def __repr__(self) -> str:
         return f"RunFolder({str(self.path)!r})"
@@ -68,8 +70,10 @@ class RunFolder:
         return (self.path / CONFIG).is_file()
 
     def check_usable(self, resume: bool) -> None:
-        """Refuse a path that is not a folder, a run when not resuming, anything else that is
-        not empty, and no run when resuming: each in one line saying what to do."""
+        """Refuse a path that is not a folder, a run when not resuming (unless it never
+        trained a step: ``open`` starts afresh in that), anything else that is not empty (but
+        for what a killed start leaves: the lock and half-written .tmp files), and no run
+        when resuming: each in one line saying what to do."""
         where = f"--resume {self.path}" if resume else f"run folder {self.path}"
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"{where} is a file, not a folder; choose a folder for the run")
@@ -77,18 +81,95 @@ class RunFolder:
             if not self.holds_run():
                 raise ValueError(f"{where}: no run there (no {CONFIG})")
             return
-        if self.path.is_dir() and any(self.path.iterdir()):
-            if self.holds_run():
+        if self.holds_run():
+            if self.trained():
                 raise ValueError(
                     f"{where} already holds a run; continue it with --resume {self.path} or "
                     "choose another --out"
                 )
-            names = sorted(p.name for p in self.path.iterdir())
+            return
+        names = sorted(p.name for p in self._entries() if not _leftover(p.name))
+        if names:
             shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
             raise ValueError(
                 f"{where} holds files that are not a gradaccum run ({shown}); choose an empty "
                 "or new folder"
             )
+
+    def trained(self) -> bool:
+        """Whether the run here trained a step: a metrics line, or a checkpoint of a step
+        after 0 (the guard's step-0 checkpoint, written before training, is not one)."""
+        try:
+            if (self.path / METRICS).stat().st_size > 0:
+                return True
+        except FileNotFoundError:
+            pass
+        steps = {step for step, _ in self.kept_checkpoints()}
+        return bool(steps - {0}) or ((self.path / CHECKPOINT).exists() and 0 not in steps)
+
+    def _entries(self) -> list[Path]:
+        return list(self.path.iterdir()) if self.path.is_dir() else []
+
+    def open(self, *, resume: bool, log) -> None:
+        """The folder decided and locked for this process, before anything is written in
+        it: made if new (``abandon`` then removes it again), locked first (a second process
+        is told another one trains there, whatever the folder holds), then checked
+        (``check_usable``). A run that never trained a step (a start that failed or was
+        killed) is cleared for a new start in the same folder, said in one line; a resume
+        leaves every file as it is."""
+        if self.path.exists() and not self.path.is_dir() or resume:
+            self.check_usable(resume=resume)  # a file, or no run to resume: nothing made
+        self.made = not self.path.exists()
+        lock_made = not (self.path / LOCK).exists()
+        self.create()
+        try:
+            self.check_usable(resume=resume)
+        except BaseException:
+            if self.made:
+                shutil.rmtree(self.path, ignore_errors=True)
+            elif lock_made:  # someone else's folder: leave it as it was
+                (self.path / LOCK).unlink(missing_ok=True)
+            self.release()
+            raise
+        self._ours = not resume  # empty, or a start that never trained: abandon may clear it
+        if not resume and self.holds_run():
+            gone = sorted(p.name for p in self._entries() if p.name != LOCK)
+            log(
+                f"{self.path} holds a start that never trained a step ({', '.join(gone)}): "
+                "starting afresh in it"
+            )
+            self.clear()
+
+    def clear(self) -> None:
+        """Remove everything in the folder but its lock."""
+        for entry in self._entries():
+            if entry.name == LOCK:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
+    def removable(self) -> bool:
+        """Whether ``abandon`` would remove what this start wrote (it trained no step)."""
+        return self._ours and not self.trained()
+
+    def abandon(self) -> None:
+        """After a start failed before its first step: nothing left that would refuse the
+        same command (the folder removed if this process made it, emptied if it was empty
+        or a start that never trained; a resumed run's files kept), and the lock released."""
+        try:
+            if not self.removable():
+                return
+            if self.made:
+                shutil.rmtree(self.path, ignore_errors=True)
+            else:
+                self.clear()
+                (self.path / LOCK).unlink(missing_ok=True)
+        except OSError:
+            pass  # what is left is a start's files: the next start clears them
+        finally:
+            self.release()
 
     def create(self) -> None:
         """Make the folder (if new) and take its lock: one training process per folder."""
@@ -414,6 +495,11 @@ class RunFolder:
         if not file.exists():
             return []
         return [json.loads(x) for x in file.read_text().splitlines() if x.strip()]
+
+
+def _leftover(name: str) -> bool:
+    """What a killed start can leave in a folder it made: the lock, half-written files."""
+    return name == LOCK or name.endswith(".tmp")
 
 
 def _sealed(state: dict[str, Any]) -> dict[str, Any]:

@@ -507,6 +507,11 @@ def _tokenizer(path: str):
 
 
 def _stopped(folder: RunFolder, what: str, last: int) -> str:
+    if folder.removable():  # before its first step: RunFolder.abandon removes it
+        return (
+            f"{what}; the run stopped before its first step and its folder is removed: free "
+            "the space and run the same command again"
+        )
     kept = f"its last checkpoint (step {last}) is kept" if last else "no checkpoint yet"
     return (
         f"{what}; training stopped, {kept}; free the space and continue with: "

@@ -62,5 +62,8 @@ def _train(cfg: TrainConfig, log, faults) -> dict[str, Any]:
         if not run.main:
             return {"rank": rank}
         return _report(run, log, time.perf_counter() - began, last_eval)
+    except BaseException:
+        run.folder.abandon()  # only a run that trained no step is removed
+        raise
     finally:
         run.folder.release()
