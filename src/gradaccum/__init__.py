@@ -14,8 +14,12 @@ def _stop_if_the_command() -> None:
     the library gets its KeyboardInterrupt (the caller re-raises it)."""
     argv = getattr(_sys, "orig_argv", [])
     if _sys.argv[0].rsplit("/", 1)[-1] == "gradaccum" or argv[1:3] == ["-m", "gradaccum"]:
-        print("gradaccum: interrupted", file=_sys.stderr)
-        raise SystemExit(130) from None
+        import os
+
+        print("gradaccum: interrupted", file=_sys.stderr, flush=True)
+        # Not SystemExit: under `python -m`, CPython can still end the process by SIGINT
+        # after a KeyboardInterrupt, whatever the status asked for. Nothing is written yet.
+        os._exit(130)
 
 
 try:

@@ -189,6 +189,15 @@ def load_sharded(acc: Accumulator, path: str | Path) -> None:
         problem = (
             f"{file} cannot be read ({type(err).__name__}): this rank's part is missing or damaged"
         )
+    if problem is None:
+        try:  # DCP would log each refusal with its traceback, then raise its own
+            _safe_reader()(path).read_metadata()
+        except Exception as err:  # noqa: BLE001 - damaged or unsafe: the same answer
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+            problem = (
+                f"{path / '.metadata'} cannot be read safely ({reason[:200]}); it is damaged "
+                "or was changed outside gradaccum: restore it, or start a new run"
+            )
     if problem is None and state.get("world") != world:
         problem = (
             f"{path} was written by {state.get('world')} processes; this job has {world}: "
@@ -204,7 +213,18 @@ def load_sharded(acc: Accumulator, path: str | Path) -> None:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         shards["optimizer"] = get_optimizer_state_dict(acc.sync.model, acc.optimizer)
-    dcp.load(shards, storage_reader=_safe_reader()(path))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(shards, storage_reader=_safe_reader()(path))
+    except (Exception, CheckpointException) as err:  # (DCP's is a BaseException)
+        # Every rank reads the same .metadata: each fails alike, and says so in one line.
+        first = next(iter(getattr(err, "failures", {}).values()), err)
+        cause = (str(first).strip().splitlines() or [type(first).__name__])[-1]
+        raise ValueError(
+            f"{path} cannot be read safely as this run's shards ({cause[:200]}); it is "
+            "damaged or was changed outside gradaccum: restore it, or start a new run"
+        ) from None
     acc.load_state_dict({**state, "model": shards["model"], "optimizer": shards.get("optimizer")})
 
 

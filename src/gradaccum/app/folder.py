@@ -31,6 +31,7 @@ the file and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -237,7 +238,8 @@ class RunFolder:
             write(tmp)
             os.replace(tmp, file)  # a crash mid-write leaves the previous version whole
         except (OSError, RuntimeError) as err:  # torch.save's writer raises RuntimeError
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (a read-only folder refuses this too)
+                tmp.unlink(missing_ok=True)
             raise ValueError(f"cannot write {file}: {_reason(err)}") from None
 
     # -- checkpoint ---------------------------------------------------------------------------

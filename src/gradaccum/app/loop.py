@@ -3,6 +3,7 @@ targets, the incident guard's rollbacks, and stops on signals."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -35,8 +36,10 @@ class Interrupted(Exception):  # noqa: N818 - it is a stop, not an error
     """Training stopped on a signal (SIGINT, SIGTERM, SIGHUP) or a closed output pipe, after
     checkpointing at a window boundary."""
 
-    def __init__(self, step: int, out: Path, signum: int) -> None:
+    def __init__(self, step: int, out: Path, signum: int, failure: str | None = None) -> None:
         why = "its output pipe closing" if signum == signal.SIGPIPE else signal.Signals(signum).name
+        if failure is not None:  # stdout on a full disk, /dev/full, a dead terminal
+            why = f"its output failing ({failure})"
         super().__init__(
             f"stopped by {why} at step {step}; checkpoint saved; "
             f"continue with: gradaccum train --resume {out}"
@@ -49,12 +52,13 @@ GUARD_RETRIES = 3  # rollbacks in a row not getting past the incident's step, th
 
 
 class _Output:
-    """The log, surviving a closed pipe (``gradaccum train | head``): the first write that
-    finds the reader gone stops training at the next window boundary, as SIGPIPE would, and
-    later writes go nowhere."""
+    """The log, surviving a closed pipe (``gradaccum train | head``) or output that cannot be
+    written (stdout on a full disk): the first write that fails stops training at the next
+    window boundary, as SIGPIPE would, and later writes go nowhere."""
 
     def __init__(self, log, stop: list[int]) -> None:
         self.log, self.stop, self.closed = log, stop, False
+        self.failure: str | None = None  # why the output failed, when it was not a pipe
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         if self.closed:
@@ -62,8 +66,10 @@ class _Output:
         try:
             self.log(*args, **kwargs)
             sys.stdout.flush()
-        except BrokenPipeError:
+        except OSError as err:
             self.closed = True
+            if not isinstance(err, BrokenPipeError):
+                self.failure = err.strerror or str(err)
             # Point stdout at /dev/null so the interpreter's own flush at exit cannot fail too.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             self.stop.append(signal.SIGPIPE)
@@ -297,7 +303,10 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             hit = run.targets.check(line, run.elapsed) if run.main else None
             _write_line(metrics, line, folder, last)
             if events is not None:
-                events.write(line, run.acc.state)
+                try:
+                    events.write(line, run.acc.state)
+                except ValueError as err:
+                    raise ValueError(_stopped(folder, str(err), last)) from None
             rate = items / max(time.perf_counter() - began, 1e-9)
             _report_step(bar, log, line, rate, run, progress)
             # Whether to stop is decided once, here: a signal that arrives after this point
@@ -321,13 +330,15 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             if whole is not None and (end or hit):
                 _save_whole(run, log, whole)
             if stopping:
-                raise Interrupted(step, folder.path, stop[0] if stop else signal.SIGTERM)
+                signum = stop[0] if stop else signal.SIGTERM
+                raise Interrupted(step, folder.path, signum, getattr(log, "failure", None))
             if hit:
                 run.stopped_by = hit
                 log(f"stopping at step {step}: {_hit_text(run.targets, hit)}")
                 break
     finally:
-        metrics.close()
+        with contextlib.suppress(OSError):  # (a write that failed is already said)
+            metrics.close()
         if events is not None:
             events.close()
         if bar is not None:
@@ -428,6 +439,8 @@ def _write_line(metrics, line: dict[str, Any], folder: RunFolder, last: int) -> 
         metrics.flush()
     except OSError as err:
         what = f"cannot write {folder.path / METRICS}: {err.strerror or err}"
+        with contextlib.suppress(OSError):  # what is still buffered would fail again
+            metrics.close()
         raise ValueError(_stopped(folder, what, last)) from None
 
 

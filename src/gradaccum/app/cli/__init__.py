@@ -50,6 +50,19 @@ def say(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
 
 
+def out(*lines: str) -> None:
+    """A command's result on stdout, flushed: output that cannot be written (stdout on a full
+    disk or /dev/full) is one line saying so, not a traceback or a loss found at exit."""
+    try:
+        for line in lines:
+            print(line)
+        sys.stdout.flush()
+    except OSError as err:
+        # What is still buffered would fail again at exit: send it nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise ValueError(f"cannot write the output (stdout): {err.strerror or err}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     code = _main(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -67,13 +80,18 @@ def _main(argv: list[str] | None) -> int:
     """Exit codes: 0 done, 1 a check that failed, 2 bad input or an unusable file (one line
     on stderr), 130 Ctrl-C outside training, 128 + N a training run stopped by signal N after
     its checkpoint. GRADACCUM_DEBUG=1 (or --debug) shows the traceback behind a one-liner."""
+    for name in ("stdout", "stderr"):  # started with it closed (`>&-`): output goes nowhere
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 - for the process
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = parser().parse_args(argv)
-    if not hasattr(args, "run"):
-        parser().print_help()
-        return 2
-    debug = args.debug or os.environ.get("GRADACCUM_DEBUG", "") not in ("", "0")
+    given = sys.argv[1:] if argv is None else argv
+    debug = os.environ.get("GRADACCUM_DEBUG", "") not in ("", "0") or "--debug" in given
     try:
+        args = parser().parse_args(argv)  # --help prints here: output that fails is one line
+        if not hasattr(args, "run"):
+            parser().print_help()
+            return 2
+        debug = debug or args.debug
         return args.run(args)
     except ValueError as err:  # bad input: one clear line, no traceback
         if debug:
@@ -85,3 +103,14 @@ def _main(argv: list[str] | None) -> int:
             raise
         say("gradaccum: interrupted")
         return 130
+    except OSError as err:  # what no message of ours names: the output, or a system refusal
+        if debug:
+            raise
+        say(f"gradaccum: error: {_system_error(err)}")
+        return 2
+
+
+def _system_error(err: OSError) -> str:
+    """One line for an OSError that no message of gradaccum's names."""
+    reason = err.strerror or str(err)
+    return f"{err.filename}: {reason}" if err.filename is not None else reason

@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from gradaccum.app.cli import options
+from gradaccum.app.cli import options, out
 from gradaccum.app.config import CheckConfig
 from gradaccum.app.recipes import get_recipe, hf_recipe
 from gradaccum.diagnose import check
@@ -37,6 +37,6 @@ def run(args: argparse.Namespace) -> int:
     model.train()
     batch = recipe.make_data(cfg.seed).batch(0, cfg.batch)
     report = check(model, batch, recipe.loss_fn, cfg.micro_batch)
-    print(f"{recipe.summary}: batch {cfg.batch}, micro-batches of {cfg.micro_batch}")
-    print(report.summary())
+    out(f"{recipe.summary}: batch {cfg.batch}, micro-batches of {cfg.micro_batch}")
+    out(report.summary())
     return 0 if report.passed else 1

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from gradaccum.app.cli import options
+from gradaccum.app.cli import options, out
 from gradaccum.app.config import PlanConfig
 from gradaccum.app.measure import fresh_process_verifier
 from gradaccum.app.recipes import get_recipe
@@ -62,19 +62,16 @@ def run(args: argparse.Namespace) -> int:
     if cfg.plot:
         draw(result, cfg.plot)
     if cfg.json:
-        out = {"recipe": recipe.name, **result.to_dict()}
+        table = {"recipe": recipe.name, **result.to_dict()}
         if exported is not None:
-            out["export"] = exported.to_dict()
-        print(json.dumps(out, indent=2))
+            table["export"] = exported.to_dict()
+        out(json.dumps(table, indent=2))
     else:
-        print(result.summary())
-        print()
-        print(result.table())
+        out(result.summary(), "", result.table())
         if cfg.plot:
-            print(f"\nplot: {cfg.plot}")
+            out(f"\nplot: {cfg.plot}")
         if exported is not None:
-            print()
-            print(exported)
+            out("", str(exported))
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from gradaccum.app.cli import out
 from gradaccum.app.report import REPORT, write_report
 
 
@@ -27,5 +28,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    print(write_report(args.run_dir, args.out))
+    out(str(write_report(args.run_dir, args.out)))
     return 0

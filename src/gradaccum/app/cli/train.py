@@ -52,7 +52,7 @@ def read_config_file(path: str) -> dict[str, Any]:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as err:
-            raise ValueError(f"--config {path}: not valid YAML: {err}") from err
+            raise ValueError(f"--config {path}: not valid YAML: {_yaml_problem(err)}") from err
     else:
         raise ValueError(f"--config {path}: use a .toml, .yaml or .yml file")
     if not isinstance(data, dict):
@@ -85,6 +85,14 @@ def read_config_file(path: str) -> dict[str, Any]:
             f"{', '.join(unknown)}; known options: {', '.join(sorted(_FILE_KEYS))}"
         )
     return {name: _coerce(name, value) for name, (_, value) in found.items()}
+
+
+def _yaml_problem(err: Exception) -> str:
+    """PyYAML's several-line message as one: what it expected, and where."""
+    what = getattr(err, "problem", None) or str(err).splitlines()[0]
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{what}{where}"
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -298,9 +298,20 @@ def hf_recipe(path: str) -> Recipe:
 
     def build() -> torch.nn.Module:
         auto = transformers.AutoModelForCausalLM
-        if has_weights:
+        if not has_weights:
+            return auto.from_config(config)
+        try:
             return auto.from_pretrained(str(source), local_files_only=True)
-        return auto.from_config(config)
+        except Exception as err:
+            if "weights_only" not in str(err) and "Unpickl" not in type(err).__name__:
+                raise
+            # transformers reads pytorch_model.bin with torch.load(weights_only=True), and
+            # torch's refusal advises unpickling it: never. Say what to do instead.
+            raise ValueError(
+                f"--hf-model {path}: pytorch_model.bin cannot be read safely: it holds "
+                "pickled objects other than tensors; convert it to model.safetensors where "
+                "you trust its source (model.save_pretrained(folder, safe_serialization=True))"
+            ) from None
 
     def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits

@@ -229,7 +229,7 @@ def load_sequences(
     key = _fingerprint(path, files, encoder.name, seq_len, eval_fraction, seed, text_field)
     cached = cache / f"data-{key}.pt" if cache is not None else None
     if cached is not None and cached.is_file():
-        return torch.load(cached, weights_only=True)
+        return _read_cache(cached)
     kind, records = _records(files, text_field)
     encode = _with_progress(encoder.encode, sum(map(_size, records)))
     if kind == "text":
@@ -246,13 +246,34 @@ def load_sequences(
     }
 
 
+def _read_cache(cached: Path) -> dict[str, Any]:
+    """A run folder's data cache, read safely (weights_only): a file that does not load so
+    is refused in one line, never unpickled (torch's own message would suggest it)."""
+    try:
+        return torch.load(cached, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same answer
+        raise DataError(
+            f"{cached} cannot be read safely ({type(err).__name__}): it is damaged or not a "
+            "gradaccum data cache; delete it to tokenize --data again"
+        ) from None
+
+
 def save_cache(loaded: dict[str, Any], cache: Path) -> Path:
     """Write ``loaded`` where ``load_sequences(..., cache=cache)`` finds it (atomically)."""
     path = cache / f"data-{loaded['key']}.pt"
     if not path.is_file():
         tmp = path.with_name(path.name + ".tmp")
-        torch.save(loaded, tmp)
-        os.replace(tmp, path)
+        try:
+            torch.save(loaded, tmp)
+            os.replace(tmp, path)
+        except (OSError, RuntimeError) as err:  # torch.save's writer raises RuntimeError
+            tmp.unlink(missing_ok=True)
+            reason = (
+                err.strerror
+                if isinstance(err, OSError) and err.strerror
+                else "the write stopped short (is the disk full, or a file size limit reached?)"
+            )
+            raise DataError(f"cannot write {path}: {reason}") from None
     return path
 
 

@@ -16,6 +16,7 @@ no step is shown twice, as metrics.jsonl is cut back.
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -55,15 +56,34 @@ def scalars(line: dict[str, Any], max_grad_norm: float | None, totals: Any) -> d
     return out
 
 
+def _quiet_writer_threads() -> None:
+    """TensorBoard writes from a thread of its own, which re-raises a failed write (a full
+    disk) both there, where Python prints its traceback, and at the next flush here, where
+    ``EventLog.write`` says it in one line. Its thread's copy is not printed."""
+    previous = threading.excepthook
+    if getattr(previous, "gradaccum", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ != "_AsyncWriterThread":
+            previous(args)
+
+    hook.gradaccum = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class EventLog:
-    """A SummaryWriter on ``folder/tensorboard``, from ``start + 1`` on."""
+    """A SummaryWriter on ``folder/tensorboard``, from ``start + 1`` on. A write that fails
+    is a ValueError naming the folder; the log is then closed for good."""
 
     def __init__(self, folder: Path, start: int, max_grad_norm: float | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        _quiet_writer_threads()
         self.path = Path(folder) / "tensorboard"
         self.max_grad_norm = max_grad_norm
         self._writer = SummaryWriter(str(self.path), purge_step=start + 1 if start else None)
+        self._failed = False
 
     def restart(self, start: int) -> None:
         """Continue from ``start`` (a rollback): later points of this file are dropped."""
@@ -73,9 +93,16 @@ class EventLog:
         self._writer = SummaryWriter(str(self.path), purge_step=start + 1)
 
     def write(self, line: dict[str, Any], totals: Any) -> None:
-        for tag, value in scalars(line, self.max_grad_norm, totals).items():
-            self._writer.add_scalar(tag, value, line["step"])
-        self._writer.flush()
+        try:
+            for tag, value in scalars(line, self.max_grad_norm, totals).items():
+                self._writer.add_scalar(tag, value, line["step"])
+            self._writer.flush()
+        except Exception as err:  # the writer thread's error, re-raised: OSError and others
+            self._failed = True
+            reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
+            raise ValueError(f"cannot write {self.path}: {reason}") from None
 
     def close(self) -> None:
+        if self._failed:
+            return  # closing would raise the same failure again
         self._writer.close()

@@ -14,6 +14,7 @@ is never hidden by an older reader, and a missing one (an older run) only drops 
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import json
 import os
@@ -100,7 +101,8 @@ def write_report(
         tmp.write_text(page, encoding="utf-8")
         os.replace(tmp, file)  # a reader never sees half a page
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (a read-only folder refuses this too)
+            tmp.unlink(missing_ok=True)
         raise ValueError(f"cannot write {file}: {err.strerror or err}") from None
     return file
 
@@ -192,6 +194,12 @@ def _lines(file: Path) -> list[dict[str, Any]]:
         text = file.read_text()
     except OSError as err:
         raise ValueError(f"cannot read {file}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        line = file.read_bytes()[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"{file} line {line} is not text (byte {err.object[err.start]:#04x}); it was damaged "
+            "outside gradaccum: restore it, or remove that line"
+        ) from None
     raw = text.splitlines()
     out = []
     for number, line in enumerate(raw, 1):
