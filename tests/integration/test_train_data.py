@@ -2,9 +2,10 @@
 
 import json
 import shutil
+import sys
 
 import pytest
-from helpers import cli, run_lines
+from helpers import cli, run, run_lines
 
 FAST = ["--steps", "2", "--micro-batch", "4", "--eval-every", "2", "--seq-len", "16"]
 
@@ -114,3 +115,54 @@ def test_a_sequence_length_the_model_cannot_take_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--seq-len 4096 is longer than the model takes (128 positions)" in err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+_PEAK = """
+import resource, sys
+import torch
+from pathlib import Path
+import gradaccum.app.build  # everything the command has imported before it reads --data
+from gradaccum.app.recipes.userdata import DataError, byte_encoder, load_sequences, save_cache
+
+def peak_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+before = peak_mib()
+try:
+    loaded = load_sequences(sys.argv[1], byte_encoder(128), seq_len=128, eval_fraction=0.1, seed=0)
+    cache = save_cache(loaded, Path(sys.argv[2])).stat().st_size
+except DataError as err:
+    cache = str(err)
+print(before, peak_mib() - before, cache)
+"""
+
+
+def _peak(tmp_path, data) -> tuple[float, float, str]:
+    """(resident MiB once imported, MiB the data added to the peak, cache bytes or error)."""
+    proc = run([sys.executable, "-c", _PEAK, data, tmp_path])
+    before, added, rest = proc.stdout.split(maxsplit=2)
+    return float(before), float(added), rest.strip()
+
+
+def test_a_2gb_sparse_file_is_refused_without_being_read_whole(tmp_path):
+    """A 2 GB file of NUL bytes (sparse: it costs no disk) is refused at its first chunk:
+    the check adds under 200 MB to the process's peak (it read it whole before: 2.37 GB)."""
+    sparse = tmp_path / "sparse.txt"
+    with sparse.open("wb") as f:
+        f.truncate(2 * 10**9)
+    _, added, said = _peak(tmp_path, sparse)
+    assert "sparse.txt:1: a NUL byte: binary data" in said
+    assert added < 200, added
+
+
+@pytest.mark.slow
+def test_the_cache_of_100_mb_of_text_is_under_500_mb(tmp_path):
+    """100 MB of text as byte-level tokens: one uint8 id and one bool per token (it was two
+    int64s, 1.6 GB)."""
+    text = tmp_path / "big.txt"
+    unit = open(json.__file__).read()
+    with text.open("w") as f:
+        for _ in range(100_000_000 // len(unit)):
+            f.write(unit)
+    _, _, cache = _peak(tmp_path, text)
+    assert int(cache) < 500_000_000, cache

@@ -141,3 +141,74 @@ def test_sequences_the_model_cannot_take_are_refused(tmp_path):
     with pytest.raises(DataError, match="expected a .txt or .jsonl"):
         (tmp_path / "x.csv").write_text("a,b\n")
         load_sequences(tmp_path / "x.csv", byte_encoder(16), seq_len=8, eval_fraction=0, seed=0)
+
+
+def test_text_is_checked_streaming_across_chunk_boundaries(tmp_path, monkeypatch):
+    """Checked a chunk at a time (8 bytes here): a NUL byte, a byte that is not UTF-8 and a
+    multi-byte character cut by a chunk's end are each found, and named at their line."""
+    from gradaccum.app.recipes import userdata
+
+    monkeypatch.setattr(userdata, "CHUNK", 8)
+    path = tmp_path / "t.txt"
+    path.write_bytes("line one\nline twö\nthree ü\n".encode())  # ö and ü span chunks
+    assert read_records(path) == ("text", ["line one\nline twö\nthree ü\n"])
+    path.write_bytes(b"line one\nline two\nthr\x00ee\n")
+    with pytest.raises(DataError, match=r"t.txt:3: a NUL byte"):
+        read_records(path)
+    path.write_bytes(b"line one\nline two\nthree \xc3")  # a character cut by the file's end
+    with pytest.raises(DataError, match=r"t.txt:3: not UTF-8 text"):
+        read_records(path)
+    path.write_bytes(b"line one\nline two\n\xff three\n")
+    with pytest.raises(DataError, match=r"t.txt:3: not UTF-8 text \(byte 0xff at offset 18\)"):
+        read_records(path)
+
+
+def test_a_link_out_of_the_data_folder_is_refused_and_one_inside_it_is_read(tmp_path):
+    outside = tmp_path / "private.txt"
+    outside.write_text("not for training\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("alpha\n")
+    (data / "also-a.txt").symlink_to(data / "a.txt")  # inside: read
+    assert read_records(data) == ("text", ["alpha\n", "alpha\n"])
+    (data / "b.txt").symlink_to(outside)
+    with pytest.raises(DataError, match=r"b.txt is a link to .*private.txt, outside the folder"):
+        read_records(data)
+    (data / "b.txt").unlink()
+    (data / "more").symlink_to(tmp_path, target_is_directory=True)  # a folder out of it
+    with pytest.raises(DataError, match="outside the folder"):
+        read_records(data)
+
+
+@pytest.mark.parametrize("vocab, dtype", [(256, torch.uint8), (30_000, torch.int16)])
+def test_the_cache_holds_ids_in_the_narrowest_type_and_reads_back_exactly(tmp_path, vocab, dtype):
+    data = tmp_path / "d.jsonl"
+    rows = [{"prompt": "ab" * i, "completion": "xyz"} for i in range(1, 9)]
+    jsonl(data, rows + [{"prompt": "q", "completion": "r"}])
+    ids_of = {c: (ord(c) * 97) % vocab for c in "abxyzqr"}
+    encoder = ga_encoder(lambda text: [ids_of[c] for c in text], vocab)
+    first = load_sequences(data, encoder, seq_len=24, eval_fraction=0.2, seed=0)
+    path = save_cache(first, tmp_path)
+    stored = torch.load(path, weights_only=True)
+    assert stored["train"][0].dtype == dtype and stored["train"][1].dtype == torch.bool
+    again = load_sequences(data, encoder, seq_len=24, eval_fraction=0.2, seed=0, cache=tmp_path)
+    for split in ("train", "eval"):
+        for a, b in zip(first[split], again[split], strict=True):
+            assert a.dtype == b.dtype == torch.long and torch.equal(a, b)
+
+
+def test_a_cache_of_gradaccum_0_7_still_reads(tmp_path):
+    data = tmp_path / "d.txt"
+    data.write_text("some text to pack\n" * 20)
+    first = load_sequences(data, byte_encoder(64), seq_len=16, eval_fraction=0.1, seed=0)
+    torch.save(first, tmp_path / f"data-{first['key']}.pt")  # as 0.7 wrote it: int64 ids
+    again = load_sequences(
+        data, byte_encoder(64), seq_len=16, eval_fraction=0.1, seed=0, cache=tmp_path
+    )
+    assert all(torch.equal(a, b) for a, b in zip(first["train"], again["train"], strict=True))
+
+
+def ga_encoder(encode, vocab):
+    from gradaccum.app.recipes.userdata import Encoder
+
+    return Encoder(encode, eos=vocab - 1, pad=vocab - 1, max_len=64, name=f"test {vocab}")

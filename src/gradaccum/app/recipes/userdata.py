@@ -19,12 +19,13 @@ back instead of tokenizing again.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ class Encoder:
     documents, the id padding uses (its label is -100 whatever it is), the longest sequence
     the model takes, and a ``name`` that identifies the tokenizer in the cache key."""
 
-    encode: Callable[[str], list[int]]
+    encode: Callable[[str], Sequence[int]]  # a list of ids, or bytes (the byte-level GPT)
     eos: int
     pad: int
     max_len: int
@@ -66,7 +67,7 @@ class Encoder:
 
 def byte_encoder(max_len: int) -> Encoder:
     """UTF-8 bytes: the byte-level GPT's vocabulary. NUL (0) ends a document and pads."""
-    return Encoder(lambda text: list(text.encode("utf-8")), 0, 0, max_len, "bytes")
+    return Encoder(lambda text: text.encode("utf-8"), 0, 0, max_len, "bytes")
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -76,6 +77,13 @@ def _files(path: Path) -> list[Path]:
     if not path.exists():
         raise DataError(f"--data {path}: no such file or directory")
     if path.is_dir():
+        root = path.resolve()
+        for entry in path.rglob("*"):
+            if entry.is_symlink() and not entry.resolve().is_relative_to(root):
+                raise DataError(
+                    f"--data {path}: {entry} is a link to {entry.resolve()}, outside the "
+                    "folder; copy what it names into the folder, or give it as --data itself"
+                )
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
         if not files:
             raise DataError(f"--data {path}: the folder holds no .txt or .jsonl file")
@@ -85,36 +93,70 @@ def _files(path: Path) -> list[Path]:
     return [path]
 
 
-def _read(path: Path) -> list[tuple[Path, bytes]]:
-    """Each data file with its bytes, read once (the cache key and the records both use them)."""
-    return [(file, file.read_bytes()) for file in _files(path)]
+CHUNK = 1 << 20  # files are checked and hashed a MiB at a time, never read whole for it
 
 
-def _text(path: Path, raw: bytes) -> str:
-    if not raw.strip():
-        raise DataError(f"{path}: the file is empty")
-    if b"\x00" in raw:
-        line = raw[: raw.index(b"\x00")].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: a NUL byte: binary data, expected UTF-8 text")
+def _scan(file: Path, digest: Any) -> None:
+    """Check that ``file`` is UTF-8 text (no NUL byte, not empty) and feed its bytes to
+    ``digest``, streaming: a binary file of any size is refused at its first bad byte."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, lines, blank = 0, 1, True
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = raw[: err.start].count(b"\n") + 1
-        raise DataError(
-            f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})"
-        ) from None
+        with file.open("rb") as f:
+            while chunk := f.read(CHUNK):
+                nul = chunk.find(b"\x00")
+                if nul >= 0:
+                    line = lines + chunk[:nul].count(b"\n")
+                    raise DataError(f"{file}:{line}: a NUL byte: binary data, expected UTF-8 text")
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as err:
+                    _not_utf8(file, chunk, err, offset, lines)
+                blank = blank and not chunk.strip()
+                digest.update(chunk)
+                offset, lines = offset + len(chunk), lines + chunk.count(b"\n")
+            try:
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError as err:
+                _not_utf8(file, b"", err, offset, lines)
+    except OSError as err:
+        raise DataError(f"{file}: cannot be read ({err.strerror or err})") from None
+    if blank:
+        raise DataError(f"{file}: the file is empty")
+
+
+def _not_utf8(file: Path, chunk: bytes, err: UnicodeDecodeError, offset: int, lines: int):
+    """Where the incremental decoder found bytes that are not UTF-8 (its ``err.start`` may
+    point into bytes it held back from the previous chunk: before this chunk's start)."""
+    start = max(0, err.start - (len(err.object) - len(chunk)))
+    line = lines + chunk[:start].count(b"\n")
+    bad = err.object[err.start]
+    raise DataError(
+        f"{file}:{line}: not UTF-8 text (byte 0x{bad:02x} at offset {offset + start})"
+    ) from None
+
+
+def _text(path: Path) -> str:
+    """A file ``_scan`` checked, as text."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read ({err.strerror or err})") from None
 
 
 def read_records(path: str | Path, text_field: str = "text") -> tuple[str, list[Any]]:
     """``("text", [document, ...])`` or ``("pairs", [(prompt, completion), ...])``, read from
     ``path``; a folder's files must agree on the kind."""
-    return _records(_read(Path(path)), text_field)
+    path = Path(path)
+    files = _files(path)
+    _fingerprint(path, files)
+    return _records(files, text_field)
 
 
-def _records(files: list[tuple[Path, bytes]], text_field: str) -> tuple[str, list[Any]]:
+def _records(files: list[Path], text_field: str) -> tuple[str, list[Any]]:
     kinds, records = set(), []
-    for file, raw in files:
-        text = _text(file, raw)
+    for file in files:
+        text = _text(file)
         if file.suffix == ".txt":
             kinds.add("text")
             records.append(text)
@@ -164,20 +206,31 @@ def _json_record(file: Path, number: int, line: str, text_field: str) -> tuple[s
 # -- sequences ----------------------------------------------------------------------------------
 
 
-def _pack(documents: list[list[int]], seq_len: int, eos: int, pad: int):
+def _tensor(tokens: Sequence[int]) -> torch.Tensor:
+    """A document's ids as a tensor; bytes without a Python int per byte."""
+    if isinstance(tokens, (bytes, bytearray)):
+        if not tokens:
+            return torch.empty(0, dtype=torch.long)
+        return torch.frombuffer(bytearray(tokens), dtype=torch.uint8).long()
+    return torch.tensor(tokens, dtype=torch.long)
+
+
+def _pack(documents: list[Sequence[int]], seq_len: int, eos: int, pad: int):
     """Documents joined by ``eos`` and cut into sequences of ``seq_len``; the last one
     padded (labels -100)."""
-    stream = [t for doc in documents for t in (*doc, eos)]
-    n = math.ceil(len(stream) / seq_len)
+    end = torch.tensor([eos])
+    flat = torch.cat([t for doc in documents for t in (_tensor(doc), end)])
+    n = math.ceil(len(flat) / seq_len)
     ids = torch.full((n, seq_len), pad, dtype=torch.long)
     labels = torch.full((n, seq_len), IGNORE, dtype=torch.long)
-    flat = torch.tensor(stream, dtype=torch.long)
     ids.view(-1)[: len(flat)] = flat
     labels.view(-1)[: len(flat)] = flat
     return ids, labels
 
 
-def _pairs(pairs: list[tuple[list[int], list[int]]], seq_len: int, eos: int, pad: int, path):
+def _pairs(
+    pairs: list[tuple[Sequence[int], Sequence[int]]], seq_len: int, eos: int, pad: int, path
+):
     ids = torch.full((len(pairs), seq_len), pad, dtype=torch.long)
     labels = torch.full((len(pairs), seq_len), IGNORE, dtype=torch.long)
     for row, (prompt, completion) in enumerate(pairs):
@@ -200,11 +253,13 @@ def _split(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int
     return sorted(order[held:]), sorted(order[:held])
 
 
-def _fingerprint(path: Path, files: list[tuple[Path, bytes]], *settings: Any) -> str:
+def _fingerprint(path: Path, files: list[Path], *settings: Any) -> str:
+    """The cache key: the settings, each file's name and bytes (each checked as text while
+    it is hashed, streaming)."""
     digest = hashlib.sha256(repr(settings).encode())
-    for file, raw in files:
+    for file in files:
         digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
-        digest.update(raw)
+        _scan(file, digest)
     return digest.hexdigest()[:16]
 
 
@@ -225,7 +280,7 @@ def load_sequences(
         raise DataError(
             f"--seq-len {seq_len} is longer than the model takes ({encoder.max_len} positions)"
         )
-    files = _read(path)
+    files = _files(path)
     key = _fingerprint(path, files, encoder.name, seq_len, eval_fraction, seed, text_field)
     cached = cache / f"data-{key}.pt" if cache is not None else None
     if cached is not None and cached.is_file():
@@ -246,11 +301,35 @@ def load_sequences(
     }
 
 
+CACHE_FORMAT = "gradaccum.data/2"  # ids in the smallest integer type that holds them
+
+
+def _compact(ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the cache stores of a split: the ids in the narrowest type that holds them
+    (uint8 for bytes) and which positions count (labels are the ids there, -100 elsewhere)."""
+    top = int(ids.max()) if ids.numel() else 0
+    dtype = torch.uint8 if top < 2**8 else torch.int16 if top < 2**15 else torch.int32
+    return ids.to(dtype), labels != IGNORE
+
+
+def _expanded(ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = ids.long()
+    return ids, ids.masked_fill(~counts, IGNORE)
+
+
 def _read_cache(cached: Path) -> dict[str, Any]:
     """A run folder's data cache, read safely (weights_only): a file that does not load so
-    is refused in one line, never unpickled (torch's own message would suggest it)."""
+    is refused in one line, never unpickled (torch's own message would suggest it). A cache
+    of gradaccum 0.7 or before holds the int64 ids and labels themselves."""
     try:
-        return torch.load(cached, weights_only=True)
+        loaded = torch.load(cached, weights_only=True)
+        if loaded.get("format") == CACHE_FORMAT:
+            loaded = {
+                **{k: v for k, v in loaded.items() if k != "format"},
+                "train": _expanded(*loaded["train"]),
+                "eval": _expanded(*loaded["eval"]),
+            }
+        return loaded
     except Exception as err:  # noqa: BLE001 - any unreadable file gets the same answer
         raise DataError(
             f"{cached} cannot be read safely ({type(err).__name__}): it is damaged or not a "
@@ -263,8 +342,14 @@ def save_cache(loaded: dict[str, Any], cache: Path) -> Path:
     path = cache / f"data-{loaded['key']}.pt"
     if not path.is_file():
         tmp = path.with_name(path.name + ".tmp")
+        compact = {
+            **loaded,
+            "format": CACHE_FORMAT,
+            "train": _compact(*loaded["train"]),
+            "eval": _compact(*loaded["eval"]),
+        }
         try:
-            torch.save(loaded, tmp)
+            torch.save(compact, tmp)
             os.replace(tmp, path)
         except (OSError, RuntimeError) as err:  # torch.save's writer raises RuntimeError
             tmp.unlink(missing_ok=True)
