@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 from helpers import cli, run_lines
-from support.faults import corrupt_samples, train_with_faults
+from support.faults import corrupt_samples, rewrite_checkpoint, train_with_faults
 
 from gradaccum.app import Interrupted, TrainConfig, train
 from gradaccum.app.recipes import DigitsData
@@ -145,6 +145,8 @@ def test_a_fault_that_recurs_after_every_rollback_stops_at_its_last_good_checkpo
     assert {i["kind"] for i in incidents} == {"skipped windows"}
     assert incidents[-1]["action"].startswith("stopped: 3 rollbacks in a row")
     assert summary["incidents"] == 4
+    # every skipped window counts, those rolled back too (the warnings said each)
+    assert summary["skipped_windows"] == sum(i["seen"]["skipped_in_a_row"] for i in incidents)
     back = incidents[-1]["rolled_back_to"]
     assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == back
     assert [x["step"] for x in lines(out)] == list(range(1, back + 1))
@@ -171,3 +173,49 @@ def test_a_divergence_in_the_warm_up_stops_the_run_and_blames_no_data(tmp_path):
     assert "the loss diverged in the warm-up" in proc.stderr and "lower --lr" in proc.stderr
     saved = torch.load(out / "checkpoint.pt", weights_only=True)
     assert saved["skips"] == [] and saved["step"] == 0  # back at the start, no data blamed
+
+
+def _spoil(kept_step: int, how: str):
+    """A fault hook that, as step 25's window begins, makes the kept checkpoint of
+    ``kept_step`` a bad state with a valid checksum: its weights NaN, or buried in noise."""
+    done = []
+
+    def change(state):
+        gen = torch.Generator().manual_seed(0)
+        for tensor in state["accumulator"]["model"].values():
+            if not tensor.is_floating_point():
+                continue
+            if how == "nan":
+                tensor.fill_(float("nan"))
+            else:  # finite, and nothing of what the run learned left
+                tensor.add_(torch.randn(tensor.shape, generator=gen) * 3.0)
+
+    def hook(out, position, batch, first):
+        if position >= first and not done:
+            done.append(1)
+            rewrite_checkpoint(out / "checkpoints" / f"step-{kept_step:08d}.pt", change)
+        return batch
+
+    return hook
+
+
+@pytest.mark.parametrize(
+    "how, said", [("noise", "scores its own last window"), ("nan", "holds non-finite weights")]
+)
+def test_a_rollback_target_in_a_bad_state_is_passed_over_for_an_older_one(tmp_path, how, said):
+    """Step 25's window corrupted; the kept checkpoint of step 20, the rollback's target, was
+    made a bad state (a valid checksum: nothing but judging it can tell). The guard passes
+    it over, says so, rolls back to step 10, and the run ends as asked."""
+    ends = [0]
+    data = DigitsData(0)
+    for _ in range(STEPS):
+        ends.append(ends[-1] + len(data.batch(ends[-1], BATCH)[1]))
+    corrupt = corrupt_samples([[ends[24], ends[25]]])
+    spoil = _spoil(20, how)
+    out = tmp_path / "run"
+    summary = run(out, faults=lambda p, b: corrupt(p, spoil(out, p, b, ends[24])))
+    [incident] = lines(out, "incidents.jsonl")
+    assert incident["step"] == 25 and incident["rolled_back_to"] == 10, incident
+    assert f"step 20 {said}" in incident["action"], incident["action"]
+    assert summary["steps"] == STEPS and summary["stopped_by"] == "length"
+    assert [x["step"] for x in lines(out)] == list(range(1, STEPS + 1))

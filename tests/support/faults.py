@@ -106,3 +106,18 @@ def flip_tensor_bit(path, record: int = 0, byte: int = 0, bit: int = 0) -> tuple
         f.seek(offset)
         f.write(bytes([value ^ (1 << bit)]))
     return info.filename, offset
+
+
+def rewrite_checkpoint(path, change: Callable[[dict[str, Any]], None]) -> None:
+    """A run checkpoint changed by ``change(state)`` and written again with a valid checksum:
+    a bad state that no file damage explains (a model the run itself made bad), which only
+    judging the state can tell."""
+    from pathlib import Path
+
+    from gradaccum.app.folder import RunFolder, _sealed
+
+    path = Path(path)
+    state = RunFolder(path.parent).load_checkpoint(torch.device("cpu"), path)
+    state.pop("format")
+    change(state)
+    torch.save(_sealed(state), path)

@@ -91,6 +91,12 @@ class IncidentGuard:
         spread = max(_MAD_TO_SIGMA * mad, self.floor * scale)
         return median, median + self.threshold * spread
 
+    def highest_loss(self) -> float | None:
+        """The highest loss the guard accepts now; None during its warm-up."""
+        if len(self._losses) < self.warmup:
+            return None
+        return self.band(self._losses)[1]
+
     def check(self, loss: float | None, grad_norm: float | None, skipped: bool) -> Incident | None:
         """Judge one window; an accepted window joins the history. A window that held no item
         (``loss`` None, not skipped) is neither judged nor remembered."""

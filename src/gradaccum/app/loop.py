@@ -134,8 +134,13 @@ class _Run:
 
     def restore(self, saved: dict[str, Any], *, rollback: bool = False) -> None:
         """The state ``_checkpoint`` saved. A rollback keeps what the run learned since: the
-        samples set aside, its count of rollbacks and the time it has trained."""
+        samples set aside, its count of rollbacks and the time it has trained, and its
+        totals of skipped windows and out-of-memory replays (they happened: the summary
+        counts them, as the warnings said them)."""
+        totals = (self.acc.state.skipped_windows, self.acc.state.oom_replays)
         self.kind.restore(self.acc, self.folder, saved["accumulator"])
+        if rollback:
+            self.acc.state.skipped_windows, self.acc.state.oom_replays = totals
         self.schedule.load_state_dict(saved["schedule"])
         if self.guard is not None and saved.get("guard") is not None:
             self.guard.load_state_dict(saved["guard"])
@@ -387,21 +392,26 @@ def _rollback(run: _Run, incident: Incident, blamed: list[tuple[int, int, int]],
             f"the incident guard found a {incident.kind} at step {step} but {run.folder.path} "
             "holds no kept checkpoint to roll back to; resume with --no-guard"
         )
-    back, file = kept[-1]
-    run.restore(run.kind.load_saved(run.folder, run.device, file), rollback=True)
+    back, saved, unusable = _rollback_target(run, kept)  # restored
     gave_up = run.retries >= GUARD_RETRIES or not incident.blames_data
     span = [blamed[0][1], blamed[-1][2]]
+    where = f"the run is back at step {back}" + (f" ({unusable})" if unusable else "")
     if not incident.blames_data:
+        grew = incident.seen["loss"] / incident.seen["first_loss"]
         action = (
-            f"stopped: the loss grew {incident.seen['loss'] / incident.seen['first_loss']:.3g}x "
-            "over the first window's in the warm-up, which is the optimization diverging "
-            "(too high a learning rate?), not bad data: nothing set aside; the run is back at "
-            f"step {back}"
+            f"stopped: the loss grew {grew:.3g}x over the first window's in the warm-up, which "
+            "is the optimization diverging (too high a learning rate?), not bad data: nothing "
+            f"set aside; {where}"
         )
     elif gave_up:
+        judged = (
+            ""
+            if run.kind.world != 1
+            else ", whose state scores its own last window within the guard's band"
+        )
         action = (
             f"stopped: {run.retries} rollbacks in a row did not get past it; the run is back "
-            f"at step {back}, its last good checkpoint"
+            f"at step {back}{judged}" + (f" ({unusable})" if unusable else "")
         )
     else:
         run.retries += 1
@@ -413,6 +423,7 @@ def _rollback(run: _Run, incident: Incident, blamed: list[tuple[int, int, int]],
         action = (
             f"rolled back to step {back}; samples {span[0]:,} to {span[1]:,} set aside "
             f"(rollback {run.retries} of at most {GUARD_RETRIES} in a row)"
+            + (f" ({unusable})" if unusable else "")
         )
     # The checkpoint again, now with the samples set aside: a resumed run decides alike.
     _checkpoint(run, back, back)
@@ -431,6 +442,73 @@ def _rollback(run: _Run, incident: Incident, blamed: list[tuple[int, int, int]],
     shown = ", ".join(f"{k} {v:.4g}" for k, v in incident.seen.items())
     log(f"incident at step {step}: {incident.kind} ({shown}); {action}")
     return gave_up
+
+
+def _rollback_target(run: _Run, kept: list[tuple[int, Path]]):
+    """(step, checkpoint, what was passed over) of the newest kept checkpoint whose state
+    passes the guard itself: every weight and optimizer entry finite, and (one process) the
+    restored model scoring the window it last trained on within the guard's band. A target
+    that fails is a bad state, never called good: an older one is tried; none left is a
+    ValueError."""
+    passed = []
+    for back, file in reversed(kept):
+        saved = run.kind.load_saved(run.folder, run.device, file)
+        if not _finite(saved["accumulator"]):
+            passed.append(f"step {back} holds non-finite weights")
+            continue
+        run.restore(saved, rollback=True)
+        problem = _probe(run, back)
+        if problem is None:
+            return back, saved, "; ".join(passed)
+        passed.append(f"step {back} {problem}")
+    raise ValueError(
+        "the incident guard would roll back, but no kept checkpoint holds a good state ("
+        + "; ".join(passed)
+        + "): the run went bad before them; start a new run (a lower --lr?)"
+    )
+
+
+def _probe(run: _Run, back: int) -> str | None:
+    """What is wrong with the state just restored at step ``back``: its loss on the samples
+    of step ``back``'s window (which the guard accepted when it trained on them) non-finite
+    or above the guard's band, or None. Forward only, nothing of the run changed (buffers
+    and random generators are put back). One process only: elsewhere every rank would have
+    to agree on the shards' sum, and a pipeline's forward is its schedule."""
+    from gradaccum.batching import split
+    from gradaccum.checkpoint import preserved_rng
+
+    highest = run.guard.highest_loss() if run.guard is not None else None
+    if back == 0 or highest is None or run.kind.world != 1:
+        return None
+    line = next((x for x in reversed(run.folder.metrics()) if x.get("step") == back), None)
+    if line is None or not line.get("effective_batch"):
+        return None
+    size = int(line["effective_batch"])
+    batch = run.data.batch(int(line["samples"]) - size, size)
+    buffers = {k: v.clone() for k, v in run.model.named_buffers()}
+    total = count = 0.0
+    with torch.no_grad(), preserved_rng():
+        for mb in split(to_device(batch, run.device), run.micro_batch):
+            loss_sum, n = run.recipe.loss_fn(run.model, mb)
+            total += float(loss_sum)
+            count += float(n)
+    for name, value in run.model.named_buffers():
+        value.copy_(buffers[name])
+    loss = total / max(count, 1.0)
+    if not math.isfinite(loss) or loss > highest:
+        return f"scores its own last window at loss {loss:.4g}, above the guard's {highest:.4g}"
+    return None
+
+
+def _finite(state: Any) -> bool:
+    """Whether every floating-point tensor in a (nested) state is finite."""
+    if isinstance(state, torch.Tensor):
+        return not state.is_floating_point() or bool(torch.isfinite(state).all())
+    if isinstance(state, dict):
+        return all(_finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(_finite(v) for v in state)
+    return True
 
 
 def _write_line(metrics, line: dict[str, Any], folder: RunFolder, last: int) -> None:
