@@ -204,3 +204,19 @@ def test_an_effective_batch_of_256_plans_as_8_or_more_micro_batches_and_stays_ex
         group["lr"] = 1.0
     losses = [acc.step(ga.split(batch, tight.micro_size), recipe.loss_fn).loss for _ in range(2)]
     assert losses[-1] < losses[0], losses  # and it trains
+
+
+def test_a_lora_target_the_model_lacks_leaves_no_folder_and_the_fixed_command_trains(
+    tmp_path, base, data
+):
+    """A failed start after the folder was made (the model is built only then): one line,
+    the folder gone, and the same command with the targets fixed trains in it."""
+    run = tmp_path / "run"
+    args = ["train", "--hf-model", base, "--data", data, *LORA, "--steps", 1, "--out", run]
+    proc = cli(*args, "--lora-targets", "no_such_layer", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    *_, line = proc.stderr.strip().splitlines()  # (after transformers' loading bar)
+    assert line.startswith("gradaccum: error: ") and "no_such_layer" in line, line
+    assert not run.exists()
+    cli(*args, "--lora-targets", "c_attn")
+    assert [x["step"] for x in metrics(run)] == [1]
