@@ -46,6 +46,7 @@ def test_values_no_run_could_use_are_refused_before_anything_is_written(
     assert not run.exists()
 
 
+@pytest.mark.slow
 def test_a_plan_that_fails_leaves_no_folder_on_the_same_or_the_default_out(tmp_path):
     run = tmp_path / "run"
     too_small = ["--budget", "1KB"]
@@ -62,6 +63,7 @@ def test_a_plan_that_fails_leaves_no_folder_on_the_same_or_the_default_out(tmp_p
     assert len(list((tmp_path / "runs").iterdir())) == 1
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_the_first_write_leaves_nothing_and_says_run_it_again(tmp_path):
     """The guard's step-0 checkpoint (written before training) finds the disk full
     (RLIMIT_FSIZE, as a full disk answers): nothing trained, nothing left behind."""

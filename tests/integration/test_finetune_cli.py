@@ -206,6 +206,7 @@ def test_an_effective_batch_of_256_plans_as_8_or_more_micro_batches_and_stays_ex
     assert losses[-1] < losses[0], losses  # and it trains
 
 
+@pytest.mark.slow
 def test_a_lora_target_the_model_lacks_leaves_no_folder_and_the_fixed_command_trains(
     tmp_path, base, data
 ):

@@ -38,6 +38,7 @@ def test_a_closed_stdout_trains_without_output(tmp_path):
     assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == 3
 
 
+@pytest.mark.slow
 def test_stdout_on_a_full_device_stops_with_a_checkpoint_and_one_line(tmp_path):
     run = tmp_path / "run"
     with open("/dev/full", "w") as full:
@@ -51,6 +52,7 @@ def test_stdout_on_a_full_device_stops_with_a_checkpoint_and_one_line(tmp_path):
     assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == 3
 
 
+@pytest.mark.slow
 def test_other_commands_on_a_full_stdout_are_one_line(tmp_path):
     run = tmp_path / "run"
     cli("train", *SHORT, "--out", run, check=True)
@@ -59,6 +61,7 @@ def test_other_commands_on_a_full_stdout_are_one_line(tmp_path):
     one_line(proc, "cannot write the output (stdout): No space left on device")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("written", ["metrics.jsonl", "tensorboard"])
 def test_a_full_disk_while_appending_is_one_line_and_resumable(tmp_path, written):
     """RLIMIT_FSIZE (a full disk's answer) at 2 kB: metrics.jsonl, or TensorBoard's event
@@ -82,6 +85,7 @@ def text_file(tmp_path_factory):
     return file
 
 
+@pytest.mark.slow
 def test_the_data_cache_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, text_file):
     run = tmp_path / "run"
     args = ["train", "--data", text_file, "--micro-batch", 8, "--steps", 1, "--out", run]
