@@ -327,3 +327,40 @@ def test_a_budget_too_small_is_refused_in_the_commands_flags_and_no_plan_is_writ
     assert text.startswith("budget 1000 B is too small for DigitsCNN"), text
     assert "--checkpointing auto" in text and "checkpointing='auto'" not in text
     assert not (tmp_path / "run" / "plan.json").exists()
+
+
+def test_a_terminal_that_reports_no_size_still_shows_progress(tmp_path):
+    """A pty whose size is 0 x 0 (some ptys, `script`, containers): tqdm, given no rows,
+    drew nothing at all; the bar and its loss and speed now show."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+    args = ["--recipe", "digits", "--steps", "5", "--micro-batch", "16", "--no-guard"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradaccum", "train", *args, "--out", str(tmp_path / "run")],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    os.close(slave)
+    out = b""
+    while select.select([master], [], [], 120)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed its side
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(timeout=60) == 0, out[-2000:]
+    text = out.decode(errors="replace")
+    assert "5/5" in text and "items/s" in text and "loss " in text, text[-2000:]

@@ -80,13 +80,15 @@ def _progress(run: _Run):
 
     if not sys.stderr.isatty():
         return None
-    # A terminal that reports no size (some ptys) would get an empty bar: fall back to 100.
-    columns = shutil.get_terminal_size((100, 20)).columns or 100
+    # A terminal that reports no size (some ptys, `script`, containers) gives tqdm no rows,
+    # and with none it draws nothing at all: give it the usual 100 x 20 then.
+    size = shutil.get_terminal_size((100, 20))
+    columns, rows = (size.columns or 100), (size.lines if size.lines > 1 else 20)
     if run.total_samples is not None:
         total, done, unit = run.total_samples, run.schedule.samples, "sample"
     else:
         total, done, unit = run.total_steps, run.schedule.step, "step"
-    return tqdm(total=total, initial=done, unit=unit, ncols=columns)
+    return tqdm(total=total, initial=done, unit=unit, ncols=columns, nrows=rows)
 
 
 @dataclass
