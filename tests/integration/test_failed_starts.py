@@ -46,6 +46,15 @@ def test_values_no_run_could_use_are_refused_before_anything_is_written(
     assert not run.exists()
 
 
+def test_after_refused_values_the_fixed_command_trains_in_the_same_folder(tmp_path):
+    run = tmp_path / "run"
+    for flag, value in (("--max-grad-norm", "nan"), ("--seed", str(2**64))):
+        one_line(in_process("train", *FIXED, "--out", run, flag, value), flag[2:].replace("-", "_"))
+    done = in_process("train", *FIXED, "--out", run, "--seed", "3")
+    assert done.returncode == 0, done.stderr
+    assert steps(run) == [1]
+
+
 @pytest.mark.slow
 def test_a_plan_that_fails_leaves_no_folder_on_the_same_or_the_default_out(tmp_path):
     run = tmp_path / "run"
