@@ -221,3 +221,65 @@ def test_a_lora_target_the_model_lacks_leaves_no_folder_and_the_fixed_command_tr
     assert not run.exists()
     cli(*args, "--lora-targets", "c_attn")
     assert [x["step"] for x in metrics(run)] == [1]
+
+
+_LOAD_ELSEWHERE = """
+import sys
+import torch, transformers, peft
+adapter, merged, ids_file, out_file = sys.argv[1:]
+ids = torch.load(ids_file, weights_only=True)
+tok = transformers.AutoTokenizer.from_pretrained(adapter)
+assert tok("def f(x):")["input_ids"]
+with_adapter = peft.AutoPeftModelForCausalLM.from_pretrained(adapter).eval()
+plain = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
+assert transformers.AutoTokenizer.from_pretrained(merged)("x")["input_ids"]
+with torch.no_grad():
+    out = {"adapter": with_adapter(input_ids=ids).logits, "merged": plain(input_ids=ids).logits}
+    prompt = torch.tensor([tok("def f(x):")["input_ids"]])
+    for name, model in (("adapter", with_adapter), ("merged", plain)):
+        made = model.generate(input_ids=prompt, max_new_tokens=5, do_sample=False)
+        assert made.shape[1] == prompt.shape[1] + 5, made.shape
+torch.save(out, out_file)
+"""
+
+
+@pytest.mark.slow
+def test_exports_of_a_model_named_by_a_relative_path_load_from_anywhere_offline(
+    tmp_path, base, data
+):
+    """--hf-model given relative to the working directory (as a user types it): the adapter
+    and the merged model, each with its tokenizer, load in another process from another
+    working directory with the hub shut, generate, and give the in-run model's logits."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    args = [*LORA, "--steps", 2, "--merge-lora", "--data", data, "--out", run]
+    cli("train", "--hf-model", base.name, *args, cwd=base.parent)
+    adapter, merged = run / "export" / "adapter", run / "export" / "merged"
+    assert (adapter / "tokenizer.json").is_file() and (merged / "tokenizer.json").is_file()
+    said = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert os.path.isabs(said) and os.path.samefile(said, base), said
+
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.save(ids, tmp_path / "ids.pt")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    offline = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    offline["OMP_NUM_THREADS"] = "1"
+    files = [adapter, merged, tmp_path / "ids.pt", tmp_path / "out.pt"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD_ELSEWHERE, *map(str, files)],
+        cwd=elsewhere,
+        env=offline,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = torch.load(tmp_path / "out.pt", weights_only=True)
+    model, _ = trained_model(base, run, lora=True)
+    want = logits(model, ids)
+    assert float((loaded["adapter"] - want).abs().max()) <= 1e-5
+    assert float((loaded["merged"] - want).abs().max()) <= 1e-5

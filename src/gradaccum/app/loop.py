@@ -582,7 +582,7 @@ def _export(run: _Run, log, whole: dict[str, torch.Tensor] | None = None) -> Non
     tokenizer = _tokenizer(cfg.source.hf_model)
     out = run.folder.path / "export"
     if cfg.model.lora is not None:
-        written = [finetune.save_adapter(run.model, out / "adapter")]
+        written = [finetune.save_adapter(run.model, out / "adapter", tokenizer)]
         if cfg.output.merge_lora:
             written.append(finetune.save_merged(run.model, out / "merged", tokenizer))
     else:

@@ -109,11 +109,20 @@ def default_targets(model: torch.nn.Module) -> list[str]:
     )
 
 
-def save_adapter(model: Any, folder: str | Path) -> Path:
-    """The adapters of ``model`` (from :func:`apply_lora`) in PEFT's format, safetensors:
-    load with ``PeftModel.from_pretrained(base_model, folder)``."""
+def save_adapter(model: Any, folder: str | Path, tokenizer: Any = None) -> Path:
+    """The adapters of ``model`` (from :func:`apply_lora`) in PEFT's format, safetensors,
+    ``tokenizer`` beside them when given: load with ``PeftModel.from_pretrained(base_model,
+    folder)``, or ``AutoPeftModelForCausalLM.from_pretrained(folder)``, which finds the
+    base where ``adapter_config.json``'s ``base_model_name_or_path`` says (the path the base
+    was loaded from: load it by an absolute path for the adapter to load from anywhere)."""
     _require_peft(model, "save_adapter")
-    return _write_folder(folder, lambda tmp: model.save_pretrained(tmp, safe_serialization=True))
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+
+    return _write_folder(folder, write)
 
 
 def save_merged(model: Any, folder: str | Path, tokenizer: Any = None) -> Path:

@@ -301,7 +301,9 @@ def hf_recipe(path: str) -> Recipe:
         if not has_weights:
             return auto.from_config(config)
         try:
-            return auto.from_pretrained(str(source), local_files_only=True)
+            # By its absolute path: the model records it (config's _name_or_path), and so
+            # does a LoRA adapter saved from it, which then finds its base from anywhere.
+            return auto.from_pretrained(str(source.resolve()), local_files_only=True)
         except Exception as err:
             if "weights_only" not in str(err) and "Unpickl" not in type(err).__name__:
                 raise
