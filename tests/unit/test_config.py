@@ -158,3 +158,22 @@ def test_check_takes_micro_batch_and_its_old_spelling():
         "micro_batch 4 must be smaller than batch 4: the check compares several micro-batches "
         "against the whole batch"
     ]
+
+
+@pytest.mark.parametrize(
+    "saved, flag, want",
+    [
+        ({"epochs": 2.0}, ["--steps", "300"], (300, None, None)),
+        ({"steps": 40}, ["--samples", "5000"], (None, None, 5000)),
+        ({"samples": 800}, ["--epochs", "3"], (None, 3.0, None)),
+    ],
+)
+def test_a_length_given_with_resume_replaces_the_saved_one_in_any_unit(tmp_path, saved, flag, want):
+    """docs/cli.md's `--resume RUN --steps 300`, for a run begun with --epochs: refused as
+    "steps and epochs both given" before."""
+    import json
+
+    begun = TrainConfig.of(recipe="digits", **saved).flat()
+    (tmp_path / "config.json").write_text(json.dumps(begun))
+    cfg = resolve(parser().parse_args(["train", "--resume", str(tmp_path), *flag]))
+    assert (cfg.schedule.steps, cfg.schedule.epochs, cfg.schedule.samples) == want

@@ -398,7 +398,7 @@ class TargetsConfig:
     target_accuracy: float | None = Opt(
         None,
         "stop when the held-out accuracy reaches this, in (0, 1] (recipes that measure "
-        "accuracy: digits)",
+        "accuracy: digits, minilm)",
         check=_accuracy,
         metavar="ACC",
         resumable=True,

@@ -19,6 +19,7 @@ from gradaccum.app.launch import is_main, shutdown
 from gradaccum.validate import invalid_configuration
 
 _FILE_KEYS = set(OPTION_SECTION) - {"config", "resume"}
+_LENGTH = ("steps", "epochs", "samples")  # how long the run trains: one of them
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -130,6 +131,11 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         from_file = read_config_file(flags["config"])
         values.update(from_file)
     values.update(flags)
+    given = [k for k in _LENGTH if k in flags or k in from_file]
+    if flags.get("resume") and given:
+        # A length given with --resume replaces the saved one, in whichever unit: a run
+        # begun with --epochs continues with --steps 300.
+        values.update({k: None for k in _LENGTH if k not in given})
     cfg = TrainConfig.of(**values)
     problems = cfg.problems()
     for other in ("epochs", "samples"):
