@@ -763,6 +763,15 @@ class CheckConfig:
     seed: int = SEED(help="seed for the model and the batch")
     batch: int = Opt(16, "samples in the batch compared", check=at_least(2))()
     micro_batch: int = MICRO_BATCH(default=4, help="samples per micro-batch, fewer than --batch")
+    tolerance: float | None = Opt(
+        None,
+        "the largest relative error per parameter that passes (default: the larger of the "
+        "dtype's tolerance and 10 x the full batch's own rounding, measured against float64)",
+        check=_positive,
+    )()
+    float64: bool = Opt(
+        False, "compare in float64 (model and batch), where rounding all but vanishes"
+    )()
 
     def problems(self) -> list[str]:
         out = _field_problems(self)

@@ -10,6 +10,7 @@ from gradaccum.app.cli import options, out
 from gradaccum.app.config import CheckConfig
 from gradaccum.app.recipes import get_recipe, hf_recipe
 from gradaccum.diagnose import check
+from gradaccum.diagnose.check import float64_batch
 from gradaccum.validate import invalid_configuration
 
 
@@ -36,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
     model = recipe.build_model()
     model.train()
     batch = recipe.make_data(cfg.seed).batch(0, cfg.batch)
-    report = check(model, batch, recipe.loss_fn, cfg.micro_batch)
+    if cfg.float64:
+        model, batch = model.double(), float64_batch(batch)
+    report = check(model, batch, recipe.loss_fn, cfg.micro_batch, tolerance=cfg.tolerance)
     out(f"{recipe.summary}: batch {cfg.batch}, micro-batches of {cfg.micro_batch}")
     out(report.summary())
     return 0 if report.passed else 1
