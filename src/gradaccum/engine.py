@@ -24,8 +24,8 @@ from gradaccum.checkpoint import FORMAT, rng_state, set_rng_state
 from gradaccum.loss import check_loss, unpack, window_input
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay
-from gradaccum.precision import Precision
-from gradaccum.sync import Sync
+from gradaccum.precision import PRECISIONS, Precision
+from gradaccum.sync import SYNC_MODES, Sync
 from gradaccum.validate import check_arguments, window_parameters
 from gradaccum.window import AccumulatorState, StepResult, Tally, normalize, warn_skipped
 
@@ -81,6 +81,10 @@ class Accumulator:
             optimizer,
             scheduler,
             max_grad_norm,
+            choices={
+                "precision": (precision if isinstance(precision, str) else None, (*PRECISIONS,)),
+                "sync": (sync, SYNC_MODES),
+            },
             oom=(oom, OOMReplay),
             noise=(noise, NoiseScale),
         )

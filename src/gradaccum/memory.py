@@ -64,6 +64,8 @@ def parse_bytes(text: str | int) -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
+        if str(text).strip().startswith("-"):
+            raise ValueError(f"a memory size must be positive, got {text!r}")
         match = _BYTES_RE.match(str(text))
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS and unit != "":

@@ -40,11 +40,17 @@ def positive_int(value: Any, name: str) -> int:
 
 
 def check_arguments(
-    model: Any, optimizer: Any, scheduler: Any, max_grad_norm: Any, **policies: tuple[Any, type]
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    max_grad_norm: Any,
+    choices: dict[str, tuple[Any, tuple[str, ...]]] | None = None,
+    **policies: tuple[Any, type],
 ) -> None:
     """Every problem with the Accumulator's arguments, raised at once: a TypeError when one is
-    of the wrong kind, else a ValueError. ``policies``: name -> (value, its class), each
-    optional."""
+    of the wrong kind, else a ValueError. ``choices``: name -> (a value, the names it may
+    be; None: not a name, checked elsewhere); ``policies``: name -> (value, its class),
+    each optional."""
     kinds = []
     if not isinstance(model, torch.nn.Module):
         kinds.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -64,6 +70,9 @@ def check_arguments(
         values.append(
             f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}"
         )
+    for name, (value, allowed) in (choices or {}).items():
+        if value is not None and value not in allowed:
+            values.append(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
     if kinds or values:
         raise (TypeError if kinds else ValueError)("; ".join(kinds + values))
 

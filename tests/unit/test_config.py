@@ -177,3 +177,21 @@ def test_a_length_given_with_resume_replaces_the_saved_one_in_any_unit(tmp_path,
     (tmp_path / "config.json").write_text(json.dumps(begun))
     cfg = resolve(parser().parse_args(["train", "--resume", str(tmp_path), *flag]))
     assert (cfg.schedule.steps, cfg.schedule.epochs, cfg.schedule.samples) == want
+
+
+def test_a_mistyped_or_foreign_config_key_is_answered_with_the_nearest_option(tmp_path):
+    file = tmp_path / "c.toml"
+    file.write_text("efective-batch = 16\nlearning_rate = 0.1\nzzz = 1\n")
+    with pytest.raises(ValueError) as err:
+        read_config_file(str(file))
+    said = str(err.value)
+    assert "efective-batch (did you mean effective-batch?)" in said
+    assert "learning_rate (did you mean lr?)" in said and "zzz;" in said
+
+
+def test_a_negative_size_is_a_value_refused_with_its_reason():
+    """argparse took -5MB for a flag ("expected one argument")."""
+    args = parser().parse_args(["train", "--budget", "-5MB", "--max-memory", "-1GB"])
+    problems = TrainConfig.of(budget=args.budget).problems()
+    assert problems == ["budget: a memory size must be positive, got '-5MB'"]
+    assert args.max_memory == "-1GB"

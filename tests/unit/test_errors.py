@@ -146,6 +146,14 @@ def test_constructor_arguments_are_checked():
     for bad in (0, -1.0, float("inf"), float("nan"), "1"):
         with pytest.raises(ValueError, match="max_grad_norm must be a positive finite number"):
             ga.Accumulator(model, opt, max_grad_norm=bad)
+    # every bad value in one message, as docs/api.md promises
+    with pytest.raises(ValueError) as err:
+        ga.Accumulator(model, opt, max_grad_norm=-1, precision="fp8", sync="bogus")
+    assert str(err.value) == (
+        "max_grad_norm must be a positive finite number or None, got -1; precision must be "
+        "one of 'fp32', 'bf16', 'fp16', got 'fp8'; sync must be one of 'window', 'micro', "
+        "got 'bogus'"
+    )
 
 
 def test_a_batch_passed_where_micro_batches_belong(setup):

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import sys
 from typing import NoReturn
 
@@ -14,7 +15,13 @@ from gradaccum import __version__
 
 class _Parser(argparse.ArgumentParser):
     """argparse's own refusals (a value of the wrong type, an unknown flag) as one line, like
-    every other error, instead of its usage block (``--help`` still prints it)."""
+    every other error, instead of its usage block (``--help`` still prints it). A value that
+    begins with a minus and a digit (``--budget -5MB``) is a value, refused by its option's
+    check with the reason, not taken for a flag ("expected one argument")."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\d")  # no flag of ours looks so
 
     def error(self, message: str) -> NoReturn:
         say(f"gradaccum: error: {message}; see {self.prog} --help")

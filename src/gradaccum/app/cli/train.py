@@ -81,11 +81,42 @@ def read_config_file(path: str) -> dict[str, Any]:
     if twice:
         raise ValueError(f"--config {path}: the same option given twice: {'; '.join(twice)}")
     if unknown:
+        near = [_nearest(u.split(" ")[-1]) for u in unknown]
+        said = [
+            u + (f" (did you mean {n}?)" if n and "belongs" not in u else "")
+            for u, n in zip(unknown, near, strict=True)
+        ]
         raise ValueError(
             f"--config {path}: unknown option{'s' if len(unknown) > 1 else ''} "
-            f"{', '.join(unknown)}; known options: {', '.join(sorted(_FILE_KEYS))}"
+            f"{', '.join(said)}; every option is listed in gradaccum train --help"
         )
     return {name: _coerce(name, value) for name, (_, value) in found.items()}
+
+
+def _nearest(key: str) -> str | None:
+    """The known option a mistyped key most likely means, as a file would write it."""
+    import difflib
+
+    name = key.replace("-", "_")
+    if name in _OTHER_NAMES:
+        return _OTHER_NAMES[name]
+    found = difflib.get_close_matches(name, sorted(_FILE_KEYS), n=1, cutoff=0.6)
+    return found[0].replace("_", "-") if found else None
+
+
+# What other trainers call an option (Hugging Face's TrainingArguments, Lightning).
+_OTHER_NAMES = {
+    "learning_rate": "lr",
+    "max_steps": "steps",
+    "num_train_epochs": "epochs",
+    "max_epochs": "epochs",
+    "batch_size": "effective-batch",
+    "per_device_train_batch_size": "micro-batch",
+    "gradient_accumulation_steps": "effective-batch (micro-batches follow from --budget)",
+    "accumulate_grad_batches": "effective-batch (micro-batches follow from --budget)",
+    "warmup": "warmup-steps",
+    "output_dir": "out",
+}
 
 
 def _yaml_problem(err: Exception) -> str:
