@@ -131,29 +131,36 @@ class Plan:
             else f"{self.micro_batches - 1} x {self.micro_size} + 1 x {self.last_micro_size}"
         )
         per_rank = f" per rank ({self.world_size} ranks)" if self.world_size > 1 else ""
+        windows = (
+            "1 micro-batch" if self.micro_batches == 1 else f"{self.micro_batches} micro-batches"
+        )
+        measured = self.probes[-1] if self.probes else None
+        how = f" ({measured.kind})" if measured is not None else ""
         lines = [
             f"effective batch {self.effective_batch}: {shape} = {sum(sizes)} samples{per_rank}",
             f"micro-batch {self.micro_size} (largest that fits: {self.largest_fitting}), "
-            f"{self.micro_batches} micro-batches per window"
+            f"{windows} per window"
             + (
                 f", activation checkpointing on {len(self.checkpointed_blocks)} blocks"
                 if self.checkpointing
                 else ""
             ),
-            f"predicted peak {format_bytes(self.predicted_peak)} of budget "
+            # predicted_peak is what the planned size peaked at, measured: the fit only
+            # chose the size to measure
+            f"peak {format_bytes(self.predicted_peak)} measured at micro-batch "
+            f"{self.micro_size}{how}, the fit's prediction "
+            f"{format_bytes(self.predict(self.micro_size))}; budget "
             f"{format_bytes(self.budget)} ({self.margin:.0%} margin kept free) on {self.device}",
             f"static {format_bytes(self.static_bytes)} (parameters, buffers, optimizer state) + "
-            f"first-step overhead {format_bytes(self.overhead_bytes)} + "
-            f"{format_bytes(self.peak_fit.intercept)} + "
+            f"first-step overhead {format_bytes(self.overhead_bytes)} "
+            f"{_signed(self.peak_fit.intercept)} + "
             f"{format_bytes(self.bytes_per_sample)} per sample; "
             + (
                 "a bound above every probe"
                 if self.peak_fit.bound
                 else f"fit error {self.peak_fit.max_error:.1%}"
             ),
-            f"activations saved for backward: {format_bytes(self.activation_fit.slope)} per "
-            f"sample (fit error {self.activation_fit.max_error:.1%}); planned in "
-            f"{self.seconds:.1f} s",
+            _activations(self.activation_fit) + f"; planned in {self.seconds:.1f} s",
             *self.notes,
         ]
         return "\n".join(lines)
@@ -172,6 +179,25 @@ class Plan:
                 f"{format_bytes(p.activation_bytes)} |"
             )
         return "\n".join(rows)
+
+
+def _signed(n: float) -> str:
+    """``+ 1.2 MiB`` or ``- 26.3 KiB`` (never ``+ -26.3 KiB``)."""
+    return f"- {format_bytes(-n)}" if n < 0 else f"+ {format_bytes(n)}"
+
+
+def _activations(fit: Fit) -> str:
+    """The activations' line, or what was measured when the probes give no plausible one (a
+    slope below zero, or a line off by more than the values themselves)."""
+    if fit.slope <= 0 or fit.max_error > 1.0:
+        return (
+            "activations saved for backward: too small here to fit a line per sample (the "
+            "probes' values do not grow with the micro-batch); the peak above is measured"
+        )
+    return (
+        f"activations saved for backward: {format_bytes(fit.slope)} per sample (fit error "
+        f"{fit.max_error:.1%})"
+    )
 
 
 def _fit(xs: Sequence[float], ys: Sequence[float]) -> Fit:

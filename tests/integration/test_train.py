@@ -316,7 +316,7 @@ def test_epochs_precision_and_a_planned_micro_batch(tmp_path):
     assert [x["count"] for x in lines] == [256] * 5 + [1437 - 5 * 256]
     plan = json.loads((run / "plan.json").read_text())
     assert plan["source"] == "planned" and sum(plan["micro_sizes"]) == 256
-    assert "predicted peak" in out
+    assert "measured at micro-batch" in out and "the fit's prediction" in out
     assert json.loads((run / "config.json").read_text())["precision"] == "bf16"
 
 

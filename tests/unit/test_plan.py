@@ -221,3 +221,30 @@ def test_a_model_too_small_to_measure_gets_a_positive_per_sample_bound():
         for probe in planned.probes[:-1]:
             assert planned.peak_fit(probe.micro_size) >= probe.peak_bytes
     assert " -" not in planned.summary().split("per sample")[0]
+
+
+def test_the_summary_reads_as_written_and_names_measured_and_predicted():
+    from helpers import make_plan
+
+    one = make_plan(8, micro=8).summary()
+    assert "1 micro-batch per window" in one and "1 micro-batches" not in one
+    assert "measured at micro-batch 8" in one and "the fit's prediction" in one
+    many = make_plan(64, micro=8).summary()
+    assert "8 micro-batches per window" in many
+    from gradaccum.plan import _signed
+
+    assert _signed(-26.3 * 1024) == "- 26.3 KiB" and _signed(2048) == "+ 2.0 KiB"
+
+
+def test_a_plot_path_without_a_format_is_written_as_png_and_said_so(tmp_path):
+    import dataclasses
+
+    from helpers import make_plan
+
+    from gradaccum.app.cli.plan import draw
+    from gradaccum.plan import Probe
+
+    probes = tuple(Probe(m, 10**6 + 10**4 * m, 10**4 * m, 10**6 + 10**4 * m) for m in (1, 2, 4))
+    plan = dataclasses.replace(make_plan(64), probes=probes)
+    written = draw(plan, str(tmp_path / "adir"))
+    assert written == tmp_path / "adir.png" and written.stat().st_size > 0

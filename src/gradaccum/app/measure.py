@@ -68,7 +68,8 @@ def fresh_process_verifier(
         # process that training will be.
         with_ckpt = " with activation checkpointing" if checkpointing else ""
         print(
-            f"measuring micro-batch {micro} x {micro_batches}{with_ckpt} in two fresh processes",
+            f"measuring {_count(micro_batches, 'micro-batch', 'micro-batches')} of {micro}"
+            f"{with_ckpt} in two fresh processes",
             file=sys.stderr,
         )
         return max(_measure_once(micro, micro_batches, checkpointing) for _ in range(2))
@@ -108,6 +109,10 @@ def fresh_process_verifier(
         return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak"])
 
     return verify
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _exit_with_parent(fd: int) -> None:

@@ -59,8 +59,7 @@ def run(args: argparse.Namespace) -> int:
     )
     # before anything is printed: a plan that does not split equally is refused whole
     exported = result.export(cfg.export) if cfg.export else None
-    if cfg.plot:
-        draw(result, cfg.plot)
+    plotted = draw(result, cfg.plot) if cfg.plot else None
     if cfg.json:
         table = {"recipe": recipe.name, **result.to_dict()}
         if exported is not None:
@@ -68,14 +67,16 @@ def run(args: argparse.Namespace) -> int:
         out(json.dumps(table, indent=2))
     else:
         out(result.summary(), "", result.table())
-        if cfg.plot:
-            out(f"\nplot: {cfg.plot}")
+        if plotted is not None:
+            out(f"\nplot: {plotted}")
         if exported is not None:
             out("", str(exported))
     return 0
 
 
-def draw(result: Plan, path: str) -> None:
+def draw(result: Plan, path: str) -> Path:
+    """The plan's plot, written to ``path`` (PNG when it names no format: matplotlib would
+    add .png); returns the file written."""
     import matplotlib  # imported here: slow to import, and only --plot needs it
 
     matplotlib.use("Agg")
@@ -112,5 +113,7 @@ def draw(result: Plan, path: str) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    written = Path(path) if Path(path).suffix else Path(path).with_suffix(".png")
+    fig.savefig(written, dpi=110)
     plt.close(fig)
+    return written
