@@ -60,6 +60,7 @@ def test_guard_rolls_back_and_skips_exactly_the_corrupted_windows(tmp_path):
         (31, 30, "loss spike"),  # window 33's at step 31
     ]
     assert guarded["incidents"] == 3 and guarded["steps"] == STEPS
+    assert guarded["noise_advice"] == "gradient noise scale: not measured (--no-noise-scale)"
     assert [x["step"] for x in lines(tmp_path / "guard")] == list(range(1, STEPS + 1))
 
     # The reference: no corruption, no guard; position p reads the clean stream from p + the

@@ -166,3 +166,11 @@ def test_the_cache_of_100_mb_of_text_is_under_500_mb(tmp_path):
             f.write(unit)
     _, _, cache = _peak(tmp_path, text)
     assert int(cache) < 500_000_000, cache
+
+
+@pytest.mark.slow
+def test_a_planned_data_run_names_its_data_not_the_stdlib(tmp_path):
+    data = pairs(tmp_path / "p.jsonl", 40)
+    args = ["--data", data, "--effective-batch", 8, "--steps", 1, "--seq-len", 16]
+    out = cli("train", *args, "--budget", "300MB", "--out", tmp_path / "run").stdout
+    assert f"on --data {data}" in out and "stdlib" not in out.split("\n", 3)[0], out[:2000]

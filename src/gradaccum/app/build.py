@@ -118,7 +118,9 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
     model = kind.wrap(model).to(device)
     if loaded is not None:
         data = SequenceData(loaded, src.seed, recipe.logits)
-        recipe = dataclasses.replace(recipe, sample_batch=data.sample)
+        model_only = recipe.summary.split(" on the Python stdlib")[0]  # not its own data
+        summary = f"{model_only} on --data {src.data}"
+        recipe = dataclasses.replace(recipe, sample_batch=data.sample, summary=summary)
     else:
         data = recipe.make_data(src.seed)
     sched = cfg.schedule

@@ -141,6 +141,11 @@ def test_the_guard_rolls_every_stage_back_and_evaluates_through_both(tmp_path):
     assert {i["rolled_back_to"] for i in incidents} == {0}
     summary = json.loads((tmp_path / "div" / "summary.json").read_text())
     assert summary["stopped_by"] == "guard"
+    # (its windows had 4 micro-batches each: "needs windows of 2+ micro-batches" was wrong)
+    assert summary["noise_advice"] == (
+        "gradient noise scale: not measured (a pipeline's stages never hold a micro-batch's "
+        "whole gradient)"
+    )
 
     recipe = get_recipe("gpt")
     torch.manual_seed(0)

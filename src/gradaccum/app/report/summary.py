@@ -55,7 +55,17 @@ def _report(
             "batch_changes": [list(c) for c in schedule.changes],
             "noise_scale": None if reading is None else reading.value,
             "noise_interval": None if reading is None else reading.interval,
-            "noise_advice": advice(batch_items, reading),
+            "noise_advice": advice(batch_items, reading)
+            if acc.noise is not None
+            else (
+                "gradient noise scale: not measured ("
+                + (
+                    "--no-noise-scale"
+                    if not cfg.batch.noise_scale
+                    else "a pipeline's stages never hold a micro-batch's whole gradient"
+                )
+                + ")"
+            ),
             "run_folder": str(out),
             "stopped_by": run.stopped_by,
             "targets": run.targets.summary(),
