@@ -15,10 +15,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# The main job: plan the micro-batch for a 512MB budget, train the byte-level GPT on the
-# Python standard library's source, write runs/gpt-TIME/.
+# The main job: plan the micro-batch for a 200MB budget (the effective batch of 64 then
+# needs 5 micro-batches), train the byte-level GPT on the Python standard library's source,
+# write runs/gpt-TIME/.
 demo: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m gradaccum train
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m gradaccum train --budget 200MB
 
 # pytest exits 5 when it collects no test; that is a failure of the suite, not a pass,
 # but it is reported as such by name rather than as a bare make error.

@@ -1,6 +1,6 @@
 """Does the incident guard raise false alarms, and does it undo bad data? Measurements on the
-default recipe (`gradaccum train`: the byte-level GPT, 150 steps, effective batch 64, the
-demo's plan of 2 micro-batches of 32 given so every run trains the same windows), then on
+default recipe (`gradaccum train`: the byte-level GPT, 150 steps, effective batch 64, its
+plan at 512MB of 2 micro-batches of 32 given so every run trains the same windows), then on
 every built-in recipe.
 
 1. False alarms: seeds 0, 1, 2, guard on, clean data. Each run's incidents, and its headroom:

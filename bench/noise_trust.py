@@ -95,7 +95,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     regression_seconds = time.perf_counter() - began
 
-    micro = 32  # make demo's plan at --budget 512MB: 2 micro-batches of 32
+    micro = 32  # the default recipe's plan at --budget 512MB: 2 micro-batches of 32
     runs = []
     for threads in (1, 2):
         for seed in (0, 1, 2):

@@ -264,7 +264,9 @@ class NoiseScale:
         self._entries = [[float(x) for x in e] for e in state["entries"]]
 
 
-def advice(effective_batch: int, reading: NoiseReading | None) -> str:
+def advice(
+    effective_batch: int, reading: NoiseReading | None, items_per_sample: float | None = None
+) -> str:
     """Plain words on the effective batch (in items) against the estimated critical batch: a
     direction only when the whole interval lies on one side of it; otherwise that it cannot
     tell yet, and why."""
@@ -279,15 +281,22 @@ def advice(effective_batch: int, reading: NoiseReading | None) -> str:
         f"last {reading.windows} windows)"
     )
     batch = f"your effective batch ({effective_batch:,} items)"
+    # In the command's own terms: the effective batch (in samples) nearest B_simple.
+    near = ""
+    if items_per_sample:
+        samples = max(1, round(reading.value / items_per_sample))
+        near = f" (B_simple is about {samples:,} samples: --effective-batch {samples})"
     if reading.low > effective_batch:
         return (
-            f"{found}; {batch} is below the whole interval: larger batches would make nearly "
-            "linear progress per step (fewer, better-parallelized steps)"
+            f"{found}; {batch} is below the whole interval: a larger batch would make nearly "
+            "the same progress per sample in fewer steps, which saves time where a larger "
+            f"batch runs in parallel (a GPU), not on a CPU that runs it in turn{near}"
         )
     if reading.high < effective_batch:
         return (
-            f"{found}; {batch} is above the whole interval: smaller batches would need fewer "
-            "samples per unit of progress"
+            f"{found}; {batch} is above the whole interval: a smaller batch would reach the "
+            "same loss on fewer samples, in more steps; where a step's time grows with its "
+            f"batch (a CPU runs the batch in turn) that is less time{near}"
         )
     return (
         f"{found}; {batch} lies inside the interval: cannot tell yet whether larger or "

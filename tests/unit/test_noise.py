@@ -193,10 +193,13 @@ def reading(value, low, high, windows=40):
 
 def test_advice_names_a_direction_only_when_the_interval_excludes_the_batch():
     above = advice(800, reading(100.0, 60.0, 200.0))
-    assert "above the whole interval" in above and "smaller batches" in above
+    assert "above the whole interval" in above and "a smaller batch" in above
     assert "90% interval 60 to 200, last 40 windows" in above
     below = advice(10, reading(100.0, 60.0, 200.0))
-    assert "below the whole interval" in below and "larger batches" in below
+    assert "below the whole interval" in below and "a larger batch" in below
+    # in the command's terms: 100 items at 4 items a sample is --effective-batch 25
+    said = advice(800, reading(100.0, 60.0, 200.0), items_per_sample=4.0)
+    assert said.endswith("(B_simple is about 25 samples: --effective-batch 25)")
     inside = advice(100, reading(100.0, 0.0, 5000.0))
     assert "cannot tell yet" in inside and "larger" in inside and "smaller" in inside
     assert "not estimated yet" in advice(800, None)

@@ -638,4 +638,16 @@ def _report_step(bar, log, line: dict[str, Any], rate: float, run: _Run, before:
             if run.total_samples is not None
             else f"{line['step']:>5}/{run.total_steps}"
         )
-        log(f"step {where}  {text}")
+        left = run.elapsed * (1 - now) / now if 0 < now < 1 else 0.0
+        eta = f"  ETA {_duration(left)}" if left >= 1 else ""
+        log(f"step {where}  {text}{eta}")
+
+
+def _duration(seconds: float) -> str:
+    """45s, 3m05s, 1h02m."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

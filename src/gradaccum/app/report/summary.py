@@ -55,7 +55,7 @@ def _report(
             "batch_changes": [list(c) for c in schedule.changes],
             "noise_scale": None if reading is None else reading.value,
             "noise_interval": None if reading is None else reading.interval,
-            "noise_advice": advice(batch_items, reading)
+            "noise_advice": advice(batch_items, reading, acc.state.items / max(schedule.samples, 1))
             if acc.noise is not None
             else (
                 "gradient noise scale: not measured ("
@@ -78,11 +78,14 @@ def _report(
     plots.draw(out, lines, incidents)
     from gradaccum.app.report import write_report
 
-    write_report(out, summary=summary, metrics=lines)
+    page = write_report(out, summary=summary, metrics=lines)
     if table:
         log(_summary_table(summary))
         if cfg.batch.noise_scale:
             log(summary["noise_advice"])
+        log(f"\nthe run's page: {page} (open it in a browser)")
+        if (out / "tensorboard").is_dir():
+            log(f"its curves in TensorBoard: tensorboard --logdir {out / 'tensorboard'}")
     return summary
 
 
