@@ -344,6 +344,7 @@ def test_importing_gradaccum_imports_neither_peft_nor_transformers():
 # -- planning ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 8 s of planning: make test-fast keeps its minute
 def test_the_planner_counts_no_gradient_or_optimizer_state_for_frozen_weights(base_dir):
     """Two plans of the same GPT-2, same batch and budget: a full fine-tune and LoRA r=8,
     each with AdamW over its trainable parameters, measured by live tensor bytes."""

@@ -23,7 +23,12 @@ def cnn_setup():
     return model, batch, loss_fn
 
 
-@pytest.mark.parametrize("setup", [deep_lm_setup, cnn_setup], ids=["transformer", "cnn"])
+# (the transformer's case, 8 s, runs in the slow tier: make test-fast keeps its minute)
+@pytest.mark.parametrize(
+    "setup",
+    [pytest.param(deep_lm_setup, marks=pytest.mark.slow), cnn_setup],
+    ids=["transformer", "cnn"],
+)
 def test_activation_bytes_grow_linearly_with_micro_batch_size(setup):
     model, batch, loss_fn = setup()
     result = ga.plan(
