@@ -99,7 +99,7 @@ def test_the_page_holds_the_runs_numbers_and_its_plots(run):
     assert ["held-out loss", f"{summary['held_out_loss']:.4f}"] in rows
     assert ["held-out accuracy", f"{summary['held_out_accuracy']:.4f}"] in rows
     assert ["peak training memory", mib(summary["peak_memory"])] in rows
-    assert ["micro_size", "16"] in rows  # the plan
+    assert ["micro size", "16"] in rows  # the plan
     assert ["effective_batch", "32"] in rows and ["recipe", "digits"] in rows  # the config
     assert ["lora", "null"] in rows
 
@@ -312,3 +312,32 @@ def test_cli_report(run, tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("gradaccum: error: ")
     assert str(empty) in err and "config.json" in err
     assert not (empty / "report.html").exists()
+
+
+def test_the_plan_section_reads_in_units_with_its_probes_as_a_table(tmp_path):
+    """A planned run's plan.json as the page shows it (it was a raw dump: predicted_peak
+    290092032, seconds 24.405726887999947, the probes as one JSON blob)."""
+    from gradaccum.memory import format_bytes
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"recipe": "gpt", "effective_batch": 64}))
+    probe = {"micro_size": 4, "peak_bytes": 34_000_000, "activation_bytes": 17_000_000}
+    plan = {
+        "micro_size": 16,
+        "budget": 200_000_000,
+        "margin": 0.15,
+        "predicted_peak": 167_138_304,
+        "seconds": 21.584546108999348,
+        "micro_sizes": [16, 16, 16, 16],
+        "peak_fit": {"intercept": 4.7e6, "slope": 7.4e6, "max_error": 0.049, "bound": False},
+        "probes": [{**probe, "predicted_bytes": 32_800_000.5, "kind": "fit"}],
+    }
+    (run / "plan.json").write_text(json.dumps(plan))
+    rows = Page(render(run)).rows
+    assert ["peak measured at the planned size", format_bytes(167_138_304)] in rows
+    assert ["budget", f"{format_bytes(200_000_000)} (200,000,000 bytes)"] in rows
+    assert ["planning took", "21.6 s"] in rows and ["micro-batches of a window", "4 x 16"] in rows
+    assert ["margin", "15% of the budget kept free"] in rows
+    assert ["peak line", "4.5 MiB + 7.1 MiB per sample (fit error 4.9%)"] in rows
+    assert ["4", "fit", "32.4 MiB", "31.3 MiB", "16.2 MiB"] in rows  # the probe's own row

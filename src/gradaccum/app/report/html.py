@@ -66,6 +66,7 @@ th,td{text-align:left;vertical-align:top;padding:.22rem 1.1rem .22rem 0;
  border-bottom:1px solid #eee}
 th{font-weight:600;border-bottom:1px solid #ccc}
 td.key{color:#444;white-space:nowrap}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
 code,.mono{font:13px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
 .lines{white-space:pre-line}
 .status{padding:.5rem .8rem;border-left:4px solid #888;background:#f5f6f7}
@@ -132,7 +133,7 @@ def render(
         ("targets", "Targets and limits", _targets(summary)),
         ("incidents", "Incidents", _incidents(incidents, summary)),
         ("plots", "Plots", _plots(folder.path)),
-        ("plan", "Plan", _mapping(plan) if plan is not None else _p("no plan.json", "dim")),
+        ("plan", "Plan", _plan(plan) if plan is not None else _p("no plan.json", "dim")),
         ("config", "Configuration", _mapping(config)),
         ("resumes", "Resumes", _resumes(resumes) if resumes else None),
     ]
@@ -310,6 +311,73 @@ def _mapping(obj: dict[str, Any]) -> str:
 
 
 # -- the sections -----------------------------------------------------------------------------
+
+
+_PLAN_BYTES = ("budget", "predicted_peak", "static_bytes", "overhead_bytes", "bytes_per_sample")
+_PLAN_LABELS = {
+    "predicted_peak": "peak measured at the planned size",
+    "static_bytes": "static (parameters, buffers, optimizer state)",
+    "overhead_bytes": "first-step overhead",
+    "bytes_per_sample": "per sample (the fit's slope)",
+    "largest_fitting": "largest micro-batch that fits",
+    "micro_sizes": "micro-batches of a window",
+    "seconds": "planning took",
+}
+
+
+def _plan(plan: dict[str, Any]) -> str:
+    """plan.json as a reader wants it: sizes in bytes' units, times rounded, the fits as a
+    line, the probes as a table of their own."""
+    if not plan:
+        return _p("(empty)", "dim")
+    rows = []
+    for key, value in plan.items():
+        if key in ("probes", "peak_fit", "activation_fit", "notes") or value in ([], None):
+            continue
+        if key == "budget" and _is_number(value):
+            shown = f"{_bytes(value)} ({value:,} bytes)"
+        elif key in _PLAN_BYTES:
+            shown = _bytes(value)
+        elif key == "seconds":
+            shown = _seconds(value)
+        elif key == "margin" and _is_number(value):
+            shown = f"{value:.0%} of the budget kept free"
+        elif key == "micro_sizes" and isinstance(value, list):
+            counts: dict[Any, int] = {}
+            for size in value:
+                counts[size] = counts.get(size, 0) + 1
+            shown = " + ".join(f"{n} x {size}" for size, n in counts.items())
+        else:
+            shown = _num(value)
+        rows.append([(_PLAN_LABELS.get(key, _label(key)), "key"), (shown, "mono")])
+    for key in ("peak_fit", "activation_fit"):
+        fit = plan.get(key)
+        if isinstance(fit, dict) and _is_number(fit.get("slope")):
+            line = f"{_bytes(fit.get('intercept'))} + {_bytes(fit['slope'])} per sample"
+            if _is_number(fit.get("max_error")):
+                line += f" (fit error {fit['max_error']:.1%})"
+            name = "peak line" if key == "peak_fit" else "activations line"
+            rows.append([(name, "key"), (line, "mono")])
+    parts = [_table(None, rows)]
+    probes = [p for p in plan.get("probes") or [] if isinstance(p, dict)]
+    if probes:
+        parts.append(
+            _table(
+                ["micro-batch", "probe", "measured peak", "the line's prediction", "activations"],
+                [
+                    [
+                        (_num(p.get("micro_size")), "num"),
+                        str(p.get("kind", "")),
+                        (_bytes(p.get("peak_bytes")), "num"),
+                        (_bytes(p.get("predicted_bytes")), "num"),
+                        (_bytes(p.get("activation_bytes")), "num"),
+                    ]
+                    for p in probes
+                ],
+            )
+        )
+    parts += [_p(str(n), "dim") for n in plan.get("notes") or []]
+    return "\n".join(parts)
 
 
 def _status(
