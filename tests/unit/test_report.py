@@ -341,3 +341,52 @@ def test_the_plan_section_reads_in_units_with_its_probes_as_a_table(tmp_path):
     assert ["margin", "15% of the budget kept free"] in rows
     assert ["peak line", "4.5 MiB + 7.1 MiB per sample (fit error 4.9%)"] in rows
     assert ["4", "fit", "32.4 MiB", "31.3 MiB", "16.2 MiB"] in rows  # the probe's own row
+
+
+def test_b_simple_and_counts_are_whole_numbers_on_the_page(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"recipe": "gpt", "effective_batch": 64}))
+    summary = {"steps": 3, "noise_scale": 3181.6051, "noise_interval": [2365.2, 5876.9]}
+    (run / "summary.json").write_text(json.dumps({**summary, "items": 1219200.0}))
+    rows = Page(render(run)).rows
+    assert ["gradient noise scale B_simple (items)", "3,182"] in rows, rows
+    assert ["its 90% interval", "2,365 to 5,877"] in rows
+
+
+def test_batch_png_leaves_a_stretch_without_a_reading_as_a_gap(tmp_path):
+    """B_simple read at windows 1-2 and 5-6, not at 3-4: its line has a gap there (it was
+    drawn straight across)."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    from gradaccum.app.report.plots import batch_plot
+
+    class Kept:  # pyplot, keeping the axes batch_plot draws on
+        def __init__(self):
+            self.axes = []
+
+        def subplots(self, **kw):
+            fig, ax = pyplot.subplots(**kw)
+            self.axes.append(ax)
+            return fig, ax
+
+        def close(self, fig):
+            pyplot.close(fig)
+
+    read = [True, True, False, False, True, True]
+    lines = [
+        {"step": i + 1, "samples": 64 * (i + 1), "count": 8000}
+        | ({"noise_scale": 3000.0, "noise_low": 2000.0, "noise_high": 4000.0} if r else {})
+        for i, r in enumerate(read)
+    ]
+    kept = Kept()
+    batch_plot(kept, tmp_path, lines)
+    [b_simple] = [line for line in kept.axes[0].lines if line.get_label() == "B_simple"]
+    ys = list(b_simple.get_ydata())
+    assert [not math.isnan(y) for y in ys] == read
+    assert (tmp_path / "batch.png").stat().st_size > 0

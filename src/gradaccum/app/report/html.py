@@ -418,11 +418,18 @@ def _status(
     return text, tone
 
 
+def _count(v: Any) -> str:
+    """Samples and items (B_simple too, an estimate in items) as whole numbers: 3,182."""
+    return f"{v:,.0f}" if _is_number(v) and v == v and abs(v) != float("inf") else _num(v)
+
+
 FORMATS = {  # a metric's unit (report.metrics): how the page writes its value
     "bytes": _bytes,
     "seconds": _seconds,
     "changes": _changes,
-    "interval": lambda v: " to ".join(map(_num, v)) if v else "—",
+    "items": _count,
+    "samples": _count,
+    "interval": lambda v: " to ".join(map(_count, v)) if v else "—",
 }
 # key: (label, formatter), in the page's order (metrics.SUMMARY); held_out_* follow the losses
 SUMMARY_ROWS = {m.name: (m.label, FORMATS.get(m.unit, _num)) for m in SUMMARY}

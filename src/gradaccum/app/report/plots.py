@@ -68,12 +68,20 @@ def batch_plot(plt, out: Path, lines: list[dict[str, Any]]) -> None:
     shown = [x["count"] for x in lines if x["count"]] + [x["noise_scale"] for _, x in noise]
     bottom = 0.1 * min(shown, default=1)
     if noise:
-        at = [n for n, _ in noise]
-        ax.plot(at, [x["noise_scale"] for _, x in noise], label="B_simple")
+        # Every window, NaN where there was no reading: a stretch without one is a gap in
+        # the line, not a straight line drawn across it.
+        nan = float("nan")
+        read = [bool(x.get("noise_scale")) for x in lines]
+        ax.plot(
+            seen,
+            [x["noise_scale"] if r else nan for x, r in zip(lines, read, strict=True)],
+            label="B_simple",
+        )
         ax.fill_between(
-            at,
-            [max(x["noise_low"], bottom) for _, x in noise],
-            [x["noise_high"] for _, x in noise],
+            seen,
+            [max(x["noise_low"], bottom) if r else nan for x, r in zip(lines, read, strict=True)],
+            [x["noise_high"] if r else nan for x, r in zip(lines, read, strict=True)],
+            where=read,
             alpha=0.25,
             label="its 90% interval",
         )
