@@ -364,4 +364,4 @@ def test_a_terminal_that_reports_no_size_still_shows_progress(tmp_path):
     os.close(master)
     assert proc.wait(timeout=60) == 0, out[-2000:]
     text = out.decode(errors="replace")
-    assert "5/5" in text and "items/s" in text and "loss " in text, text[-2000:]
+    assert "5/5" in text and "images/s" in text and "nats/image" in text, text[-2000:]

@@ -620,9 +620,10 @@ def _report_step(bar, log, line: dict[str, Any], rate: float, run: _Run, before:
     """The bar's postfix on a terminal; else a log line at each tenth of the run, at its end
     and at each evaluation (``before``: the share of the run done before this step)."""
     loss = "skipped" if line["loss"] is None else f"{line['loss']:.3f}"
-    text = f"loss {loss}  {rate:,.0f} items/s  mem {format_bytes(line['peak_memory'])}" + (
-        f"  held-out {line['eval_loss']:.3f}" if "eval_loss" in line else ""
-    )
+    item = run.recipe.item
+    text = (
+        f"loss {loss} nats/{item}  {rate:,.0f} {item}s/s  mem {format_bytes(line['peak_memory'])}"
+    ) + (f"  held-out {line['eval_loss']:.3f}" if "eval_loss" in line else "")
     # The recipe's other held-out measures (accuracy, IoU), by their names.
     text += "".join(
         f" {k[5:]} {v:.3f}" for k, v in line.items() if k.startswith("eval_") and k != "eval_loss"

@@ -64,6 +64,7 @@ class Recipe:
     encoder: Callable[[], Any] | None = None
     logits: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
     metrics: tuple[str, ...] = ("loss",)  # what its held-out evaluation measures
+    item: str = "item"  # what its loss averages over: the unit of the loss and of the rate
     # `gradaccum train`'s defaults for this recipe where they differ from TrainConfig's (a
     # larger effective batch, its own budget and length); flags and config files override.
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -356,6 +357,7 @@ def hf_recipe(path: str) -> Recipe:
     return Recipe(
         name="hf",
         summary=f"{config.model_type} from {path} ({'weights' if has_weights else 'random init'})",
+        item="token",
         build_model=build,
         loss_fn=loss_fn,
         sample_batch=sample,
@@ -370,6 +372,7 @@ RECIPES: dict[str, Recipe] = {
     "gpt": Recipe(
         name="gpt",
         summary="byte-level GPT (4 layers, d_model 128, 128 bytes) on the Python stdlib's source",
+        item="byte",
         build_model=_gpt_model,
         loss_fn=_gpt_loss,
         sample_batch=_gpt_sample,
@@ -381,6 +384,7 @@ RECIPES: dict[str, Recipe] = {
     "digits": Recipe(
         name="digits",
         summary="GroupNorm CNN on scikit-learn's bundled 8x8 digits",
+        item="image",
         build_model=DigitsCNN,
         loss_fn=_digits_loss,
         sample_batch=lambda n: (torch.zeros(n, 1, 8, 8), torch.zeros(n, dtype=torch.long)),
@@ -396,6 +400,7 @@ def _minilm() -> Recipe:
 
     return Recipe(
         name="minilm",
+        item="paragraph",
         summary="pretrained all-MiniLM-L6-v2 (22.7M parameters) classifying stdlib docstring "
         f"paragraphs by package ({len(minilm.FAMILIES)} packages)",
         build_model=minilm.DocstringClassifier,

@@ -283,6 +283,7 @@ def segmentation_recipe(norm: str = "group") -> Recipe:
     return Recipe(
         name="segment" if norm == "group" else "segment-batchnorm",
         summary=f"U-Net ({name}) segmenting procedural {SIZE}x{SIZE} shapes by texture",
+        item="image",
         build_model=functools.partial(UNet, norm),
         loss_fn=segmentation_loss,
         sample_batch=lambda n: (
