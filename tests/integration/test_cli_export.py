@@ -76,7 +76,12 @@ def test_an_effective_batch_with_no_equal_split_is_refused_in_one_line():
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("gradaccum: error: cannot export effective_batch 97 as equal"), last
     assert "per-rank batch 97 has no divisor" in last
-    assert proc.stdout == ""  # nothing half-printed before the refusal
+    # the plan is shown whole (what was planned, and its probes), then the one-line refusal;
+    # nothing of an export is printed
+    assert (
+        proc.stdout.startswith("effective batch 97: ") and "| micro-batch | probe |" in proc.stdout
+    )
+    assert "train_batch_size" not in proc.stdout and "accumulate_grad_batches" not in proc.stdout
 
 
 DEEPSPEED_WINDOW = textwrap.dedent(

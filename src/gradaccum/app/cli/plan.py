@@ -57,8 +57,14 @@ def run(args: argparse.Namespace) -> int:
         meter=cfg.meter,
         verify=fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed, cfg.meter),
     )
-    # before anything is printed: a plan that does not split equally is refused whole
-    exported = result.export(cfg.export) if cfg.export else None
+    try:
+        exported = result.export(cfg.export) if cfg.export else None
+    except ValueError:
+        # An effective batch the framework cannot split equally: the plan is still shown
+        # (the one line after it says which effective batches would export)
+        if not cfg.json:
+            out(result.summary(), "", result.table(), "")
+        raise
     plotted = draw(result, cfg.plot) if cfg.plot else None
     if cfg.json:
         table = {"recipe": recipe.name, **result.to_dict()}
