@@ -166,16 +166,19 @@ class Plan:
         return "\n".join(lines)
 
     def table(self) -> str:
-        """Predicted vs measured memory per probed size (markdown)."""
+        """Predicted vs measured memory per probed size (markdown), each the whole peak as
+        the summary and the plot count it: the static and first-step bytes included."""
+        base = self.static_bytes + self.overhead_bytes
         rows = [
-            "| micro-batch | probe | measured peak | line's prediction | error | activations |",
+            "| micro-batch | probe | measured peak | the line's prediction | error | activations |",
             "|---:|---|---:|---:|---:|---:|",
         ]
         for p in self.probes:
-            err = (p.predicted_bytes - p.peak_bytes) / p.peak_bytes if p.peak_bytes else 0.0
+            peak, predicted = base + p.peak_bytes, base + p.predicted_bytes
+            err = (predicted - peak) / peak if peak else 0.0
             rows.append(
-                f"| {p.micro_size} | {p.kind} | {format_bytes(p.peak_bytes)} | "
-                f"{format_bytes(p.predicted_bytes)} | {err:+.1%} | "
+                f"| {p.micro_size} | {p.kind} | {format_bytes(peak)} | "
+                f"{format_bytes(predicted)} | {err:+.1%} | "
                 f"{format_bytes(p.activation_bytes)} |"
             )
         return "\n".join(rows)

@@ -253,3 +253,21 @@ def test_a_plot_path_without_a_format_is_written_as_png_and_said_so(tmp_path):
     plan = dataclasses.replace(make_plan(64), probes=probes)
     written = draw(plan, str(tmp_path / "adir"))
     assert written == tmp_path / "adir.png" and written.stat().st_size > 0
+
+
+def test_the_probe_table_counts_the_whole_peak_as_the_summary_and_plot_do():
+    import dataclasses
+
+    from helpers import make_plan
+
+    from gradaccum.plan import Probe
+
+    plan = dataclasses.replace(
+        make_plan(64),
+        static_bytes=2**20,
+        overhead_bytes=2**20,
+        probes=(Probe(4, 2**20, 2**19, 2**20 + 2**19),),
+    )
+    [row] = plan.table().splitlines()[2:]
+    # 1 MiB measured above the static 1 MiB and first-step 1 MiB: 3 MiB; the line: 3.5 MiB
+    assert row == "| 4 | fit | 3.0 MiB | 3.5 MiB | +16.7% | 512.0 KiB |"

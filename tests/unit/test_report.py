@@ -328,6 +328,8 @@ def test_the_plan_section_reads_in_units_with_its_probes_as_a_table(tmp_path):
         "budget": 200_000_000,
         "margin": 0.15,
         "predicted_peak": 167_138_304,
+        "static_bytes": 1_000_000,
+        "overhead_bytes": 2_000_000,
         "seconds": 21.584546108999348,
         "micro_sizes": [16, 16, 16, 16],
         "peak_fit": {"intercept": 4.7e6, "slope": 7.4e6, "max_error": 0.049, "bound": False},
@@ -340,7 +342,8 @@ def test_the_plan_section_reads_in_units_with_its_probes_as_a_table(tmp_path):
     assert ["planning took", "21.6 s"] in rows and ["micro-batches of a window", "4 x 16"] in rows
     assert ["margin", "15% of the budget kept free"] in rows
     assert ["peak line", "4.5 MiB + 7.1 MiB per sample (fit error 4.9%)"] in rows
-    assert ["4", "fit", "32.4 MiB", "31.3 MiB", "16.2 MiB"] in rows  # the probe's own row
+    # the probe's row, each peak whole (static and first-step bytes, 3 MB, included)
+    assert ["4", "fit", "35.3 MiB", "34.1 MiB", "16.2 MiB"] in rows, rows
 
 
 def test_b_simple_and_counts_are_whole_numbers_on_the_page(tmp_path):

@@ -360,6 +360,12 @@ def _plan(plan: dict[str, Any]) -> str:
             rows.append([(name, "key"), (line, "mono")])
     parts = [_table(None, rows)]
     probes = [p for p in plan.get("probes") or [] if isinstance(p, dict)]
+    # each the whole peak, as the summary counts it: the static and first-step bytes too
+    base = sum(v for k in ("static_bytes", "overhead_bytes") if _is_number(v := plan.get(k)))
+
+    def whole(v: Any) -> str:
+        return _bytes(base + v) if _is_number(v) else _num(v)
+
     if probes:
         parts.append(
             _table(
@@ -368,8 +374,8 @@ def _plan(plan: dict[str, Any]) -> str:
                     [
                         (_num(p.get("micro_size")), "num"),
                         str(p.get("kind", "")),
-                        (_bytes(p.get("peak_bytes")), "num"),
-                        (_bytes(p.get("predicted_bytes")), "num"),
+                        (whole(p.get("peak_bytes")), "num"),
+                        (whole(p.get("predicted_bytes")), "num"),
                         (_bytes(p.get("activation_bytes")), "num"),
                     ]
                     for p in probes
