@@ -46,6 +46,7 @@ def test_values_no_run_could_use_are_refused_before_anything_is_written(
     assert not run.exists()
 
 
+@pytest.mark.slow  # make test keeps its 8 minutes
 def test_after_refused_values_the_fixed_command_trains_in_the_same_folder(tmp_path):
     run = tmp_path / "run"
     for flag, value in (("--max-grad-norm", "nan"), ("--seed", str(2**64))):

@@ -238,6 +238,7 @@ class Evil:
         return (os.system, (f"touch {Evil.marker}",))
 
 
+@pytest.mark.slow  # make test keeps its 8 minutes
 def test_damaged_checkpoints_are_one_line_and_never_unpickled(tmp_path):
     run = tmp_path / "x"  # (without the guard: no kept checkpoint to fall back to)
     cli("train", *DIGITS, "--steps", 2, "--no-guard", "--out", run, check=True)

@@ -201,7 +201,11 @@ def _spoil(kept_step: int, how: str):
 
 
 @pytest.mark.parametrize(
-    "how, said", [("noise", "scores its own last window"), ("nan", "holds non-finite weights")]
+    "how, said",
+    [
+        ("noise", "scores its own last window"),
+        pytest.param("nan", "holds non-finite weights", marks=pytest.mark.slow),
+    ],
 )
 def test_a_rollback_target_in_a_bad_state_is_passed_over_for_an_older_one(tmp_path, how, said):
     """Step 25's window corrupted; the kept checkpoint of step 20, the rollback's target, was

@@ -330,6 +330,7 @@ def test_a_budget_too_small_is_refused_in_the_commands_flags_and_no_plan_is_writ
     assert not (tmp_path / "run" / "plan.json").exists()
 
 
+@pytest.mark.slow  # make test keeps its 8 minutes
 def test_a_terminal_that_reports_no_size_still_shows_progress(tmp_path):
     """A pty whose size is 0 x 0 (some ptys, `script`, containers): tqdm, given no rows,
     drew nothing at all; the bar and its loss and speed now show."""

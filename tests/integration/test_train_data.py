@@ -34,6 +34,7 @@ def test_prompt_completion_trains_on_completion_tokens_only(pairs_run):
     assert len(list(out.glob("data-*.pt"))) == 1  # the sequences, for a resume
 
 
+@pytest.mark.slow  # make test keeps its 8 minutes
 def test_resume_reads_the_same_sequences_and_refuses_changed_data(tmp_path, pairs_run):
     data, run = pairs_run
     out = tmp_path / "run"
