@@ -93,28 +93,76 @@ def _main(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     given = sys.argv[1:] if argv is None else argv
     debug = os.environ.get("GRADACCUM_DEBUG", "") not in ("", "0") or "--debug" in given
+    interrupted = _watch_ctrl_c()
     try:
-        args = parser().parse_args(argv)  # --help prints here: output that fails is one line
-        if not hasattr(args, "run"):
-            parser().print_help()
+        try:
+            args = parser().parse_args(argv)  # --help prints here: output that fails is one line
+            if not hasattr(args, "run"):
+                parser().print_help()
+                return 2
+            debug = debug or args.debug
+            return args.run(args)
+        except ValueError as err:  # bad input: one clear line, no traceback
+            if debug:
+                raise
+            say(f"gradaccum: error: {err}")
             return 2
-        debug = debug or args.debug
-        return args.run(args)
-    except ValueError as err:  # bad input: one clear line, no traceback
-        if debug:
+        except KeyboardInterrupt:  # Ctrl-C before training began (planning, loading)
+            if debug:
+                raise
+            say("gradaccum: interrupted")
+            return 130
+        except OSError as err:  # what no message of ours names: the output, or a system refusal
+            if debug:
+                raise
+            if interrupted:
+                say("gradaccum: interrupted")
+                return 130
+            say(f"gradaccum: error: {_system_error(err)}")
+            return 2
+        except Exception:
+            # A Ctrl-C that landed inside an import (numpy's, under sklearn's) can leave that
+            # module half made, and what fails next is not a KeyboardInterrupt: the stop was
+            # the user's, said as such. Anything else is a bug, with its traceback.
+            if interrupted and not debug:
+                say("gradaccum: interrupted")
+                return 130
             raise
-        say(f"gradaccum: error: {err}")
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C before training began (planning, loading)
-        if debug:
-            raise
-        say("gradaccum: interrupted")
-        return 130
-    except OSError as err:  # what no message of ours names: the output, or a system refusal
-        if debug:
-            raise
-        say(f"gradaccum: error: {_system_error(err)}")
-        return 2
+    finally:
+        _unwatch_ctrl_c()
+
+
+def _watch_ctrl_c() -> list[int]:
+    """Python's own Ctrl-C handler (KeyboardInterrupt), noting that it fired: the list is
+    non-empty once it has. A SIGINT the process was started ignoring stays ignored."""
+    import signal
+
+    fired: list[int] = []
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return fired
+
+    def handler(signum, frame):
+        fired.append(signum)
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGINT, handler)
+        _WATCHING.append(handler)
+    except ValueError:  # not the main thread (an embedding program): leave it alone
+        pass
+    return fired
+
+
+_WATCHING: list = []  # the handler _watch_ctrl_c installed, until _unwatch_ctrl_c
+
+
+def _unwatch_ctrl_c() -> None:
+    """Python's own handler back (main() may be called again in one process: the tests)."""
+    import signal
+
+    while _WATCHING:
+        if signal.getsignal(signal.SIGINT) is _WATCHING.pop():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _system_error(err: OSError) -> str:
