@@ -178,7 +178,9 @@ class RunFolder:
             self.path.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
-            raise ValueError(f"cannot create run folder {self.path}: {_reason(err)}") from None
+            raise ValueError(
+                f"cannot create run folder {self.path}: {write_failure(err)}"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -203,7 +205,7 @@ class RunFolder:
         try:
             value = json.loads(file.read_text())
         except OSError as err:
-            raise ValueError(f"cannot read {file}: {_reason(err)}") from None
+            raise ValueError(f"cannot read {file}: {write_failure(err)}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             where = f" ({err.msg} at line {err.lineno})" if hasattr(err, "lineno") else ""
             raise ValueError(
@@ -229,7 +231,7 @@ class RunFolder:
             with file.open("a") as f:
                 f.write(json.dumps(obj, default=str) + "\n")
         except OSError as err:
-            raise ValueError(f"cannot write {file}: {_reason(err)}") from None
+            raise ValueError(f"cannot write {file}: {write_failure(err)}") from None
 
     def _write(self, name: str, write) -> None:
         file = self.path / name
@@ -240,7 +242,7 @@ class RunFolder:
         except (OSError, RuntimeError) as err:  # torch.save's writer raises RuntimeError
             with contextlib.suppress(OSError):  # (a read-only folder refuses this too)
                 tmp.unlink(missing_ok=True)
-            raise ValueError(f"cannot write {file}: {_reason(err)}") from None
+            raise ValueError(f"cannot write {file}: {write_failure(err)}") from None
 
     # -- checkpoint ---------------------------------------------------------------------------
 
@@ -291,7 +293,7 @@ class RunFolder:
             for _, old in self.kept_checkpoints()[:-keep]:
                 old.unlink()
         except OSError as err:
-            raise ValueError(f"cannot keep a checkpoint in {kept}: {_reason(err)}") from None
+            raise ValueError(f"cannot keep a checkpoint in {kept}: {write_failure(err)}") from None
 
     def kept_checkpoints(self) -> list[tuple[int, Path]]:
         """(step, file) of the kept checkpoints, oldest first."""
@@ -314,7 +316,7 @@ class RunFolder:
         try:
             (self.path / STAGES).mkdir(exist_ok=True)
         except OSError as err:
-            raise ValueError(f"cannot write {self.path / STAGES}: {_reason(err)}") from None
+            raise ValueError(f"cannot write {self.path / STAGES}: {write_failure(err)}") from None
         name = f"{STAGES}/stage-{stage}-step-{step:08d}.pt"
         self._write(name, lambda tmp: torch.save(_sealed(state), tmp))
 
@@ -344,7 +346,7 @@ class RunFolder:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         except OSError as err:
-            return f"cannot write {tmp}: {_reason(err)}"
+            return f"cannot write {tmp}: {write_failure(err)}"
         return None
 
     def save_shards(self, acc: Any, step: int) -> None:
@@ -358,7 +360,7 @@ class RunFolder:
         try:
             save_sharded(acc, tmp)
         except (OSError, RuntimeError, CheckpointException) as err:
-            raise ValueError(f"cannot write {tmp}: {_reason(err)}") from None
+            raise ValueError(f"cannot write {tmp}: {write_failure(err)}") from None
 
     def commit_shards(self, step: int) -> str:
         """Rank 0, after every rank wrote: the folder renamed to its final name, which
@@ -369,7 +371,7 @@ class RunFolder:
             shutil.rmtree(final, ignore_errors=True)  # a rollback's earlier branch
             os.replace(final.with_name(final.name + ".tmp"), final)
         except OSError as err:
-            raise ValueError(f"cannot write {final}: {_reason(err)}") from None
+            raise ValueError(f"cannot write {final}: {write_failure(err)}") from None
         return name
 
     def shard_digests(self, name: str) -> dict[str, str]:
@@ -383,7 +385,7 @@ class RunFolder:
                 if f.is_file()
             }
         except OSError as err:
-            raise ValueError(f"cannot read {folder}: {_reason(err)}") from None
+            raise ValueError(f"cannot read {folder}: {write_failure(err)}") from None
 
     def check_shards(self, name: str, digests: dict[str, str] | None) -> str | None:
         """What is wrong with the shard folder ``name`` against the checksums written with
@@ -450,7 +452,7 @@ class RunFolder:
         try:
             return file.open("a")
         except OSError as err:
-            raise ValueError(f"cannot write {file}: {_reason(err)}") from None
+            raise ValueError(f"cannot write {file}: {write_failure(err)}") from None
 
     def check_resumable(self) -> None:
         """Before a resume writes anything: the side files it will read again are whole
@@ -510,7 +512,8 @@ def _sealed(state: dict[str, Any]) -> dict[str, Any]:
     return {**whole, DIGEST: state_digest(whole)}
 
 
-def _reason(err: Exception) -> str:
+def write_failure(err: Exception) -> str:
+    """Why a write failed, in words (OSError's reason, or torch.save's lost one)."""
     if isinstance(err, OSError):
         return err.strerror or str(err)
     # torch.save's zip writer loses the system's reason ("unexpected pos ..."): a write that

@@ -77,14 +77,14 @@ def _files(path: Path) -> list[Path]:
     if not path.exists():
         raise DataError(f"--data {path}: no such file or directory")
     if path.is_dir():
-        root = path.resolve()
-        for entry in path.rglob("*"):
+        root, entries = path.resolve(), list(path.rglob("*"))  # one walk of the folder
+        for entry in entries:
             if entry.is_symlink() and not entry.resolve().is_relative_to(root):
                 raise DataError(
                     f"--data {path}: {entry} is a link to {entry.resolve()}, outside the "
                     "folder; copy what it names into the folder, or give it as --data itself"
                 )
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+        files = sorted(p for p in entries if p.is_file() and p.suffix in SUFFIXES)
         if not files:
             raise DataError(f"--data {path}: the folder holds no .txt or .jsonl file")
         return files
@@ -147,9 +147,9 @@ def _text(path: Path) -> str:
 def read_records(path: str | Path, text_field: str = "text") -> tuple[str, list[Any]]:
     """``("text", [document, ...])`` or ``("pairs", [(prompt, completion), ...])``, read from
     ``path``; a folder's files must agree on the kind."""
-    path = Path(path)
-    files = _files(path)
-    _fingerprint(path, files)
+    files = _files(Path(path))
+    for file in files:
+        _scan(file, hashlib.sha256())  # checked as load_sequences checks it
     return _records(files, text_field)
 
 
@@ -352,13 +352,10 @@ def save_cache(loaded: dict[str, Any], cache: Path) -> Path:
             torch.save(compact, tmp)
             os.replace(tmp, path)
         except (OSError, RuntimeError) as err:  # torch.save's writer raises RuntimeError
+            from gradaccum.app.folder import write_failure
+
             tmp.unlink(missing_ok=True)
-            reason = (
-                err.strerror
-                if isinstance(err, OSError) and err.strerror
-                else "the write stopped short (is the disk full, or a file size limit reached?)"
-            )
-            raise DataError(f"cannot write {path}: {reason}") from None
+            raise DataError(f"cannot write {path}: {write_failure(err)}") from None
     return path
 
 
