@@ -8,34 +8,47 @@ the guides.
 import sys as _sys
 
 
-def _stop_if_the_command() -> None:
-    """After a Ctrl-C while modules load (torch takes seconds): the `gradaccum` command says
-    so in one line and exits 130, as it does for every other stop; a program that imports
-    the library gets its KeyboardInterrupt (the caller re-raises it)."""
+def _is_the_command() -> bool:
     argv = getattr(_sys, "orig_argv", [])
-    if _sys.argv[0].rsplit("/", 1)[-1] == "gradaccum" or argv[1:3] == ["-m", "gradaccum"]:
-        import os
-
-        print("gradaccum: interrupted", file=_sys.stderr, flush=True)
-        # Not SystemExit: under `python -m`, CPython can still end the process by SIGINT
-        # after a KeyboardInterrupt, whatever the status asked for. Nothing is written yet.
-        os._exit(130)
+    return _sys.argv[0].rsplit("/", 1)[-1] == "gradaccum" or argv[1:3] == ["-m", "gradaccum"]
 
 
-try:
-    from gradaccum.batching import shard, split, windows
-    from gradaccum.diagnose import batchnorm_momentum, check, convert_batchnorm
-    from gradaccum.engine import Accumulator, AccumulatorState, StepResult
-    from gradaccum.loss import causal_lm_loss, sample_mean, token_cross_entropy
-    from gradaccum.noise import NoiseReading, NoiseScale
-    from gradaccum.oom import OOMReplay
-    from gradaccum.plan import Plan, plan
-    from gradaccum.precision import Precision
-    from gradaccum.recompute import disable_checkpointing, enable_checkpointing
-    from gradaccum.schedule import BatchSchedule
-except KeyboardInterrupt:
-    _stop_if_the_command()
-    raise
+def _stop_while_loading(signum, frame) -> None:
+    """The command's Ctrl-C while modules load (torch takes seconds): one line and exit 130,
+    as for every other stop. Not a KeyboardInterrupt: torch's C side imports numpy and drops
+    whatever that import raises, leaving numpy half made (the next import of it fails, or
+    sklearn's recurses until it dies), and one raised inside a C++ initialiser aborts the
+    process. Nothing is written yet, so leaving at once loses nothing."""
+    import os
+
+    print("gradaccum: interrupted", file=_sys.stderr, flush=True)
+    os._exit(130)
+
+
+def _watch_the_commands_loading() -> None:
+    """For the `gradaccum` command only; a program that imports the library keeps its own
+    handler. It stays while gradaccum.app loads too; the command's main() takes over."""
+    import signal
+
+    if _is_the_command() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        try:
+            signal.signal(signal.SIGINT, _stop_while_loading)
+        except ValueError:  # not the main thread
+            pass
+
+
+_watch_the_commands_loading()
+
+from gradaccum.batching import shard, split, windows  # noqa: E402
+from gradaccum.diagnose import batchnorm_momentum, check, convert_batchnorm  # noqa: E402
+from gradaccum.engine import Accumulator, AccumulatorState, StepResult  # noqa: E402
+from gradaccum.loss import causal_lm_loss, sample_mean, token_cross_entropy  # noqa: E402
+from gradaccum.noise import NoiseReading, NoiseScale  # noqa: E402
+from gradaccum.oom import OOMReplay  # noqa: E402
+from gradaccum.plan import Plan, plan  # noqa: E402
+from gradaccum.precision import Precision  # noqa: E402
+from gradaccum.recompute import disable_checkpointing, enable_checkpointing  # noqa: E402
+from gradaccum.schedule import BatchSchedule  # noqa: E402
 
 __all__ = [
     "Accumulator",

@@ -11,14 +11,9 @@ Python, ``train(TrainConfig.of(...))`` runs what ``gradaccum train`` runs.
     recipes/    the built-in models and data
 """
 
-try:
-    from gradaccum.app.config import RESUMABLE, TrainConfig
-    from gradaccum.app.loop import Interrupted
-    from gradaccum.app.trainer import train
-except KeyboardInterrupt:  # Ctrl-C while the command loads: one line (gradaccum/__init__.py)
-    from gradaccum import _stop_if_the_command
-
-    _stop_if_the_command()
-    raise
+# (a Ctrl-C while this loads, under the command: gradaccum/__init__.py's handler says it)
+from gradaccum.app.config import RESUMABLE, TrainConfig
+from gradaccum.app.loop import Interrupted
+from gradaccum.app.trainer import train
 
 __all__ = ["RESUMABLE", "Interrupted", "TrainConfig", "train"]

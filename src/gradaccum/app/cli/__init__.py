@@ -134,11 +134,14 @@ def _main(argv: list[str] | None) -> int:
 
 def _watch_ctrl_c() -> list[int]:
     """Python's own Ctrl-C handler (KeyboardInterrupt), noting that it fired: the list is
-    non-empty once it has. A SIGINT the process was started ignoring stays ignored."""
+    non-empty once it has. It takes over from the one the library set while it loaded; a
+    SIGINT the process was started ignoring stays ignored."""
     import signal
 
+    from gradaccum import _stop_while_loading
+
     fired: list[int] = []
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if signal.getsignal(signal.SIGINT) not in (signal.default_int_handler, _stop_while_loading):
         return fired
 
     def handler(signum, frame):
