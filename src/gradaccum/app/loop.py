@@ -635,7 +635,7 @@ def _report_step(bar, log, line: dict[str, Any], rate: float, run: _Run, before:
     now = run.progress()
     if int(now * 10) > int(before * 10) or now >= 1 or "eval_loss" in line:
         where = (
-            f"{line['samples']:>7,}/{run.total_samples:,} samples"
+            f"{line['step']:>5}  {line['samples']:>7,}/{run.total_samples:,} samples"
             if run.total_samples is not None
             else f"{line['step']:>5}/{run.total_steps}"
         )
