@@ -59,6 +59,33 @@ class Fit:
     def __call__(self, micro_size: float) -> float:
         return self.intercept + self.slope * micro_size
 
+    @property
+    def plausible(self) -> bool:
+        """A line that says something: it grows with the micro-batch, and it misses no probe
+        by more than the probe's own value."""
+        return self.slope > 0 and self.max_error <= 1.0
+
+    def quality(self) -> str:
+        """How far to trust the line, in words (the plan's summary and the report say this)."""
+        if self.bound:
+            return "a bound above every probe"  # and a note says why
+        if not self.plausible:
+            return (
+                f"no plausible line (it misses a probe by {self.max_error:.0%}): the peak "
+                "measured at the planned size is what counts"
+            )
+        return f"fit error {self.max_error:.1%}"
+
+    def activations(self) -> str:
+        """This fit as the activations' line, or what was measured when the probes give no
+        plausible one (a slope below zero, or a line off by more than the values)."""
+        if not self.plausible:
+            return (
+                "too small here to fit a line per sample (the probes' values do not grow "
+                "with the micro-batch); the peak is measured"
+            )
+        return f"{format_bytes(self.slope)} per sample (fit error {self.max_error:.1%})"
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -154,13 +181,9 @@ class Plan:
             f"static {format_bytes(self.static_bytes)} (parameters, buffers, optimizer state) + "
             f"first-step overhead {format_bytes(self.overhead_bytes)} "
             f"{_signed(self.peak_fit.intercept)} + "
-            f"{format_bytes(self.bytes_per_sample)} per sample; "
-            + (
-                "a bound above every probe"
-                if self.peak_fit.bound
-                else f"fit error {self.peak_fit.max_error:.1%}"
-            ),
-            _activations(self.activation_fit) + f"; planned in {self.seconds:.1f} s",
+            f"{format_bytes(self.bytes_per_sample)} per sample; {self.peak_fit.quality()}",
+            f"activations saved for backward: {self.activation_fit.activations()}; planned in "
+            f"{self.seconds:.1f} s",
             *self.notes,
         ]
         return "\n".join(lines)
@@ -187,20 +210,6 @@ class Plan:
 def _signed(n: float) -> str:
     """``+ 1.2 MiB`` or ``- 26.3 KiB`` (never ``+ -26.3 KiB``)."""
     return f"- {format_bytes(-n)}" if n < 0 else f"+ {format_bytes(n)}"
-
-
-def _activations(fit: Fit) -> str:
-    """The activations' line, or what was measured when the probes give no plausible one (a
-    slope below zero, or a line off by more than the values themselves)."""
-    if fit.slope <= 0 or fit.max_error > 1.0:
-        return (
-            "activations saved for backward: too small here to fit a line per sample (the "
-            "probes' values do not grow with the micro-batch); the peak above is measured"
-        )
-    return (
-        f"activations saved for backward: {format_bytes(fit.slope)} per sample (fit error "
-        f"{fit.max_error:.1%})"
-    )
 
 
 def _fit(xs: Sequence[float], ys: Sequence[float]) -> Fit:

@@ -346,6 +346,35 @@ def test_the_plan_section_reads_in_units_with_its_probes_as_a_table(tmp_path):
     assert ["4", "fit", "35.3 MiB", "34.1 MiB", "16.2 MiB"] in rows, rows
 
 
+@pytest.mark.parametrize(
+    "fit, said",
+    [
+        # the line above every probe (allocator noise): never a "fit error 1412%"
+        (
+            {"intercept": 1.09e7, "slope": 33_000, "max_error": 14.12, "bound": True},
+            "10.4 MiB + 32.2 KiB per sample (a bound above every probe)",
+        ),
+        # a least-squares line that misses a probe by more than its value, falling
+        (
+            {"intercept": 2e6, "slope": -111.0, "max_error": 8.304, "bound": False},
+            "1.9 MiB - 111 B per sample (no plausible line (it misses a probe by 830%): the "
+            "peak measured at the planned size is what counts)",
+        ),
+    ],
+)
+def test_an_implausible_peak_line_is_said_to_be_one(tmp_path, fit, said):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"recipe": "digits", "effective_batch": 64}))
+    activations = {"intercept": 0.0, "slope": -109.0, "max_error": 8.3}
+    plan = {"micro_size": 64, "peak_fit": fit, "activation_fit": activations}
+    (run / "plan.json").write_text(json.dumps(plan))
+    rows = Page(render(run)).rows
+    assert ["peak line", said] in rows, rows
+    (shown,) = [r[1] for r in rows if r[0] == "activations saved"]
+    assert shown.startswith("too small here to fit a line per sample") and "-109" not in shown
+
+
 def test_b_simple_and_counts_are_whole_numbers_on_the_page(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

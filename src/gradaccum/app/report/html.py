@@ -25,6 +25,7 @@ from gradaccum import __version__
 from gradaccum.app.folder import RunFolder
 from gradaccum.app.report.metrics import SUMMARY
 from gradaccum.memory import format_bytes
+from gradaccum.plan import Fit
 
 __all__ = ["render", "write_report"]
 
@@ -350,14 +351,16 @@ def _plan(plan: dict[str, Any]) -> str:
         else:
             shown = _num(value)
         rows.append([(_PLAN_LABELS.get(key, _label(key)), "key"), (shown, "mono")])
-    for key in ("peak_fit", "activation_fit"):
-        fit = plan.get(key)
-        if isinstance(fit, dict) and _is_number(fit.get("slope")):
-            line = f"{_bytes(fit.get('intercept'))} + {_bytes(fit['slope'])} per sample"
-            if _is_number(fit.get("max_error")):
-                line += f" (fit error {fit['max_error']:.1%})"
-            name = "peak line" if key == "peak_fit" else "activations line"
-            rows.append([(name, "key"), (line, "mono")])
+    for key, name in (("peak_fit", "peak line"), ("activation_fit", "activations saved")):
+        if (fit := _fit(plan.get(key))) is None:
+            continue
+        if key == "peak_fit":
+            start = ("-" if fit.intercept < 0 else "") + _bytes(abs(fit.intercept))
+            sign = "-" if fit.slope < 0 else "+"
+            line = f"{start} {sign} {_bytes(abs(fit.slope))} per sample ({fit.quality()})"
+        else:
+            line = fit.activations()
+        rows.append([(name, "key"), (line, "mono")])
     parts = [_table(None, rows)]
     probes = [p for p in plan.get("probes") or [] if isinstance(p, dict)]
     # each the whole peak, as the summary counts it: the static and first-step bytes too
@@ -384,6 +387,17 @@ def _plan(plan: dict[str, Any]) -> str:
         )
     parts += [_p(str(n), "dim") for n in plan.get("notes") or []]
     return "\n".join(parts)
+
+
+def _fit(saved: Any) -> Fit | None:
+    """A plan.json line fit as the library's Fit (its words come from there), or None when
+    the file holds something else."""
+    if not isinstance(saved, dict):
+        return None
+    values = {k: saved.get(k) for k in ("intercept", "slope", "max_error")}
+    if not all(_is_number(v) for v in values.values()):
+        return None
+    return Fit(**values, bound=saved.get("bound") is True)
 
 
 def _status(
