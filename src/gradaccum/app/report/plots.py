@@ -87,10 +87,16 @@ def batch_plot(plt, out: Path, lines: list[dict[str, Any]]) -> None:
         )
     ax.set_yscale("log")
     ax.set_ylim(bottom=bottom)
+    # Items as plain numbers (50, not 5 x 10^1), labelled at 1, 2 and 5 of each decade.
+    from matplotlib import ticker
+
+    ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.10g}"))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel("samples seen")
     ax.set_ylabel("items per step")
     ax.set_title(f"{out.name}: effective batch and critical batch")
-    ax.legend()
+    ax.legend(loc="best")
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(out / "batch.png", dpi=110)
