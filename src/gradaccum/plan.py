@@ -355,20 +355,24 @@ def plan(
                     sync,
                 )
                 m = prober.measure(probe_sizes)
-                fits = m.need(1) <= usable
-                if fits or checkpointing != "auto" or use_ckpt:
-                    break
-                use_ckpt = True  # nothing fits as it is: try recomputing activations
+                need, measured = m.need(1), False
+                if need <= usable:
+                    largest = min(per_rank, int((usable - m.need(0)) // max(m.peak_fit.slope, 1.0)))
+                    largest, micro, verified = _verify(prober, m, per_rank, largest, usable, verify)
+                    need, measured = m.static + m.overhead + verified.peak_bytes, True
+                    if need <= usable:
+                        break
+                # Nothing fits as it is, by the line or measured at one sample per
+                # micro-batch: with "auto", try recomputing activations before refusing.
+                if checkpointing != "auto" or use_ckpt:
+                    raise ValueError(
+                        _too_small(model, budget_bytes, margin, use_ckpt, need, measured)
+                    )
+                use_ckpt = True
                 _restore(model, optimizer, saved)
-            if not fits:
-                raise ValueError(_too_small(model, budget_bytes, margin, use_ckpt, m.need(1)))
-            largest = min(per_rank, int((usable - m.need(0)) // max(m.peak_fit.slope, 1.0)))
-            largest, micro, verified = _verify(prober, m, per_rank, largest, usable, verify)
         finally:
             _restore(model, optimizer, saved)
-    measured_peak = m.static + m.overhead + verified.peak_bytes
-    if measured_peak > usable:  # even one sample per micro-batch, measured, does not fit
-        raise ValueError(_too_small(model, budget_bytes, margin, bool(m.blocks), measured_peak))
+    measured_peak = need
 
     micro_batches = math.ceil(per_rank / micro)
     last = per_rank - (micro_batches - 1) * micro
@@ -479,15 +483,19 @@ def _verify(
     return largest, micro, verified
 
 
-def _too_small(model: torch.nn.Module, budget: int, margin: float, ckpt: bool, need: float) -> str:
+def _too_small(
+    model: torch.nn.Module, budget: int, margin: float, ckpt: bool, need: float, measured: bool
+) -> str:
     usable = budget * (1 - margin)
     return (
         f"budget {format_bytes(budget)} is too small for {type(model).__name__}: one sample "
-        f"per micro-batch needs a predicted {format_bytes(need)}"
+        f"per micro-batch needs {'a measured' if measured else 'a predicted'} "
+        f"{format_bytes(need)}"
         + (" even with activation checkpointing" if ckpt else "")
         + f", above the {format_bytes(usable)} usable after the {margin:.0%} margin; give at "
         f"least {format_bytes(need / (1 - margin))}"
-        + ("" if ckpt else " or allow checkpointing='auto'")
+        # checkpointing "auto" has tried recomputation before this refusal
+         + ("" if ckpt else " or allow checkpointing='auto'")
     )
 
 

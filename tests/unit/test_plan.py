@@ -164,6 +164,44 @@ def test_checkpointing_cuts_saved_activations_and_auto_uses_it_only_when_needed(
 
 
 @pytest.mark.slow
+def test_auto_checkpointing_is_tried_when_the_verification_does_not_fit():
+    """The line says one sample fits, the planned size measured where training runs (the
+    verify hook: in a run, a fresh process) says it does not: "auto" then plans with
+    recomputation instead of refusing (it refused, suggesting the "auto" it was given)."""
+    model, batch, loss_fn = deep_lm_setup(seq=128, layers=16, d=16)
+
+    def run(**kw):
+        optimizer = torch.optim.AdamW(model.parameters())
+        return ga.plan(
+            model, optimizer, batch, loss_fn, effective_batch=8, probe_sizes=[1, 2],
+            meter="tensors", **kw,
+        )  # fmt: skip
+
+    plain, ckpt = run(budget="8GiB"), run(budget="8GiB", checkpointing="on")
+    need_plain, need_ckpt = plain.predict(1), ckpt.predict(1)
+    assert need_ckpt < 0.5 * need_plain
+    budget = int(1.05 * need_plain / (1 - plain.margin))  # one sample fits, by the line
+    asked = []
+
+    def verify(micro: int, n: int, checkpointed: bool) -> int:
+        # What the verifying process reports: without recomputation, the planned size
+        # peaks at twice the line's one-sample need (a fresh process's fragmentation).
+        asked.append((micro, checkpointed))
+        return int(2 * need_plain) if not checkpointed else int(need_ckpt)
+
+    tight = run(budget=budget, checkpointing="auto", verify=verify)
+    assert tight.checkpointing and tight.micro_size >= 1
+    assert (1, False) in asked and asked[-1][1] is True
+    assert tight.predicted_peak <= budget * (1 - tight.margin)
+    with pytest.raises(ValueError, match="a measured .* or allow checkpointing='auto'"):
+        run(budget=budget, verify=verify)
+    with pytest.raises(ValueError) as refused:
+        run(budget=int(need_ckpt / 2), checkpointing="auto", verify=verify)
+    assert "even with activation checkpointing" in str(refused.value)
+    assert "checkpointing='auto'" not in str(refused.value)  # it was given, and tried
+
+
+@pytest.mark.slow
 def test_peak_does_not_grow_with_the_number_of_micro_batches():
     """Live tensor bytes (the counterpart of CUDA's allocator peak) of windows of N
     micro-batches of m samples: N = 1 is one plain m-sized step."""
