@@ -2,13 +2,23 @@
 each test is marked by its folder: ``unit`` (fast, in-process) or ``integration`` (CLI runs,
 subprocesses, torchrun). Spawned worker processes inherit this sys.path."""
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+# A private cache for the tests and every process they start (the plan cache, the extracted
+# MiniLM): never the user's, never warm from an earlier run; removed when the tests end.
+_CACHE = tempfile.mkdtemp(prefix="gradaccum-tests-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):

@@ -18,7 +18,7 @@ import copy
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -149,6 +149,23 @@ class Plan:
         out = asdict(self)
         out["micro_sizes"] = self.micro_sizes
         return out
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> Plan:
+        """The plan ``to_dict()`` gave (read back from JSON); keys it does not know are
+        ignored, a missing or mistyped field raises ValueError."""
+        try:
+            values = {f.name: saved[f.name] for f in fields(cls) if f.name in saved}
+            values["peak_fit"] = Fit(**values["peak_fit"])
+            values["activation_fit"] = Fit(**values["activation_fit"])
+            values["probes"] = tuple(Probe(**p) for p in values["probes"])
+            values["checkpointed_blocks"] = tuple(values.get("checkpointed_blocks", ()))
+            values["notes"] = tuple(values.get("notes", ()))
+            plan = cls(**values)
+            plan.summary()  # every number it shows is a number
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"not a saved plan: {type(err).__name__}: {err}") from None
+        return plan
 
     def summary(self) -> str:
         sizes = self.micro_sizes

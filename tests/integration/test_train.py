@@ -320,6 +320,27 @@ def test_epochs_precision_and_a_planned_micro_batch(tmp_path):
     assert json.loads((run / "config.json").read_text())["precision"] == "bf16"
 
 
+@pytest.mark.slow
+def test_the_same_command_again_trains_on_its_cached_plan(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    args = ["train", "--recipe", "digits", "--steps", 2, "--budget", "300MB", "--no-tensorboard"]
+    said = {}
+    for name, extra in (("first", []), ("again", []), ("replan", ["--replan"])):
+        proc = cli(*args, *extra, "--out", tmp_path / name, threads=1)
+        said[name] = proc.stdout + proc.stderr
+    assert "planning the micro-batch" in said["first"] and "measuring" in said["first"]
+    assert "the plan is the cached one" in said["again"], said["again"]
+    assert "planning the micro-batch" not in said["again"] and "measuring" not in said["again"]
+    assert "measuring" in said["replan"] and "cached" not in said["replan"]
+    plans = [json.loads((tmp_path / n / "plan.json").read_text()) for n in said]
+    assert plans[0]["micro_size"] == plans[1]["micro_size"] and plans[1] == plans[0]
+    other = cli(*args[:-2], "400MB", "--no-tensorboard", "--out", tmp_path / "other", threads=1)
+    assert "measuring" in other.stdout + other.stderr  # another budget: another plan
+    resumed = cli("train", "--resume", tmp_path / "first", "--steps", 3, threads=1)
+    assert "planning" not in resumed.stdout + resumed.stderr
+    assert "cached" not in resumed.stdout + resumed.stderr
+
+
 def test_a_budget_too_small_is_refused_in_the_commands_flags_and_no_plan_is_written(tmp_path):
     cfg = TrainConfig.of(recipe="digits", budget="1KB", steps=1, out=str(tmp_path / "run"))
     with pytest.raises(ValueError) as err:

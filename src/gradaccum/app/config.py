@@ -306,6 +306,13 @@ class Memory:
     margin: float = MARGIN()
     meter: str = METER()
     checkpointing: str = CHECKPOINTING_OPT()
+    replan: bool = Opt(
+        False,
+        "plan again although the plan cache holds this run's plan (kept under "
+        "~/.cache/gradaccum/plans, keyed by everything the plan depends on: model, data "
+        "shapes, budget, precision, device, versions)",
+        resumable=True,  # a resumed run never plans: it has no effect there
+    )()
 
     @property
     def budget_bytes(self) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gradaccum.app import launch
+from gradaccum.app import launch, plan_cache
 from gradaccum.app.config import TrainConfig
 from gradaccum.app.folder import PLAN, RunFolder
 from gradaccum.app.measure import fresh_process_verifier
@@ -107,37 +107,70 @@ def window_plan(
     per_rank = math.ceil(cfg.batch.effective_batch / world)
     info = None
     if rank == 0 or each_rank:
-        log(
-            f"planning the micro-batch{' and gradient sync' if each_rank else ''} for an "
-            f"effective batch of {per_rank} per process in {cfg.memory.budget}"
-            + (", each process measuring its shards" if each_rank else "")
-            + f" ({recipe.summary})"
-        )
-        verify = None
-        own_data = cfg.source.hf_model or cfg.source.data
-        if not each_rank and not own_data and device.type == "cpu":
-            verify = fresh_process_verifier(
-                cfg.source.recipe, cfg.numerics.precision, cfg.source.seed, cfg.memory.meter
-            )
-        planned = plan(
+        sample = recipe.sample_batch(8)
+        parts = plan_cache.signature(
             model,
             optimizer,
-            recipe.sample_batch(8),
-            recipe.loss_fn,
-            effective_batch=per_rank,
-            budget=cfg.memory.budget_bytes,
-            margin=cfg.memory.margin,
-            meter=cfg.memory.meter,
-            precision=cfg.numerics.precision,
-            checkpointing=cfg.memory.checkpointing,
-            verify=verify,
-            sync="auto" if each_rank else "window",
+            sample,
+            device,
+            {
+                "recipe": cfg.source.recipe if not cfg.source.hf_model else "hf",
+                "effective_batch": per_rank,
+                "budget": cfg.memory.budget_bytes,
+                "margin": cfg.memory.margin,
+                "meter": cfg.memory.meter,
+                "checkpointing": cfg.memory.checkpointing,
+                "precision": cfg.numerics.precision,
+                "world": world,
+            },
+            (cfg.source.hf_model, cfg.source.data),
         )
-        log(planned.summary())
-        info = {**planned.to_dict(), "source": "planned"}
+        # (FSDP2's plans are collectives of every rank: each rank plans, never from a file)
+        cached = None if each_rank or cfg.memory.replan else plan_cache.load(parts)
+        if cached is not None:
+            planned, info, path = cached
+            log(f"the plan is the cached one ({path}; --replan plans again)")
+            log(planned.summary())
+        else:
+            args = (cfg, model, optimizer, recipe, device, sample, per_rank, log)
+            info = _plan_now(*args, each_rank=each_rank)
+            if not each_rank:
+                plan_cache.store(parts, info)
     if world > 1 and not each_rank:
         info = launch.broadcast(info)
     return info
+
+
+def _plan_now(cfg, model, optimizer, recipe, device, sample, per_rank, log, *, each_rank):
+    """A new plan, measured (rank 0's, or with ``each_rank`` every rank's together)."""
+    log(
+        f"planning the micro-batch{' and gradient sync' if each_rank else ''} for an "
+        f"effective batch of {per_rank} per process in {cfg.memory.budget}"
+        + (", each process measuring its shards" if each_rank else "")
+        + f" ({recipe.summary})"
+    )
+    verify = None
+    own_data = cfg.source.hf_model or cfg.source.data
+    if not each_rank and not own_data and device.type == "cpu":
+        verify = fresh_process_verifier(
+            cfg.source.recipe, cfg.numerics.precision, cfg.source.seed, cfg.memory.meter
+        )
+    planned = plan(
+        model,
+        optimizer,
+        sample,
+        recipe.loss_fn,
+        effective_batch=per_rank,
+        budget=cfg.memory.budget_bytes,
+        margin=cfg.memory.margin,
+        meter=cfg.memory.meter,
+        precision=cfg.numerics.precision,
+        checkpointing=cfg.memory.checkpointing,
+        verify=verify,
+        sync="auto" if each_rank else "window",
+    )
+    log(planned.summary())
+    return {**planned.to_dict(), "source": "planned"}
 
 
 def pipeline_plan(cfg: TrainConfig, module: Any, log) -> dict[str, Any]:
