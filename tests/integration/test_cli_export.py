@@ -111,6 +111,7 @@ DEEPSPEED_WINDOW = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # DeepSpeed compiles its CPU shared-memory op first: over 100 s from nothing
 def test_deepspeed_initializes_the_bf16_export_with_fp32_accumulation():
     """Without ZeRO, deepspeed.initialize refuses a bf16 model with grad_accum_dtype fp32
     (NotImplementedError "unsupported mix"); with the exported stage 1 it accumulates in fp32

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import cli, run_lines, sigterm_then_resume_matches
+from test_faults import in_process
 
 from gradaccum.app import TrainConfig, train
 from gradaccum.app.config import SECTIONS
@@ -240,7 +241,8 @@ def test_flags_override_the_config_file(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("recipe: digits\nsteps: 50\neffective_batch: 16\nmicro_batch: 8\n")
     run = tmp_path / "run"
-    cli("train", "--config", config, "--steps", 2, "--out", run)
+    done = in_process("train", "--config", config, "--steps", 2, "--out", run, "--no-tensorboard")
+    assert done.returncode == 0, done.stderr
     saved = json.loads((run / "config.json").read_text())
     assert saved["steps"] == 2 and saved["recipe"] == "digits" and saved["effective_batch"] == 16
 
@@ -277,16 +279,16 @@ def test_a_checkpoint_from_another_model_is_refused(tmp_path):
 
 def test_help_and_docs_cli_md_list_every_command_and_option():
     reference = (ROOT / "docs" / "cli.md").read_text()
-    top = cli("--help").stdout
+    top = in_process("--help").stdout  # the command's own main(), in this process
     assert "train" in top and "plan" in top
-    text = " ".join(cli("train", "--help").stdout.split())
+    text = " ".join(in_process("train", "--help").stdout.split())
     for f in (f for section in SECTIONS.values() for f in dataclasses.fields(section)):
         flag = "--" + f.name.replace("_", "-")
         assert flag in text, flag
         assert f"`{flag}`" in reference, f"docs/cli.md does not document {flag}"
         first_words = " ".join(f.metadata["help"].split()[:4])
         assert first_words in text, (flag, first_words)
-    plan_help = cli("plan", "--help").stdout.split()
+    plan_help = in_process("plan", "--help").stdout.split()
     plan_flags = {w.strip("[]|,") for w in plan_help if w.lstrip("[").startswith("--")}
     plan_flags.discard("--help")
     assert {"--budget", "--effective-batch"} <= plan_flags, plan_flags

@@ -17,7 +17,7 @@ def test_the_planners_own_advice_reads_as_flags():
 
     from gradaccum.plan import _too_small
 
-    text = as_flags(_too_small(torch.nn.Linear(2, 2), 1000, 0.15, False, 1e7))
+    text = as_flags(_too_small(torch.nn.Linear(2, 2), 1000, 0.15, False, 1e7, measured=False))
     assert text.endswith("give at least 11.2 MiB or allow --checkpointing auto"), text
 
 
