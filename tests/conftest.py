@@ -14,11 +14,17 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-# A private cache for the tests and every process they start (the plan cache, the extracted
-# MiniLM): never the user's, never warm from an earlier run; removed when the tests end.
-_CACHE = tempfile.mkdtemp(prefix="gradaccum-tests-cache-")
-os.environ["XDG_CACHE_HOME"] = _CACHE
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# A private cache for the tests and every process they start (the extracted MiniLM,
+# matplotlib's fonts, torch's compiled extensions): never the user's, never warm from an
+# earlier run. One per run of pytest: its first process (xdist's controller) makes it, the
+# workers it starts share it, and it is removed when that process ends.
+if "GRADACCUM_TESTS_CACHE" not in os.environ:
+    os.environ["GRADACCUM_TESTS_CACHE"] = tempfile.mkdtemp(prefix="gradaccum-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ["GRADACCUM_TESTS_CACHE"], ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = os.environ["GRADACCUM_TESTS_CACHE"]
+# Plans are measured afresh in every test (the tests of the plan cache give it a folder):
+# a plan another test left would change what a test that plans sees.
+os.environ["GRADACCUM_PLAN_CACHE"] = "off"
 
 
 def pytest_collection_modifyitems(items):

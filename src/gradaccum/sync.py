@@ -42,6 +42,7 @@ reduce-scatters per step; under DDP it only costs communication and exists for c
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -53,10 +54,22 @@ from torch.nn.parallel import DistributedDataParallel
 from gradaccum.batching import map_tensors
 from gradaccum.window import total_norm
 
-try:  # public from torch 2.6; torch 2.4 and 2.5 (which the package supports) keep it here
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - torch < 2.6
-    from torch.distributed._composable.fsdp import FSDPModule
+# FSDP2's module class, imported only once something else has imported FSDP: importing it
+# costs more than a second, and a model can be wrapped by fully_shard only after its module
+# was imported (torch.distributed.fsdp from torch 2.6, torch.distributed._composable.fsdp in
+# 2.4 and 2.5, which the package supports).
+_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+
+
+def _is_fsdp(model: Any) -> bool:
+    if not any(name in sys.modules for name in _FSDP_MODULES):
+        return False  # nothing imported FSDP: no model is wrapped by it
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch < 2.6
+        from torch.distributed._composable.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
 
 __all__ = [
     "SYNC_MODES",
@@ -95,7 +108,7 @@ class Sync:
         """The Sync for ``model`` as it is wrapped: DDP, FSDP2's fully_shard, or neither."""
         if isinstance(model, DistributedDataParallel):
             return DDPSync(model, mode)
-        if isinstance(model, FSDPModule):
+        if _is_fsdp(model):
             return FSDPSync(model, mode)
         return Sync(model, mode)
 
@@ -451,7 +464,7 @@ class PipelineSync(_Collective):
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``model`` is wrapped by FSDP2's fully_shard."""
-    return isinstance(model, FSDPModule)
+    return _is_fsdp(model)
 
 
 def collective_device(group: Any = None) -> torch.device:

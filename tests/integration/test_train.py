@@ -324,7 +324,7 @@ def test_epochs_precision_and_a_planned_micro_batch(tmp_path):
 
 @pytest.mark.slow
 def test_the_same_command_again_trains_on_its_cached_plan(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "plans"))
     args = ["train", "--recipe", "digits", "--steps", 2, "--budget", "300MB", "--no-tensorboard"]
     said = {}
     for name, extra in (("first", []), ("again", []), ("replan", ["--replan"])):

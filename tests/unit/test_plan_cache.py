@@ -17,6 +17,7 @@ SETTINGS = {"recipe": "gpt", "effective_batch": 64, "budget": 200_000_000, "prec
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("GRADACCUM_PLAN_CACHE")  # the tests' conftest turns it off elsewhere
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
@@ -77,6 +78,16 @@ def test_a_cache_that_cannot_be_written_is_skipped(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
     assert plan_cache.store(parts(), make_plan(64, micro=16).to_dict()) is None
     assert plan_cache.load(parts()) is None
+
+
+def test_gradaccum_plan_cache_names_another_folder_or_turns_it_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "shared"))
+    info = make_plan(64, micro=16).to_dict()
+    assert plan_cache.store(parts(), info).parent == tmp_path / "shared"
+    assert plan_cache.load(parts()) is not None
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", "off")
+    assert plan_cache.folder() is None and plan_cache.load(parts()) is None
+    assert plan_cache.store(parts(), info) is None
 
 
 def test_from_dict_refuses_what_is_not_a_plan():

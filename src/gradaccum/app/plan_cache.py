@@ -2,7 +2,8 @@
 again (planning measures memory for seconds to minutes).
 
 A plan is kept under ``$XDG_CACHE_HOME/gradaccum/plans/`` (``~/.cache`` without it), one
-JSON file per key. The key is a hash of everything the plan depends on: the model (each
+JSON file per key; ``$GRADACCUM_PLAN_CACHE`` names another folder, or ``off`` turns the
+cache off. The key is a hash of everything the plan depends on: the model (each
 parameter's and buffer's name, shape, dtype and whether it trains, so a LoRA model differs
 from its base), the largest sample batch's shapes (the data's longest sequences), the
 recipe, the files of ``--hf-model`` and ``--data`` (size and modification time), the per-rank
@@ -31,7 +32,14 @@ from gradaccum.plan import Plan
 FORMAT = 1
 
 
-def folder() -> Path:
+def folder() -> Path | None:
+    """``$GRADACCUM_PLAN_CACHE`` (a folder, or ``off``), else ``$XDG_CACHE_HOME/gradaccum/plans``
+    (``~/.cache`` without it)."""
+    chosen = os.environ.get("GRADACCUM_PLAN_CACHE", "")
+    if chosen.lower() in ("off", "0", "none"):
+        return None
+    if chosen:
+        return Path(chosen)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gradaccum" / "plans"
 
 
@@ -70,7 +78,9 @@ def signature(
 
 def load(parts: dict[str, Any]) -> tuple[Plan, dict[str, Any], Path] | None:
     """The stored plan for ``parts``, or None (none stored, or a file that is not one)."""
-    path = folder() / f"{key(parts)}.json"
+    if (where := folder()) is None:
+        return None
+    path = where / f"{key(parts)}.json"
     try:
         stored = json.loads(path.read_text())
         if stored.get("key") != parts:  # a hash collision, or a file edited by hand
@@ -85,7 +95,9 @@ def store(parts: dict[str, Any], info: dict[str, Any]) -> Path | None:
     """Keep ``info`` (a plan's ``to_dict()``) for ``parts``; written whole (a temporary file
     renamed), so a crash leaves no half file. A cache that cannot be written is skipped:
     the next run plans again."""
-    path = folder() / f"{key(parts)}.json"
+    if (where := folder()) is None:
+        return None
+    path = where / f"{key(parts)}.json"
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
