@@ -14,7 +14,9 @@ trace. Lives above the engine because it drives it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -356,7 +358,7 @@ def plan(
     }
     usable = budget_bytes * (1 - margin)
     # the probes' dropout and data order must not advance any generator
-    with preserved_rng():
+    with preserved_rng(), _heap_set_aside():
         try:
             use_ckpt = checkpointing == "on"
             while True:
@@ -465,6 +467,24 @@ def _plan_sync(model, optimizer, sample_batch, loss_fn, effective_batch, budget,
         f"{why}"
     )
     return replace(chosen, notes=(*chosen.notes, line))
+
+
+@contextlib.contextmanager
+def _heap_set_aside():
+    """While planning, the objects that existed before it (the program's modules and data)
+    are set aside from the collector (``gc.freeze``), so the ``gc.collect()`` before each
+    probe walks only what planning made: a full collection of a process that imported
+    transformers takes about 0.3 s here, and planning runs a dozen. Nothing is freed or
+    kept by it; the heap is unfrozen after. A program that froze its heap itself keeps it."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect()  # today's garbage is freed, not set aside
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _verify(
