@@ -282,23 +282,16 @@ def _tiny(model_type: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if model_type == "gpt2":
         return tiny_gpt2()
+    sizes = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+    }
     if model_type == "llama":
-        config = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-        )
-        return LlamaForCausalLM(config)
-    config = GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-    )
-    return GPTNeoXForCausalLM(config)
+        return LlamaForCausalLM(LlamaConfig(**sizes))
+    return GPTNeoXForCausalLM(GPTNeoXConfig(**sizes))
 
 
 @pytest.mark.parametrize(
