@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The main job: plan the micro-batch for a 200MB budget (the effective batch of 64 then
-# runs as 4 micro-batches of 16), train the byte-level GPT on the Python standard library's source,
+# runs as 4 or more micro-batches), train the byte-level GPT on the Python standard library's source,
 # write runs/gpt-TIME/.
 demo: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m gradaccum train --budget 200MB

@@ -125,6 +125,7 @@ def test_cli_check_passes_a_groupnorm_recipe():
     assert "PASS: the accumulated gradient (4 micro-batches) equals" in proc.stdout
 
 
+@pytest.mark.slow  # make test keeps its 8 minutes
 def test_a_budget_one_sample_does_not_fit_is_refused_with_what_would():
     """The figure the planner's own error once advised: micro-batch 1 was accepted over it
     ("predicted peak 39.4 MiB of budget 39.0 MiB", exit 0)."""

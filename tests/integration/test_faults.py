@@ -120,6 +120,7 @@ def test_a_crash_before_the_first_checkpoint_resumes_from_step_0(tmp_path):
     assert checkpoint_step(run) == 6
 
 
+@pytest.mark.slow  # make test keeps its 8 minutes
 def test_kill_mid_run_and_a_half_written_line_leave_every_step_once(tmp_path):
     run = tmp_path / "x"
     kill_after(run, 8, "--checkpoint-every", 5)
@@ -408,6 +409,7 @@ def test_config_files_as_people_write_them(tmp_path):
     one_line(in_process("train", *DIGITS, "--steps", 5, "--samples", 200), "steps and samples")
 
 
+@pytest.mark.slow  # make test keeps its 8 minutes
 def test_a_folder_that_is_not_a_run_or_is_in_use_is_refused(tmp_path):
     other = tmp_path / "notes"
     other.mkdir()

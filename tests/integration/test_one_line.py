@@ -95,6 +95,7 @@ def test_the_data_cache_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, 
     cli(*args, "--no-guard", check=True)
 
 
+@pytest.mark.slow  # make test keeps its 8 minutes
 def test_a_pickled_data_cache_is_refused_without_torchs_advice_to_unpickle(tmp_path, text_file):
     run = tmp_path / "run"
     cli("train", "--data", text_file, "--micro-batch", 8, "--steps", 1, "--out", run, check=True)
@@ -118,6 +119,7 @@ def test_a_pickled_hf_weights_file_is_refused_without_torchs_advice(tmp_path):
     assert "weights_only" not in line and not Evil.marker.exists()
 
 
+@pytest.mark.slow  # make test keeps its 8 minutes
 def test_a_report_folder_that_cannot_be_written_is_one_line(tmp_path):
     run = tmp_path / "run"
     cli("train", *SHORT, "--out", run, check=True)
