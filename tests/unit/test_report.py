@@ -88,6 +88,18 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def test_the_printed_summary_counts_with_thousands_separators(trained):
+    from gradaccum.app.report.summary import _summary_table
+
+    summary = json.loads((trained / "summary.json").read_text())
+    summary["items"], summary["samples"] = 1_219_200, 9_600  # a demo's counts
+    rows = dict(
+        line.split("  ", 1) for line in _summary_table(summary).splitlines() if "  " in line
+    )
+    assert rows["items seen"].strip() == "1,219,200" and rows["samples seen"].strip() == "9,600"
+    assert rows["optimizer steps"].strip() == "4"
+
+
 def test_the_page_holds_the_runs_numbers_and_its_plots(run):
     summary = json.loads((run / "summary.json").read_text())
     page = Page(render(run))

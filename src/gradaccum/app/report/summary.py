@@ -130,6 +130,8 @@ def _summary_table(s: dict[str, Any]) -> str:
             return format_bytes(v)
         if unit == "seconds":
             return f"{v:.1f} s"
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f"{v:,}"  # 1,219,200 items, as the step lines count them
         return f"{v:.4f}" if isinstance(v, float) else str(v)
 
     rows = []
