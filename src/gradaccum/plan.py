@@ -78,6 +78,11 @@ class Fit:
             )
         return f"fit error {self.max_error:.1%}"
 
+    def line(self) -> str:
+        """``10.4 MiB + 32.2 KiB per sample``, each sign as it is (``1.9 MiB - 111 B``)."""
+        start = ("-" if self.intercept < 0 else "") + format_bytes(abs(self.intercept))
+        return f"{start} {_signed(self.slope)} per sample"
+
     def activations(self) -> str:
         """This fit as the activations' line, or what was measured when the probes give no
         plausible one (a slope below zero, or a line off by more than the values)."""

@@ -108,25 +108,29 @@ def window_plan(
     info = None
     if rank == 0 or each_rank:
         sample = recipe.sample_batch(8)
-        parts = plan_cache.signature(
-            model,
-            optimizer,
-            sample,
-            device,
-            {
-                "recipe": cfg.source.recipe if not cfg.source.hf_model else "hf",
-                "effective_batch": per_rank,
-                "budget": cfg.memory.budget_bytes,
-                "margin": cfg.memory.margin,
-                "meter": cfg.memory.meter,
-                "checkpointing": cfg.memory.checkpointing,
-                "precision": cfg.numerics.precision,
-                "world": world,
-            },
-            (cfg.source.hf_model, cfg.source.data),
-        )
         # (FSDP2's plans are collectives of every rank: each rank plans, never from a file)
-        cached = None if each_rank or cfg.memory.replan else plan_cache.load(parts)
+        parts = (
+            None
+            if each_rank
+            else plan_cache.signature(
+                model,
+                optimizer,
+                sample,
+                device,
+                {
+                    "recipe": cfg.source.recipe if not cfg.source.hf_model else "hf",
+                    "effective_batch": per_rank,
+                    "budget": cfg.memory.budget_bytes,
+                    "margin": cfg.memory.margin,
+                    "meter": cfg.memory.meter,
+                    "checkpointing": cfg.memory.checkpointing,
+                    "precision": cfg.numerics.precision,
+                    "world": world,
+                },
+                (cfg.source.hf_model, cfg.source.data),
+            )
+        )
+        cached = None if parts is None or cfg.memory.replan else plan_cache.load(parts)
         if cached is not None:
             planned, info, path = cached
             log(f"the plan is the cached one ({path}; --replan plans again)")
@@ -134,7 +138,7 @@ def window_plan(
         else:
             args = (cfg, model, optimizer, recipe, device, sample, per_rank, log)
             info = _plan_now(*args, each_rank=each_rank)
-            if not each_rank:
+            if parts is not None:
                 plan_cache.store(parts, info)
     if world > 1 and not each_rank:
         info = launch.broadcast(info)

@@ -18,6 +18,7 @@ import contextlib
 import html
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -344,22 +345,14 @@ def _plan(plan: dict[str, Any]) -> str:
         elif key == "margin" and _is_number(value):
             shown = f"{value:.0%} of the budget kept free"
         elif key == "micro_sizes" and isinstance(value, list):
-            counts: dict[Any, int] = {}
-            for size in value:
-                counts[size] = counts.get(size, 0) + 1
-            shown = " + ".join(f"{n} x {size}" for size, n in counts.items())
+            shown = " + ".join(f"{n} x {size}" for size, n in Counter(value).items())
         else:
             shown = _num(value)
         rows.append([(_PLAN_LABELS.get(key, _label(key)), "key"), (shown, "mono")])
     for key, name in (("peak_fit", "peak line"), ("activation_fit", "activations saved")):
         if (fit := _fit(plan.get(key))) is None:
             continue
-        if key == "peak_fit":
-            start = ("-" if fit.intercept < 0 else "") + _bytes(abs(fit.intercept))
-            sign = "-" if fit.slope < 0 else "+"
-            line = f"{start} {sign} {_bytes(abs(fit.slope))} per sample ({fit.quality()})"
-        else:
-            line = fit.activations()
+        line = f"{fit.line()} ({fit.quality()})" if key == "peak_fit" else fit.activations()
         rows.append([(name, "key"), (line, "mono")])
     parts = [_table(None, rows)]
     probes = [p for p in plan.get("probes") or [] if isinstance(p, dict)]
