@@ -378,7 +378,7 @@ def plan(
                     memory,
                     sync,
                 )
-                m = prober.measure(probe_sizes)
+                m = prober.measure(probe_sizes, usable)
                 need, measured = m.need(1), False
                 if need <= usable:
                     largest = min(per_rank, int((usable - m.need(0)) // max(m.peak_fit.slope, 1.0)))
@@ -503,10 +503,14 @@ def _verify(
     """Measure a window at the planned size itself; step down while it does not fit.
 
     The line through small probes extrapolates; the allocator's behaviour at the planned
-    size (fragmentation, kernel workspaces) is measured, not assumed."""
+    size (fragmentation, kernel workspaces) is measured, not assumed. A window of two
+    micro-batches is measured whatever the plan's count: from the second on, a window holds
+    the first's summed gradient and nothing more (bench/results/memory_vs_n.md). When the
+    measured peak is over, the line is scaled through it and the largest size that fits by
+    the scaled line is measured next."""
     for _ in range(8):
         micro = math.ceil(per_rank / math.ceil(per_rank / largest))  # balanced window
-        n = min(math.ceil(per_rank / micro), 8)
+        n = min(math.ceil(per_rank / micro), 2)
         act = int(m.activation_fit(micro))
         if verify is not None:
             peak = int(verify(micro, n, bool(m.blocks))) - m.static - m.overhead
@@ -517,11 +521,13 @@ def _verify(
             peak, act = max(prober.window(micro, micro_batches=n)[:2] for _ in range(2))
             kind = "verify"
         verified = Probe(micro, peak, act, m.peak_fit(micro), kind=kind)
-        over = m.static + m.overhead + peak - usable
-        if over <= 0 or micro == 1:
+        if m.static + m.overhead + peak <= usable or micro == 1:
             return largest, micro, verified
-        shrink = max(1, math.ceil(over / max(peak / micro, 1.0)))
-        largest = max(1, micro - shrink)
+        # the line scaled to pass through this measurement (never below it)
+        scale = max(1.0, peak / max(m.peak_fit(micro), 1.0))
+        base = m.static + m.overhead
+        fits = [s for s in range(1, micro) if base + scale * m.peak_fit(s) <= usable]
+        largest = fits[-1] if fits else 1
     return largest, micro, verified
 
 
@@ -616,7 +622,9 @@ class _Prober:
             peak, saved = self.acc.sync.most([peak, saved])
         return peak, saved, stepped
 
-    def measure(self, probe_sizes: Sequence[int]) -> _Measured:
+    def measure(self, probe_sizes: Sequence[int], usable: float | None = None) -> _Measured:
+        """Warm up, then probe ``probe_sizes`` in order, stopping once the line through the
+        probes so far puts the next size above ``usable`` bytes."""
         state_before = tensor_bytes(self.optimizer.state_dict()["state"])
         # The warm-up allocates the optimizer state and lazy buffers. Under fp16 its first
         # windows may overflow and skip the step (GradScaler lowers its scale each time):
@@ -637,7 +645,8 @@ class _Prober:
             + state_after
         )
         measured: list[tuple[int, int, int]] = []
-        for size in probe_sizes:
+        growth = state_after - state_before
+        for i, size in enumerate(probe_sizes):
             try:
                 # twice, keeping the larger peak: on CPU, RSS grows over the first windows as
                 # malloc's free lists fragment, as the verify step below does too
@@ -645,11 +654,35 @@ class _Prober:
             except torch.OutOfMemoryError:
                 self.acc.abort_window()
                 break  # a real device ran out: larger probes would too
+            nxt = probe_sizes[i + 1] if i + 1 < len(probe_sizes) else None
+            if nxt is not None and len(measured) >= 2 and usable is not None:
+                m = self._fitted(static, warm_peak, growth, probe_sizes[0], measured)
+                if m.need(nxt) > usable:
+                    # A larger probe cannot be the plan, and on a GPU it would run out: the
+                    # line through these decides.
+                    skipped = [s for s in probe_sizes if s >= nxt]
+                    note = (
+                        f"note: probes stopped at micro-batch {size}: the line predicts "
+                        f"{format_bytes(m.need(nxt))} for {nxt}, above the usable budget "
+                        f"(not probed: {', '.join(map(str, skipped))})"
+                    )
+                    return replace(m, notes=(*m.notes, note))
         if len(measured) < 2:
             raise torch.OutOfMemoryError(
                 f"only {len(measured)} probe size fit on {self.meter.device} (sizes "
                 f"{list(probe_sizes)}); two are needed to fit the memory model"
             )
+        return self._fitted(static, warm_peak, growth, probe_sizes[0], measured)
+
+    def _fitted(
+        self,
+        static: int,
+        warm_peak: int,
+        growth: int,
+        first_size: int,
+        measured: list[tuple[int, int, int]],
+    ) -> _Measured:
+        """The memory model through the probes measured so far."""
         xs = [m[0] for m in measured]
         peak_fit = _fit(xs, [m[1] for m in measured])
         act_fit = _fit(xs, [m[2] for m in measured])
@@ -668,8 +701,7 @@ class _Prober:
             )
         # What the first step of a fresh process allocates beyond its share (thread pools,
         # kernel workspaces): in a training run it is paid once, at the top of the peak.
-        first = peak_fit(probe_sizes[0])
-        overhead = max(0, int(warm_peak - (state_after - state_before) - first))
+        overhead = max(0, int(warm_peak - growth - peak_fit(first_size)))
         probes = tuple(Probe(s, pk, a, peak_fit(s)) for s, pk, a in measured)
         return _Measured(
             static, overhead, peak_fit, act_fit, probes, tuple(self.blocks), tuple(notes)

@@ -309,3 +309,56 @@ def test_the_probe_table_counts_the_whole_peak_as_the_summary_and_plot_do():
     [row] = plan.table().splitlines()[2:]
     # 1 MiB measured above the static 1 MiB and first-step 1 MiB: 3 MiB; the line: 3.5 MiB
     assert row == "| 4 | fit | 3.0 MiB | 3.5 MiB | +16.7% | 512.0 KiB |"
+
+
+def test_probes_stop_where_the_line_puts_the_next_size_over_the_budget():
+    """A probe above the usable budget cannot be the plan (on a GPU it would run out of
+    memory): once the line through the probes so far puts the next size over, probing
+    stops, and the plan says which sizes it did not probe."""
+    model, batch, loss_fn = cnn_setup()
+
+    def run(budget, probe_sizes=(1, 2, 4, 8)):
+        optimizer = torch.optim.AdamW(model.parameters())
+        return ga.plan(
+            model, optimizer, batch, loss_fn, effective_batch=16, budget=budget,
+            probe_sizes=probe_sizes, meter="tensors",
+        )  # fmt: skip
+
+    free = run("8GiB")
+    assert [p.micro_size for p in free.probes if p.kind == "fit"] == [1, 2, 4, 8]
+    # the usable budget halfway between the line's needs at 2 and at 4 samples
+    usable = (free.predict(2) + free.predict(4)) / 2
+    tight = run(int(usable / (1 - free.margin)))
+    assert [p.micro_size for p in tight.probes if p.kind == "fit"] == [1, 2]
+    assert any("probes stopped at micro-batch 2" in n and "4, 8" in n for n in tight.notes)
+    assert 2 <= tight.micro_size < 4
+    assert tight.predicted_peak <= usable
+
+
+def test_a_verification_over_the_budget_steps_down_along_the_line_scaled_through_it():
+    """The planned size measured where training runs peaks at twice the line: the next
+    size measured is the largest the line, scaled through that measurement, fits, and it
+    is the plan (one step down, not one sample at a time)."""
+    model, batch, loss_fn = cnn_setup()
+    optimizer = torch.optim.AdamW(model.parameters())
+    kw = dict(effective_batch=16, probe_sizes=[1, 2, 4], meter="tensors")
+    free = ga.plan(model, optimizer, batch, loss_fn, budget="8GiB", **kw)
+    base = free.static_bytes + free.overhead_bytes
+    asked = []
+
+    def verify(micro: int, n: int, checkpointed: bool) -> int:
+        asked.append((micro, n))
+        return int(base + 2.0 * free.peak_fit(micro))
+
+    usable = base + free.peak_fit(8.5)  # by the line alone, 8 samples fit
+    result = ga.plan(
+        model, optimizer, batch, loss_fn, budget=int(usable / (1 - free.margin)),
+        verify=verify, **kw,
+    )  # fmt: skip
+    # an independent reading of the scaled line: the largest size whose 2x need fits
+    expected = max(s for s in range(1, 9) if base + 2.0 * free.peak_fit(s) <= usable)
+    balanced = -(-16 // -(-16 // expected))  # the balanced window's size at that limit
+    assert asked[0] == (8, 2)  # 16 over a limit of 8: two micro-batches of 8
+    assert len(asked) == 2 and asked[1][0] == balanced
+    assert all(n == 2 for _, n in asked)  # a window of two micro-batches, whatever N is
+    assert result.micro_size == balanced and result.predicted_peak <= usable
