@@ -216,8 +216,15 @@ def plans_vs_runs(device: torch.device, tmp: Path, began: float, only=None) -> l
             "budget": parse_bytes(cfg.memory.budget),
             "usable": parse_bytes(cfg.memory.budget) * (1 - cfg.memory.margin),
             "plan": f"{plan['micro_batches']} x {plan['micro_size']}",
-            "predicted": plan.get("predicted_peak"),
+            # the whole run's prediction: the window, or a phase (evaluation, a checkpoint,
+            # the exports) above it
+            "predicted": max(
+                [plan.get("predicted_peak", 0), *(p["peak_bytes"] for p in plan.get("phases", ()))]
+            ),
             "training_peak": max(x["peak_memory"] for x in metrics),
+            "phases": json.loads((out / "memory.json").read_text())["phases"]
+            if (out / "memory.json").is_file()
+            else None,
             "steps": summary["steps"],
         }
         if device.type == "cuda":

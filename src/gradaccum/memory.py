@@ -335,9 +335,36 @@ class TrainingMemory:
                 if device.type == "cuda"
                 else tensor_bytes(list(model.parameters()) + list(model.buffers()))
             )
+        self.phases: dict[str, int] = {}  # each phase's highest peak, in these terms
+        self._top = 0  # the peak of the phases before the meter's last reset
 
     def peak(self) -> int:
-        return 0 if self.meter is None else self.resident + self.meter.peak()
+        """The run's peak so far, every phase included."""
+        if self.meter is None:
+            return 0
+        return max(self._top, self.resident + self.meter.peak())
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Measure what runs inside as the phase ``name`` (training, evaluation,
+        checkpoint, export): the peak it reaches, from the same baseline as the run's,
+        kept in ``phases`` (the highest of each name). The high-water mark is reset at its
+        start (the meter's baseline is not), so a phase is seen apart from the ones before;
+        ``peak()`` still covers them all."""
+        if self.meter is None or self.meter.kind == "tensors":
+            yield
+            return
+        self._top = self.peak()
+        if self.meter.kind == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.meter.device)
+        else:
+            _CLEAR_REFS.write_text("5")  # VmHWM back to the resident set now
+        try:
+            yield
+        finally:
+            reached = self.resident + self.meter.peak()
+            self.phases[name] = max(self.phases.get(name, 0), reached)
+            self._top = max(self._top, reached)
 
     def window_done(self) -> None:
         """Between windows on CPU: hand the heap's free pages back to the system. Windows of

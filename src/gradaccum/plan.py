@@ -19,7 +19,7 @@ import copy
 import gc
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -43,7 +43,7 @@ from gradaccum.stats import fit_line
 from gradaccum.sync import SYNC_MODES, is_sharded
 from gradaccum.validate import int_problem
 
-__all__ = ["Fit", "Plan", "Probe", "plan"]
+__all__ = ["Fit", "Phase", "Plan", "Probe", "plan"]
 
 CHECKPOINTING = ("off", "on", "auto")
 _WARMUP_WINDOWS = 30
@@ -104,6 +104,18 @@ class Probe:
 
 
 @dataclass(frozen=True)
+class Phase:
+    """A part of the run other than the training window (evaluation, a checkpoint, an
+    export), measured after the planned window: ``peak_bytes`` is the whole peak while it
+    runs (static and first-step bytes included), at micro-batch ``micro_size``."""
+
+    name: str
+    micro_size: int
+    peak_bytes: int
+    tried: tuple[tuple[int, int], ...] = ()  # (size, whole peak) of sizes that did not fit
+
+
+@dataclass(frozen=True)
 class Plan:
     """What to run: per rank, ``micro_batches`` micro-batches of ``micro_size`` samples per
     window, the last one ``last_micro_size``; predicted peak within the budget."""
@@ -131,6 +143,8 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     precision: str = "fp32"  # the autocast precision it was measured under
     sync: str = "window"  # the gradient sync it was measured under (DDP/FSDP2 models)
+    phases: tuple[Phase, ...] = ()  # the run's other parts, measured (``plan(phases=...)``)
+    batch_bytes: int = 0  # the window's input batch, held while the window trains
 
     @property
     def micro_sizes(self) -> list[int]:
@@ -138,7 +152,18 @@ class Plan:
         return [self.micro_size] * (self.micro_batches - 1) + [self.last_micro_size]
 
     def predict(self, micro_size: int) -> float:
-        return self.static_bytes + self.overhead_bytes + self.peak_fit(micro_size)
+        return (
+            self.static_bytes + self.overhead_bytes + self.batch_bytes + self.peak_fit(micro_size)
+        )
+
+    @property
+    def run_peak(self) -> float:
+        """The whole run's predicted peak: the planned window's, or a phase's above it."""
+        return max([self.predicted_peak, *(p.peak_bytes for p in self.phases)])
+
+    def phase_size(self, name: str) -> int:
+        """The micro-batch a phase was planned at (``micro_size`` when it was not)."""
+        return next((p.micro_size for p in self.phases if p.name == name), self.micro_size)
 
     def apply(self, model: torch.nn.Module) -> None:
         """Put the plan's activation checkpointing on ``model`` (a no-op when it has none)."""
@@ -168,6 +193,10 @@ class Plan:
             values["probes"] = tuple(Probe(**p) for p in values["probes"])
             values["checkpointed_blocks"] = tuple(values.get("checkpointed_blocks", ()))
             values["notes"] = tuple(values.get("notes", ()))
+            values["phases"] = tuple(
+                Phase(**{**p, "tried": tuple(map(tuple, p.get("tried", ())))})
+                for p in values.get("phases", ())
+            )
             plan = cls(**values)
             plan.summary()  # every number it shows is a number
         except (KeyError, TypeError, ValueError) as err:
@@ -204,18 +233,44 @@ class Plan:
             f"{format_bytes(self.budget)} ({self.margin:.0%} margin kept free) on {self.device}",
             f"static {format_bytes(self.static_bytes)} (parameters, buffers, optimizer state) + "
             f"first-step overhead {format_bytes(self.overhead_bytes)} "
-            f"{_signed(self.peak_fit.intercept)} + "
+            + (
+                f"+ the window's batch {format_bytes(self.batch_bytes)} "
+                if self.batch_bytes
+                else ""
+            )
+            + f"{_signed(self.peak_fit.intercept)} + "
             f"{format_bytes(self.bytes_per_sample)} per sample; {self.peak_fit.quality()}",
             f"activations saved for backward: {self.activation_fit.activations()}; planned in "
             f"{self.seconds:.1f} s",
+            *self._phase_lines(),
             *self.notes,
         ]
         return "\n".join(lines)
 
+    def _phase_lines(self) -> list[str]:
+        """The whole run, phase by phase, and which holds the most."""
+        if not self.phases:
+            return []
+        parts = [f"training {format_bytes(self.predicted_peak)}"]
+        for p in self.phases:
+            size = f" at micro-batch {p.micro_size}" if p.micro_size != self.micro_size else ""
+            parts.append(f"{p.name} {format_bytes(p.peak_bytes)}{size}")
+        top = max(self.phases, key=lambda p: p.peak_bytes)
+        most = "training" if self.predicted_peak >= top.peak_bytes else top.name
+        lines = [f"the whole run, measured: {', '.join(parts)}; {most} holds the most"]
+        for p in self.phases:
+            if p.tried:
+                size, peak = p.tried[0]
+                lines.append(
+                    f"{p.name} has a micro-batch of its own, {p.micro_size}: at {size} it "
+                    f"peaked at {format_bytes(peak)}, above the usable budget"
+                )
+        return lines
+
     def table(self) -> str:
         """Predicted vs measured memory per probed size (markdown), each the whole peak as
         the summary and the plot count it: the static and first-step bytes included."""
-        base = self.static_bytes + self.overhead_bytes
+        base = self.static_bytes + self.overhead_bytes + self.batch_bytes
         rows = [
             "| micro-batch | probe | measured peak | the line's prediction | error | activations |",
             "|---:|---|---:|---:|---:|---:|",
@@ -262,6 +317,7 @@ def plan(
     verify: Callable[[int, int, bool], int] | None = None,
     meter: str = "auto",
     sync: str = "window",
+    phases: Mapping[str, Callable[[int], Any]] | None = None,
 ) -> Plan:
     """Plan the micro-batch for ``effective_batch`` samples (over all ranks) in ``budget``.
 
@@ -289,6 +345,13 @@ def plan(
     FSDP2 both are measured, and ``"window"`` (one reduce-scatter per window, the whole
     unsharded gradient held between micro-batches) is chosen when it fits, else ``"micro"``
     (one per micro-batch, one shard held); the plan's notes give both predictions and why.
+
+    ``phases``: the run's other parts, ``{"evaluation": fn, "checkpoint": fn, ...}``, each
+    ``fn(micro_size)`` run in this process after the planned window (the optimizer state
+    held, as in training) and measured: the plan's ``phases`` and ``run_peak`` cover the
+    whole run. A phase over the usable budget at the planned micro-batch is measured again
+    at half the size, and half again, and gets a micro-batch of its own
+    (``plan.phase_size(name)``); one that does not fit at one sample is refused.
     """
     if sync == "auto":
         return _plan_sync(
@@ -306,6 +369,7 @@ def plan(
             accumulate_dtype=accumulate_dtype,
             verify=verify,
             meter=meter,
+            phases=phases,
         )
     problems: list[str] = []
     if sync not in SYNC_MODES:
@@ -362,6 +426,9 @@ def plan(
         "checkpointing": checkpointing_enabled(model),
     }
     usable = budget_bytes * (1 - margin)
+    # The window's input batch is held while it trains (``acc.step(ga.split(batch, m))``):
+    # its bytes, per sample as in the sample batch, are part of the window's need.
+    batch_bytes = round(_input_bytes(sample_batch) / sample_n * per_rank)
     # the probes' dropout and data order must not advance any generator
     with preserved_rng(), _heap_set_aside():
         try:
@@ -377,14 +444,18 @@ def plan(
                     accumulate_dtype,
                     memory,
                     sync,
+                    batch_bytes,
                 )
                 m = prober.measure(probe_sizes, usable)
                 need, measured = m.need(1), False
                 if need <= usable:
                     largest = min(per_rank, int((usable - m.need(0)) // max(m.peak_fit.slope, 1.0)))
                     largest, micro, verified = _verify(prober, m, per_rank, largest, usable, verify)
-                    need, measured = m.static + m.overhead + verified.peak_bytes, True
+                    need, measured = m.base + verified.peak_bytes, True
                     if need <= usable:
+                        measured_phases = _measure_phases(
+                            phases or {}, memory, m, micro, usable, budget_bytes, margin
+                        )
                         break
                 # Nothing fits as it is, by the line or measured at one sample per
                 # micro-batch: with "auto", try recomputing activations before refusing.
@@ -420,6 +491,7 @@ def plan(
         predicted_peak=measured_peak,
         static_bytes=m.static,
         overhead_bytes=m.overhead,
+        batch_bytes=m.batch,
         bytes_per_sample=m.peak_fit.slope,
         peak_fit=m.peak_fit,
         activation_fit=m.activation_fit,
@@ -432,6 +504,7 @@ def plan(
         notes=tuple(notes),
         precision=precision,
         sync=sync,
+        phases=measured_phases,
     )
 
 
@@ -472,6 +545,18 @@ def _plan_sync(model, optimizer, sample_batch, loss_fn, effective_batch, budget,
         f"{why}"
     )
     return replace(chosen, notes=(*chosen.notes, line))
+
+
+def _input_bytes(batch: Any) -> int:
+    """Bytes of every tensor in a batch as its own (a repeated or expanded sample counts as
+    many times as it appears: the run's batches are made of distinct samples)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    if isinstance(batch, dict):
+        return sum(_input_bytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(_input_bytes(v) for v in batch)
+    return 0
 
 
 @contextlib.contextmanager
@@ -521,14 +606,54 @@ def _verify(
             peak, act = max(prober.window(micro, micro_batches=n)[:2] for _ in range(2))
             kind = "verify"
         verified = Probe(micro, peak, act, m.peak_fit(micro), kind=kind)
-        if m.static + m.overhead + peak <= usable or micro == 1:
+        if m.base + peak <= usable or micro == 1:
             return largest, micro, verified
         # the line scaled to pass through this measurement (never below it)
         scale = max(1.0, peak / max(m.peak_fit(micro), 1.0))
-        base = m.static + m.overhead
+        base = m.base
         fits = [s for s in range(1, micro) if base + scale * m.peak_fit(s) <= usable]
         largest = fits[-1] if fits else 1
     return largest, micro, verified
+
+
+def _measure_phases(
+    phases: Mapping[str, Callable[[int], Any]],
+    memory: MemoryMeter,
+    m: _Measured,
+    micro: int,
+    usable: float,
+    budget: int,
+    margin: float,
+) -> tuple[Phase, ...]:
+    """Each of the run's other parts, measured after the planned window; one over the usable
+    budget is measured again at half the micro-batch until it fits."""
+    out = []
+    for name, run in phases.items():
+        size, tried = micro, []
+        while True:
+            memory.start()
+            try:
+                run(size)
+            finally:
+                memory.stop()
+            peak = int(m.base + memory.peak())
+            if peak <= usable:
+                break
+            tried.append((size, peak))
+            # a phase whose need did not fall with its micro-batch does not depend on it (a
+            # checkpoint, a merge): no smaller size would fit either
+            flat = len(tried) > 1 and peak >= 0.97 * tried[-2][1]
+            if size == 1 or flat:
+                at = "whatever the micro-batch" if flat else "at micro-batch 1"
+                raise ValueError(
+                    f"budget {format_bytes(budget)} is too small for the run's {name}: {at} "
+                    f"it needs a measured {format_bytes(peak)}, above the "
+                    f"{format_bytes(usable)} usable after the {margin:.0%} margin; give at "
+                    f"least {format_bytes(peak / (1 - margin))}"
+                )
+            size = math.ceil(size / 2)
+        out.append(Phase(name, size, peak, tuple(tried)))
+    return tuple(out)
 
 
 def _too_small(
@@ -567,10 +692,16 @@ class _Measured:
     probes: tuple[Probe, ...]
     blocks: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    batch: int = 0  # the window's input batch
 
     def need(self, micro_size: int) -> float:
         """Predicted peak for ``micro_size`` (0: the part that does not grow with it)."""
-        return self.static + self.overhead + self.peak_fit(micro_size)
+        return self.base + self.peak_fit(micro_size)
+
+    @property
+    def base(self) -> int:
+        """What the window's peak sits on: static, first-step overhead and its batch."""
+        return self.static + self.overhead + self.batch
 
 
 class _Prober:
@@ -587,7 +718,9 @@ class _Prober:
         accumulate_dtype,
         meter,
         sync="window",
+        batch_bytes=0,
     ) -> None:
+        self.batch_bytes = batch_bytes
         self.blocks = enable_checkpointing(model) if use_ckpt else []
         self.model, self.optimizer = model, optimizer
         self.sample_batch, self.loss_fn, self.meter = sample_batch, loss_fn, meter
@@ -704,5 +837,6 @@ class _Prober:
         overhead = max(0, int(warm_peak - growth - peak_fit(first_size)))
         probes = tuple(Probe(s, pk, a, peak_fit(s)) for s, pk, a in measured)
         return _Measured(
-            static, overhead, peak_fit, act_fit, probes, tuple(self.blocks), tuple(notes)
-        )
+            static, overhead, peak_fit, act_fit, probes, tuple(self.blocks), tuple(notes),
+            batch=self.batch_bytes,
+        )  # fmt: skip

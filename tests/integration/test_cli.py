@@ -225,3 +225,22 @@ def test_check_passes_the_groupnorm_unet_and_names_the_batchnorm_layers_once():
         "down.0.layers.1, down.0.layers.4" in bad.stdout
         and "and 12 more (BatchNorm2d)" in bad.stdout
     )
+
+
+def test_plan_reads_its_cached_plan_on_a_rerun_and_replan_measures_again(tmp_path, monkeypatch):
+    """`gradaccum plan` keeps its plan in the plan cache: the same command again prints the
+    same plan without measuring, --replan measures and replaces it, and another budget is
+    another plan."""
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "plans"))
+    args = ["plan", "--recipe", "digits", "--effective-batch", "32", "--budget", "300MB", "--json"]
+    first = cli(*args)
+    assert "probing micro-batch sizes" in first.stderr
+    again = cli(*args)
+    assert "the plan is the cached one" in again.stderr and "probing" not in again.stderr
+    assert json.loads(again.stdout) == json.loads(first.stdout)
+    replanned = cli(*args, "--replan")
+    assert "probing micro-batch sizes" in replanned.stderr
+    assert json.loads(replanned.stdout)["seconds"] != json.loads(first.stdout)["seconds"]
+    other = cli(*args[:-2], "400MB", "--json")
+    assert "probing micro-batch sizes" in other.stderr
+    assert len(list((tmp_path / "plans").glob("*.json"))) == 2

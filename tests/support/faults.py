@@ -114,10 +114,10 @@ def rewrite_checkpoint(path, change: Callable[[dict[str, Any]], None]) -> None:
     judging the state can tell."""
     from pathlib import Path
 
-    from gradaccum.app.folder import RunFolder, _sealed
+    from gradaccum.app.folder import RunFolder, sealed
 
     path = Path(path)
     state = RunFolder(path.parent).load_checkpoint(torch.device("cpu"), path)
     state.pop("format")
     change(state)
-    torch.save(_sealed(state), path)
+    torch.save(sealed(state), path)

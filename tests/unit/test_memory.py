@@ -50,3 +50,25 @@ def test_live_tensor_bytes_count_new_storages_not_views_or_in_place_results():
         fresh.t().mul_(2.0)
         fresh.split(10)
     assert live.peak == 4000
+
+
+def test_training_memory_sees_each_phase_apart_and_the_run_whole():
+    """A phase's peak is read from the run's baseline with the high-water mark reset at its
+    start: a small phase after a large one reads small, and peak() still holds the large."""
+    from gradaccum.memory import TrainingMemory
+
+    model = torch.nn.Linear(4, 4)
+    memory = TrainingMemory(model, "cpu")
+    big, small = 64 * 2**20, 4 * 2**20
+    with memory.phase("training"):
+        x = torch.ones(big // 4)  # float32, every page touched
+        del x
+    with memory.phase("evaluation"):
+        y = torch.ones(small // 4)
+        del y
+    # (the resident set is the whole process's: other pages come and go by a few hundred KiB)
+    assert memory.phases["training"] >= 0.95 * big
+    # the evaluation reads what it raised memory to, not the training's high-water mark
+    assert memory.phases["evaluation"] < memory.phases["training"] - big // 2
+    assert memory.phases["evaluation"] >= 0.8 * small
+    assert memory.peak() >= memory.phases["training"]

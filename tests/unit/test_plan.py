@@ -343,12 +343,16 @@ def test_a_verification_over_the_budget_steps_down_along_the_line_scaled_through
     optimizer = torch.optim.AdamW(model.parameters())
     kw = dict(effective_batch=16, probe_sizes=[1, 2, 4], meter="tensors")
     free = ga.plan(model, optimizer, batch, loss_fn, budget="8GiB", **kw)
-    base = free.static_bytes + free.overhead_bytes
+    # what a verifying process measures sits on the static and first-step bytes; the need
+    # adds the window's input batch, held while it trains
+    measured_base = free.static_bytes + free.overhead_bytes
+    base = measured_base + free.batch_bytes
+    assert free.batch_bytes == 16 * (8 * 8 * 4 + 8)  # 16 images of 8x8 float32, int64 labels
     asked = []
 
     def verify(micro: int, n: int, checkpointed: bool) -> int:
         asked.append((micro, n))
-        return int(base + 2.0 * free.peak_fit(micro))
+        return int(measured_base + 2.0 * free.peak_fit(micro))
 
     usable = base + free.peak_fit(8.5)  # by the line alone, 8 samples fit
     result = ga.plan(
@@ -362,3 +366,64 @@ def test_a_verification_over_the_budget_steps_down_along_the_line_scaled_through
     assert len(asked) == 2 and asked[1][0] == balanced
     assert all(n == 2 for _, n in asked)  # a window of two micro-batches, whatever N is
     assert result.micro_size == balanced and result.predicted_peak <= usable
+
+
+def test_the_runs_other_phases_are_measured_and_one_too_big_gets_its_own_micro_batch(tmp_path):
+    """plan(phases=...): evaluation and a checkpoint measured after the planned window.
+    The evaluation here holds a buffer of 60 KiB per sample, more than the window at the
+    planned size: it is measured again at half the size until it fits, and the plan says
+    so; a checkpoint of the model and optimizer is measured at its size."""
+    model, batch, loss_fn = cnn_setup()
+    optimizer = torch.optim.AdamW(model.parameters())
+    kw = dict(effective_batch=16, probe_sizes=[1, 2, 4], meter="tensors")
+    free = ga.plan(model, optimizer, batch, loss_fn, budget="8GiB", **kw)
+    per_sample = 60 * 2**10
+    sizes = []
+
+    def evaluation(size: int) -> None:
+        sizes.append(size)
+        with torch.no_grad():
+            model.eval()
+            buffer = torch.ones(size * per_sample // 4)  # float32: 4 bytes each
+            model(batch[0][:size]).sum() + buffer.sum()
+            model.train()
+
+    def checkpoint(size: int) -> None:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                   tmp_path / "c.pt")  # fmt: skip
+
+    usable = free.predict(8) + 1  # the window of 8 fits by the line
+    budget = int(usable / (1 - free.margin))
+    result = ga.plan(
+        model, optimizer, batch, loss_fn, budget=budget,
+        phases={"evaluation": evaluation, "checkpoint": checkpoint}, **kw,
+    )  # fmt: skip
+    base = result.static_bytes + result.overhead_bytes
+    by_name = {p.name: p for p in result.phases}
+    ev = by_name["evaluation"]
+    # the reference: what the evaluation allocates itself, at each size it was run at
+    assert sizes[0] == result.micro_size and sizes[-1] == ev.micro_size < result.micro_size
+    assert all(b == -(-a // 2) for a, b in zip(sizes, sizes[1:], strict=False))
+    assert ev.peak_bytes >= base + ev.micro_size * per_sample
+    assert all(peak > usable >= ev.peak_bytes for _, peak in ev.tried)
+    assert result.phase_size("evaluation") == ev.micro_size
+    assert result.phase_size("checkpoint") == result.micro_size
+    assert result.run_peak == max(result.predicted_peak, *(p.peak_bytes for p in result.phases))
+    text = result.summary()
+    assert "the whole run, measured: training" in text and "checkpoint" in text
+    assert f"evaluation has a micro-batch of its own, {ev.micro_size}" in text
+    again = ga.Plan.from_dict(result.to_dict())
+    assert again.phases == result.phases
+    with pytest.raises(ValueError, match="too small for the run's evaluation: at micro-batch 1"):
+        per_sample = 10 * budget  # not even one sample's evaluation fits
+        ga.plan(model, optimizer, batch, loss_fn, budget=budget,
+                phases={"evaluation": evaluation}, **kw)  # fmt: skip
+    held = []
+
+    def merge(size: int) -> None:  # holds a copy of the budget whatever the micro-batch
+        held.append(size)
+        torch.ones(budget // 4).sum()
+
+    with pytest.raises(ValueError, match="the run's merge: whatever the micro-batch it needs"):
+        ga.plan(model, optimizer, batch, loss_fn, budget=budget, phases={"merge": merge}, **kw)
+    assert len(held) == 2  # measured twice, not down to one sample

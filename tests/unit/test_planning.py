@@ -31,3 +31,51 @@ def test_a_given_micro_batch_is_recorded_as_a_plan_without_measuring(tmp_path):
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert plan == {"micro_size": 8, "source": "given", "checkpointing": False}
     assert summary["steps"] == 2
+
+
+def test_a_planned_run_measures_its_phases_and_keeps_them_beside_the_plans(tmp_path):
+    """The plan covers evaluation and checkpoints as well as the window (plan.json's
+    phases), and the run writes what each phase peaked at (memory.json), by one meter: the
+    whole run's peak is the largest phase's, within the budget."""
+    import json
+
+    from gradaccum.memory import parse_bytes
+
+    out = tmp_path / "run"
+    cfg = TrainConfig.of(
+        recipe="digits", effective_batch=32, budget="200MB", steps=2, eval_every=1,
+        checkpoint_every=1, out=str(out),
+    )  # fmt: skip
+    train(cfg, log=lambda *a, **k: None)
+    plan = json.loads((out / "plan.json").read_text())
+    assert [p["name"] for p in plan["phases"]] == ["evaluation", "checkpoint"]
+    assert all(0 < p["peak_bytes"] <= 0.85 * parse_bytes("200MB") for p in plan["phases"])
+    memory = json.loads((out / "memory.json").read_text())
+    assert set(memory["phases"]) >= {"training", "evaluation", "checkpoint"}
+    assert memory["peak"] == max(memory["phases"].values())
+    assert memory["peak"] <= parse_bytes("200MB")
+
+
+def test_evaluation_runs_at_the_plans_own_micro_batch_for_it_resumed_too(tmp_path, monkeypatch):
+    """A plan that gave evaluation a micro-batch of its own (plan.json's evaluation phase)
+    is followed by every evaluation of the run, a resumed session's included."""
+    import json
+
+    from gradaccum.app.recipes import DigitsData
+
+    out = tmp_path / "run"
+    given = dict(recipe="digits", micro_batch=8, effective_batch=16, eval_every=1, out=str(out))
+    train(TrainConfig.of(steps=1, **given), log=lambda *a, **k: None)
+    plan = json.loads((out / "plan.json").read_text())
+    plan["phases"] = [{"name": "evaluation", "micro_size": 3, "peak_bytes": 1, "tried": []}]
+    (out / "plan.json").write_text(json.dumps(plan))
+    sizes = []
+    evaluate = DigitsData.evaluate
+
+    def spy(self, model, micro_size, limit=None):
+        sizes.append(micro_size)
+        return evaluate(self, model, micro_size, limit)
+
+    monkeypatch.setattr(DigitsData, "evaluate", spy)
+    train(TrainConfig.of(resume=str(out), steps=3, **given), log=lambda *a, **k: None)
+    assert sizes and set(sizes) == {3}

@@ -154,8 +154,8 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
     model = kind.distribute(model, lambda m: baseline(m, cfg.batch.micro_batch or 8), log)
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=sched.lr, weight_decay=sched.weight_decay)
-    micro, checkpointing, sync = planning.micro_batch(
-        cfg, folder, saved, kind, model, optimizer, recipe, device, log
+    micro, checkpointing, sync, eval_micro = planning.micro_batch(
+        cfg, folder, saved, kind, model, optimizer, recipe, device, log, data
     )
     baseline(model, micro)
     if cfg.batch.batch_schedule == "auto" and micro * kind.replicas >= effective and saved is None:
@@ -184,6 +184,7 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
         optimizer=optimizer,
         acc=acc,
         micro_batch=micro,
+        eval_micro_batch=eval_micro,
         checkpointing=checkpointing,
         signature=signature,
         schedule=schedule,

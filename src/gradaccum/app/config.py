@@ -177,6 +177,13 @@ EFFECTIVE_BATCH = Opt(
 MICRO_BATCH = Opt(
     None, "samples per micro-batch; planned from --budget when not given", check=at_least(1)
 )
+REPLAN = Opt(
+    False,
+    "plan again although the plan cache holds this plan (kept under "
+    "~/.cache/gradaccum/plans, keyed by everything the plan depends on: model, data "
+    "shapes, budget, precision, device, versions)",
+    resumable=True,  # a resumed run never plans: it has no effect there
+)
 BUDGET = Opt(
     RecipeDefault("512MB"),
     "memory budget for planning the micro-batch: bytes, or a number with B, KB, MB, GB "
@@ -306,13 +313,7 @@ class Memory:
     margin: float = MARGIN()
     meter: str = METER()
     checkpointing: str = CHECKPOINTING_OPT()
-    replan: bool = Opt(
-        False,
-        "plan again although the plan cache holds this run's plan (kept under "
-        "~/.cache/gradaccum/plans, keyed by everything the plan depends on: model, data "
-        "shapes, budget, precision, device, versions)",
-        resumable=True,  # a resumed run never plans: it has no effect there
-    )()
+    replan: bool = REPLAN()
 
     @property
     def budget_bytes(self) -> int:
@@ -747,6 +748,7 @@ class PlanConfig:
         choices=FRAMEWORKS,
         metavar="FRAMEWORK",
     )()
+    replan: bool = REPLAN()
     json: bool = Opt(False, "print the plan as JSON")()
     plot: str | None = Opt(
         None, "draw predicted vs measured memory per probed size to this PNG", metavar="FILE.png"

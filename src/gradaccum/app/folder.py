@@ -49,6 +49,7 @@ __all__ = ["CHECKPOINT_FORMAT", "RunFolder"]
 CHECKPOINT_FORMAT = "gradaccum.run/1"
 CONFIG, PLAN, RESUMES = "config.json", "plan.json", "resumes.jsonl"
 METRICS, CHECKPOINT, LOCK = "metrics.jsonl", "checkpoint.pt", ".lock"
+MEMORY = "memory.json"  # the last session's peak memory, phase by phase
 KEPT, INCIDENTS, STAGES = "checkpoints", "incidents.jsonl", "stages"
 SHARDS, MODEL = "shards", "model.pt"
 BASELINE = "baseline.json"
@@ -247,7 +248,7 @@ class RunFolder:
     # -- checkpoint ---------------------------------------------------------------------------
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
-        self._write(CHECKPOINT, lambda tmp: torch.save(_sealed(state), tmp))
+        self._write(CHECKPOINT, lambda tmp: torch.save(sealed(state), tmp))
 
     def load_checkpoint(
         self, device: torch.device, file: Path | None = None
@@ -318,7 +319,7 @@ class RunFolder:
         except OSError as err:
             raise ValueError(f"cannot write {self.path / STAGES}: {write_failure(err)}") from None
         name = f"{STAGES}/stage-{stage}-step-{step:08d}.pt"
-        self._write(name, lambda tmp: torch.save(_sealed(state), tmp))
+        self._write(name, lambda tmp: torch.save(sealed(state), tmp))
 
     def load_stage(self, stage: int, step: int, device: torch.device) -> dict[str, Any]:
         file = self.path / STAGES / f"stage-{stage}-step-{step:08d}.pt"
@@ -506,7 +507,7 @@ def _leftover(name: str) -> bool:
     return name == LOCK or name.endswith(".tmp")
 
 
-def _sealed(state: dict[str, Any]) -> dict[str, Any]:
+def sealed(state: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint as written: its format, and the checksum of everything in it."""
     whole = {"format": CHECKPOINT_FORMAT, **state}
     return {**whole, DIGEST: state_digest(whole)}

@@ -58,11 +58,13 @@ class RunKind:
         later."""
         return model
 
-    def plan(self, cfg: Any, model, optimizer, recipe, device, log) -> dict[str, Any]:
-        """A new plan (plan.json's record): rank 0 plans, every rank takes its plan."""
+    def plan(self, cfg: Any, model, optimizer, recipe, device, log, data=None) -> dict[str, Any]:
+        """A new plan (plan.json's record): rank 0 plans, every rank takes its plan. With
+        the run's ``data``, the plan covers its evaluations, checkpoints and exports too."""
         return planning.window_plan(
-            cfg, model, optimizer, recipe, device, self.rank, self.world, log, each_rank=False
-        )
+            cfg, model, optimizer, recipe, device, self.rank, self.world, log,
+            each_rank=False, data=data,
+        )  # fmt: skip
 
     def window(self, cfg: Any, model, optimizer, micro_batch: int, sync: str, device, log) -> Any:
         """The window runner: an Accumulator over the model, DDP's copy on several ranks.
@@ -170,7 +172,7 @@ class Sharded(RunKind):
         before(model)
         return _fully_shard(model, log)
 
-    def plan(self, cfg, model, optimizer, recipe, device, log):
+    def plan(self, cfg, model, optimizer, recipe, device, log, data=None):
         return planning.window_plan(
             cfg, model, optimizer, recipe, device, self.rank, self.world, log, each_rank=True
         )
@@ -252,7 +254,7 @@ class Pipelined(RunKind):
         self.chained = ChainedStages(stage)
         return stage
 
-    def plan(self, cfg, model, optimizer, recipe, device, log):
+    def plan(self, cfg, model, optimizer, recipe, device, log, data=None):
         return planning.pipeline_plan(cfg, model, log)
 
     def window(self, cfg, model, optimizer, micro_batch, sync, device, log):

@@ -4,7 +4,6 @@ targets, the incident guard's rollbacks, and stops on signals."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
@@ -20,7 +19,8 @@ import torch
 
 from gradaccum.app import launch
 from gradaccum.app.config import TrainConfig
-from gradaccum.app.folder import INCIDENTS, METRICS, MODEL, RunFolder
+from gradaccum.app.exports import write_exports
+from gradaccum.app.folder import INCIDENTS, MEMORY, METRICS, MODEL, RunFolder
 from gradaccum.app.guard import Incident, IncidentGuard
 from gradaccum.app.kinds import RunKind
 from gradaccum.app.recipes import Recipe
@@ -120,6 +120,11 @@ class _Run:
     last_incident: int = 0  # the step of the latest incident
     elapsed: float = 0.0  # training seconds over all sessions, as of the last window
     stopped_by: str = "length"
+    eval_micro_batch: int | None = None  # the plan's own for evaluation, else micro_batch
+
+    @property
+    def eval_size(self) -> int:
+        return self.eval_micro_batch or self.micro_batch
 
     @property
     def main(self) -> bool:
@@ -251,7 +256,8 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             batch = kind.local(batch)
             if run.device.type == "cuda":
                 batch = to_device(batch, run.device)
-            result = kind.step(run.acc, batch, run.micro_batch, run.recipe.loss_fn)
+            with memory.phase("training"):
+                result = kind.step(run.acc, batch, run.micro_batch, run.recipe.loss_fn)
             schedule.update(result, samples)
             if schedule.kind == "auto":
                 # Each rank reads the noise off its own prefixes: rank 0's decision holds.
@@ -294,7 +300,6 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
                 "count": result.count,
                 "micro_batches": result.micro_batches,
                 "seconds": time.perf_counter() - t0,
-                "peak_memory": memory.peak(),
                 "skipped": result.skipped,
                 "oom_replays": result.oom_replays,
                 "noise_scale": result.noise_scale,
@@ -303,10 +308,13 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             }
             memory.window_done()
             end = run.done()
-            limit = run.targets.limit_reached(run.elapsed, line["peak_memory"])
+            limit = run.targets.limit_reached(run.elapsed, memory.peak())
             if kind.evaluates() and (step % cfg.output.eval_every == 0 or end or limit):
-                evaluated = run.data.evaluate(kind.evaluated(run.model), run.micro_batch)
+                with memory.phase("evaluation"):
+                    evaluated = run.data.evaluate(kind.evaluated(run.model), run.eval_size)
                 line.update({f"eval_{k}": v for k, v in evaluated.items()})
+            # the run's peak so far: its windows, evaluations, checkpoints and exports
+            line["peak_memory"] = memory.peak()
             hit = run.targets.check(line, run.elapsed) if run.main else None
             _write_line(metrics, line, folder, last)
             if events is not None:
@@ -323,19 +331,24 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             hit = launch.broadcast(hit)  # rank 0 evaluates: its verdict stops every rank
             stopping = launch.any_rank(bool(stop))  # a signal on any rank stops them all
             if stopping or hit or step % cfg.output.checkpoint_every == 0 or end:
-                _checkpoint(run, step, last)
+                with memory.phase("checkpoint"):
+                    _checkpoint(run, step, last)
                 last = step
             every = cfg.output.export_every
             exporting = bool(every and step % every == 0 or end or hit)
             # A model held in shards is gathered whole (every rank takes part) once, for
             # model.pt at the end and for the Hugging Face export; None where it is whole.
             whole = None
-            if end or hit or exporting and cfg.source.hf_model is not None:
+            writes = exporting and cfg.source.hf_model is not None
+            if end or hit or writes:
                 whole = kind.gather(run.model)
-            if exporting:
-                _export(run, log, whole)
-            if whole is not None and (end or hit):
-                _save_whole(run, log, whole)
+            if writes or whole is not None:
+                with memory.phase("export"):
+                    if exporting:
+                        _export(run, log, whole)
+                    if whole is not None and (end or hit):
+                        _save_whole(run, log, whole)
+                del whole
             if stopping:
                 signum = stop[0] if stop else signal.SIGTERM
                 raise Interrupted(step, folder.path, signum, getattr(log, "failure", None))
@@ -346,6 +359,11 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
     finally:
         with contextlib.suppress(OSError):  # (a write that failed is already said)
             metrics.close()
+        if run.main and memory.phases:
+            # what each part of this session peaked at, for the plan's prediction to be
+            # judged by (bench/planner.py)
+            with contextlib.suppress(OSError, ValueError):
+                folder.write_json(MEMORY, {"peak": memory.peak(), "phases": memory.phases})
         if events is not None:
             events.close()
         if bar is not None:
@@ -569,34 +587,12 @@ def _save_whole(run: _Run, log, whole: dict[str, torch.Tensor]) -> None:
 
 
 def _export(run: _Run, log, whole: dict[str, torch.Tensor] | None = None) -> None:
-    """The weights in formats other tools load, under ``export/`` in the run folder: the LoRA
-    adapter (PEFT's save_pretrained), with --merge-lora the merged model, and for a full
-    fine-tune of --hf-model the model itself (save_pretrained, safetensors), the tokenizer
-    beside each. Each folder is written whole (a temporary sibling, then a rename). Under
-    FSDP2, ``whole`` is the model's state_dict gathered from the shards."""
-    cfg = run.cfg
-    if not run.main or cfg.source.hf_model is None:
+    """The exports (``exports.write_exports``), written by rank 0."""
+    if not run.main:
         return
-    from gradaccum.integrations import peft as finetune
-
-    tokenizer = _tokenizer(cfg.source.hf_model)
-    out = run.folder.path / "export"
-    if cfg.model.lora is not None:
-        written = [finetune.save_adapter(run.model, out / "adapter", tokenizer)]
-        if cfg.output.merge_lora:
-            written.append(finetune.save_merged(run.model, out / "merged", tokenizer))
-    else:
-        written = [finetune.save_full(run.model, out / "model", tokenizer, state_dict=whole)]
-    log("exported " + ", ".join(str(w) for w in written))
-
-
-@functools.cache  # read once per run, however often it exports
-def _tokenizer(path: str):
-    if not (Path(path) / "tokenizer.json").is_file():
-        return None
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    written = write_exports(run.cfg, run.model, run.folder.path / "export", whole)
+    if written:
+        log("exported " + ", ".join(str(w) for w in written))
 
 
 def _stopped(folder: RunFolder, what: str, last: int) -> str:

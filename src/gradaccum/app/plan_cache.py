@@ -29,7 +29,7 @@ from gradaccum import __version__
 from gradaccum.batching import map_tensors
 from gradaccum.plan import Plan
 
-FORMAT = 1
+FORMAT = 2  # 2: train's plans cover the whole run (phases), the window's batch counted
 
 
 def folder() -> Path | None:

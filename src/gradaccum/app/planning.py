@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import math
 import re
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from gradaccum.app import launch, plan_cache
 from gradaccum.app.config import TrainConfig
-from gradaccum.app.folder import PLAN, RunFolder
+from gradaccum.app.exports import write_exports
+from gradaccum.app.folder import PLAN, RunFolder, sealed
 from gradaccum.app.measure import fresh_process_verifier
 from gradaccum.app.recipes import Recipe
 from gradaccum.checkpoint import preserved_rng
@@ -52,11 +57,13 @@ def micro_batch(
     recipe: Recipe,
     device: torch.device,
     log,
-) -> tuple[int, bool, str]:
-    """(micro-batch size, whether blocks recompute their activations, gradient sync). Whatever
-    the source, checkpointing is applied here, so a resumed run trains as it was planned.
-    plan.json is a record of the library's ``Plan`` (``Plan.to_dict()``), in its words:
-    ``micro_size`` is the size the command's --micro-batch gives."""
+    data: Any = None,
+) -> tuple[int, bool, str, int | None]:
+    """(micro-batch size, whether blocks recompute their activations, gradient sync,
+    evaluation's own micro-batch or None). Whatever the source, checkpointing is applied
+    here, so a resumed run trains as it was planned. plan.json is a record of the library's
+    ``Plan`` (``Plan.to_dict()``), in its words: ``micro_size`` is the size the command's
+    --micro-batch gives."""
     if saved is not None:
         # (a checkpoint written before checkpointing was recorded: it was never on then)
         info = {
@@ -77,14 +84,20 @@ def micro_batch(
             folder.write_json(PLAN, info)
     else:
         try:
-            info = kind.plan(cfg, model, optimizer, recipe, device, log)
+            info = kind.plan(cfg, model, optimizer, recipe, device, log, data)
         except ValueError as err:
             raise ValueError(as_flags(str(err))) from err
         if kind.main:
             folder.write_json(PLAN, info)
     if info["checkpointing"]:
         enable_checkpointing(model)
-    return info["micro_size"], bool(info["checkpointing"]), info.get("sync", "window")
+    planned = info
+    if "phases" not in info and (folder.path / PLAN).is_file():  # a resume: the plan's own
+        planned = folder.read_json(PLAN, needs=("micro_size",))
+    eval_micro = next(
+        (p["micro_size"] for p in planned.get("phases", ()) if p["name"] == "evaluation"), None
+    )
+    return info["micro_size"], bool(info["checkpointing"]), info.get("sync", "window"), eval_micro
 
 
 def window_plan(
@@ -98,6 +111,7 @@ def window_plan(
     log,
     *,
     each_rank: bool,
+    data: Any = None,
 ) -> dict[str, Any]:
     """The micro-batch of an Accumulator's window. One plan for all ranks (same model and
     hardware): rank 0's, broadcast; or, ``each_rank`` (FSDP2), every rank planning its own
@@ -107,6 +121,7 @@ def window_plan(
     per_rank = math.ceil(cfg.batch.effective_batch / world)
     info = None
     if rank == 0 or each_rank:
+        began = time.perf_counter()
         sample = recipe.sample_batch(8)
         # (FSDP2's plans are collectives of every rank: each rank plans, never from a file)
         parts = (
@@ -126,6 +141,8 @@ def window_plan(
                     "checkpointing": cfg.memory.checkpointing,
                     "precision": cfg.numerics.precision,
                     "world": world,
+                    # the phases measured beside the window: a merge copies the model
+                    "merge_lora": cfg.output.merge_lora,
                 },
                 (cfg.source.hf_model, cfg.source.data),
             )
@@ -133,11 +150,14 @@ def window_plan(
         cached = None if parts is None or cfg.memory.replan else plan_cache.load(parts)
         if cached is not None:
             planned, info, path = cached
-            log(f"the plan is the cached one ({path}; --replan plans again)")
+            took = time.perf_counter() - began
+            log(f"the plan is the cached one ({path}, read in {took:.2f} s; --replan plans again)")
             log(planned.summary())
         else:
             args = (cfg, model, optimizer, recipe, device, sample, per_rank, log)
-            info = _plan_now(*args, each_rank=each_rank)
+            # (FSDP2's evaluation is a collective of every rank: its plan is the window's)
+            phases = None if each_rank or data is None else run_phases(cfg, model, optimizer, data)
+            info = _plan_now(*args, each_rank=each_rank, phases=phases)
             if parts is not None:
                 plan_cache.store(parts, info)
     if world > 1 and not each_rank:
@@ -145,7 +165,7 @@ def window_plan(
     return info
 
 
-def _plan_now(cfg, model, optimizer, recipe, device, sample, per_rank, log, *, each_rank):
+def _plan_now(cfg, model, optimizer, recipe, device, sample, per_rank, log, *, each_rank, phases):
     """A new plan, measured (rank 0's, or with ``each_rank`` every rank's together)."""
     log(
         f"planning the micro-batch{' and gradient sync' if each_rank else ''} for an "
@@ -172,9 +192,46 @@ def _plan_now(cfg, model, optimizer, recipe, device, sample, per_rank, log, *, e
         checkpointing=cfg.memory.checkpointing,
         verify=verify,
         sync="auto" if each_rank else "window",
+        phases=phases,
     )
     log(planned.summary())
     return {**planned.to_dict(), "source": "planned"}
+
+
+# Evaluation's memory is one micro-batch's at a time: two of them measure it.
+_EVAL_MICRO_BATCHES = 2
+
+
+def run_phases(
+    cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: Any
+) -> dict[str, Callable[[int], Any]]:
+    """The run's parts other than its windows, as ``plan(phases=...)`` measures them: a
+    held-out evaluation (two micro-batches of it), a checkpoint written and read back into
+    the model and optimizer (what a resume or the guard's rollback does), and with
+    --hf-model the exports (a LoRA merge copies the whole model), each into a temporary
+    folder that is removed after."""
+
+    def evaluation(size: int) -> None:
+        data.evaluate(model, size, limit=size * _EVAL_MICRO_BATCHES)
+
+    def checkpoint(size: int) -> None:
+        with tempfile.TemporaryDirectory(prefix="gradaccum-plan-") as tmp:
+            file = Path(tmp) / "checkpoint.pt"
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            torch.save(sealed(state), file)
+            del state
+            back = torch.load(file, weights_only=True)
+            model.load_state_dict(back["model"])
+            optimizer.load_state_dict(back["optimizer"])
+
+    def export(size: int) -> None:
+        with tempfile.TemporaryDirectory(prefix="gradaccum-plan-") as tmp:
+            write_exports(cfg, model, Path(tmp))
+
+    phases: dict[str, Callable[[int], Any]] = {"evaluation": evaluation, "checkpoint": checkpoint}
+    if cfg.source.hf_model is not None:
+        phases["export"] = export
+    return phases
 
 
 def pipeline_plan(cfg: TrainConfig, module: Any, log) -> dict[str, Any]:

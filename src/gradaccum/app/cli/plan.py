@@ -9,10 +9,13 @@ from pathlib import Path
 
 import torch
 
+from gradaccum.app import plan_cache
 from gradaccum.app.cli import options, out
 from gradaccum.app.config import PlanConfig
 from gradaccum.app.measure import fresh_process_verifier
 from gradaccum.app.recipes import get_recipe
+from gradaccum.batching import to_device
+from gradaccum.memory import parse_bytes
 from gradaccum.plan import Plan, plan
 from gradaccum.validate import invalid_configuration
 
@@ -37,26 +40,42 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--plot {cfg.plot}: folder {Path(cfg.plot).parent} does not exist")
     recipe = get_recipe(cfg.recipe)
     torch.manual_seed(cfg.seed)
-    model = recipe.build_model()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = recipe.build_model().to(device)  # where the verifying process measures too
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    print(
-        f"planning {recipe.name}: {recipe.summary}; probing micro-batch sizes 1, 2, 4, 8",
-        file=sys.stderr,
-    )
-    result = plan(
-        model,
-        optimizer,
-        recipe.sample_batch(8),
-        recipe.loss_fn,
-        effective_batch=cfg.effective_batch,
-        budget=cfg.budget,
-        world_size=cfg.world_size,
-        margin=cfg.margin,
-        checkpointing=cfg.checkpointing,
-        precision=cfg.precision,
-        meter=cfg.meter,
-        verify=fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed, cfg.meter),
-    )
+    sample = to_device(recipe.sample_batch(8), device)
+    settings = {
+        "command": "plan",  # the window alone: train's plans cover its evaluations too
+        "recipe": cfg.recipe,
+        **{k: getattr(cfg, k) for k in ("effective_batch", "world_size", "margin", "meter")},
+        **{k: getattr(cfg, k) for k in ("checkpointing", "precision")},
+        "budget": parse_bytes(cfg.budget),
+    }
+    parts = plan_cache.signature(model, optimizer, sample, device, settings)
+    cached = None if cfg.replan else plan_cache.load(parts)
+    if cached is not None:
+        result, _, path = cached
+        print(f"the plan is the cached one ({path}; --replan plans again)", file=sys.stderr)
+    else:
+        print(
+            f"planning {recipe.name}: {recipe.summary}; probing micro-batch sizes 1, 2, 4, 8",
+            file=sys.stderr,
+        )
+        result = plan(
+            model,
+            optimizer,
+            sample,
+            recipe.loss_fn,
+            effective_batch=cfg.effective_batch,
+            budget=cfg.budget,
+            world_size=cfg.world_size,
+            margin=cfg.margin,
+            checkpointing=cfg.checkpointing,
+            precision=cfg.precision,
+            meter=cfg.meter,
+            verify=fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed, cfg.meter),
+        )
+        plan_cache.store(parts, result.to_dict())
     try:
         exported = result.export(cfg.export) if cfg.export else None
     except ValueError:
@@ -95,7 +114,7 @@ def draw(result: Plan, path: str) -> Path:
     ax.plot(xs, [result.predict(x) / mib for x in xs], label="predicted peak")
     ax.scatter(
         [p.micro_size for p in result.probes],
-        [(result.static_bytes + result.overhead_bytes + p.peak_bytes) / mib for p in result.probes],
+        [(result.predict(0) - result.peak_fit(0) + p.peak_bytes) / mib for p in result.probes],
         color="black",
         zorder=3,
         label="measured (probes)",

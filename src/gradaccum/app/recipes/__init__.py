@@ -42,8 +42,11 @@ class TaskData(Protocol):
     def epoch_samples(self) -> int:
         """Samples in one pass over the training data."""
 
-    def evaluate(self, model: torch.nn.Module, micro_size: int) -> dict[str, float]:
-        """Held-out metrics; ``loss`` at least."""
+    def evaluate(
+        self, model: torch.nn.Module, micro_size: int, limit: int | None = None
+    ) -> dict[str, float]:
+        """Held-out metrics; ``loss`` at least. ``limit``: the first ``limit`` held-out
+        samples alone (the planner measures evaluation's memory on a few micro-batches)."""
 
     # Optionally, ``baseline(model, micro_size) -> {"name": ..., metric: value}``: what the
     # untrained model scores by a simpler method (a linear probe), measured before training,
@@ -145,8 +148,11 @@ class TextData:
     def epoch_samples(self) -> int:
         return max(1, math.ceil(len(self.train) / (self.length - 1)))
 
-    def evaluate(self, model: torch.nn.Module, micro_size: int) -> dict[str, float]:
-        return held_out_loss(model, self.logits, self.eval_ids, self.eval_ids, micro_size)
+    def evaluate(
+        self, model: torch.nn.Module, micro_size: int, limit: int | None = None
+    ) -> dict[str, float]:
+        ids = self.eval_ids[:limit]
+        return held_out_loss(model, self.logits, ids, ids, micro_size)
 
 
 @torch.no_grad()
@@ -247,16 +253,19 @@ class DigitsData:
         return self.x[chosen], self.y[chosen]
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, micro_size: int) -> dict[str, float]:
+    def evaluate(
+        self, model: torch.nn.Module, micro_size: int, limit: int | None = None
+    ) -> dict[str, float]:
         was_training = model.training
         model.eval()
         total, correct = 0.0, 0
-        for x, y in split((self.test_x, self.test_y), micro_size):
+        xs, ys = self.test_x[:limit], self.test_y[:limit]
+        for x, y in split((xs, ys), micro_size):
             logits = model(x)
             total += float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
             correct += int((logits.argmax(1) == y).sum())
         model.train(was_training)
-        return {"loss": total / len(self.test_y), "accuracy": correct / len(self.test_y)}
+        return {"loss": total / len(ys), "accuracy": correct / len(ys)}
 
 
 # -- any Hugging Face causal LM from a local directory or config file ---------------------------

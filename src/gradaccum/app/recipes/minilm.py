@@ -240,18 +240,20 @@ class DocstringData:
         }
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, micro_size: int) -> dict[str, float]:
+    def evaluate(
+        self, model: nn.Module, micro_size: int, limit: int | None = None
+    ) -> dict[str, float]:
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
         total, correct = 0.0, 0
-        held = (self.test_ids, self.test_mask, self.test_labels)
+        held = (self.test_ids[:limit], self.test_mask[:limit], self.test_labels[:limit])
         for ids, mask, y in split(held, micro_size):
             logits = model(ids.to(device), mask.to(device))
             total += float(F.cross_entropy(logits, y.to(device), reduction="sum"))
             correct += int((logits.argmax(1) == y.to(device)).sum())
         model.train(was_training)
-        n = len(self.test_labels)
+        n = len(held[2])
         return {"loss": total / n, "accuracy": correct / n}
 
     @torch.no_grad()

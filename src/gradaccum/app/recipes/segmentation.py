@@ -181,7 +181,9 @@ class SegmentationData:
         return self.held_out_batch(0, self.held_out)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, micro_size: int) -> dict[str, float]:
+    def evaluate(
+        self, model: nn.Module, micro_size: int, limit: int | None = None
+    ) -> dict[str, float]:
         """Pixel-mean cross-entropy and foreground IoU (intersection over union of all
         held-out pixels together), in eval mode."""
         was_training = model.training
@@ -189,8 +191,9 @@ class SegmentationData:
         device = next(model.parameters()).device
         loss, pixels, intersection, union = 0.0, 0, 0, 0
         try:
-            for start in range(0, self.held_out, micro_size):
-                x, y = self.held_out_batch(start, micro_size)
+            count = self.held_out if limit is None else min(limit, self.held_out)
+            for start in range(0, count, micro_size):
+                x, y = self.held_out_batch(start, min(micro_size, count - start))
                 x, y = x.to(device), y.to(device)
                 logits = model(x)
                 loss += float(F.cross_entropy(logits, y, reduction="sum"))

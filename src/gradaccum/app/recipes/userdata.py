@@ -405,7 +405,10 @@ class SequenceData:
         order = epoch_order(len(self.ids), self.seed, position, size)
         return {"input_ids": self.ids[order], "labels": self.labels[order]}
 
-    def evaluate(self, model: torch.nn.Module, micro_size: int) -> dict[str, float]:
+    def evaluate(
+        self, model: torch.nn.Module, micro_size: int, limit: int | None = None
+    ) -> dict[str, float]:
         if len(self.eval_ids) == 0:
             return {}
-        return held_out_loss(model, self.logits, self.eval_ids, self.eval_labels, micro_size)
+        ids, labels = self.eval_ids[:limit], self.eval_labels[:limit]
+        return held_out_loss(model, self.logits, ids, labels, micro_size)

@@ -29,7 +29,7 @@ def final_evaluation(run: _Run) -> dict[str, float] | None:
             known = {k[5:]: v for k, v in lines[-1].items() if k.startswith("eval_")}
     known = run.kind.agree(known)
     if not known:
-        known = run.data.evaluate(run.kind.evaluated(run.model), run.micro_batch)
+        known = run.data.evaluate(run.kind.evaluated(run.model), run.eval_size)
     return known if run.main else None
 
 
