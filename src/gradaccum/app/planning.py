@@ -173,13 +173,42 @@ def _plan_now(cfg, model, optimizer, recipe, device, sample, per_rank, log, *, e
         + (", each process measuring its shards" if each_rank else "")
         + f" ({recipe.summary})"
     )
-    verify = None
-    own_data = cfg.source.hf_model or cfg.source.data
-    if not each_rank and not own_data and device.type == "cpu":
-        verify = fresh_process_verifier(
-            cfg.source.recipe, cfg.numerics.precision, cfg.source.seed, cfg.memory.meter
-        )
-    planned = plan(
+    with tempfile.TemporaryDirectory(prefix="gradaccum-plan-") as tmp:
+        verify = None
+        if not each_rank and device.type == "cpu":
+            # On CPU the planned size is measured in a fresh process, where training will
+            # run: this one's heap is shaped by the probes (CUDA's allocator is precise here).
+            verify = _verifier(cfg, sample, Path(tmp))
+        planned = _plan(cfg, model, optimizer, recipe, sample, per_rank, verify, each_rank, phases)
+    log(planned.summary())
+    return {**planned.to_dict(), "source": "planned"}
+
+
+def _verifier(cfg: TrainConfig, sample: Any, tmp: Path):
+    """The fresh-process verification of this run's model: a recipe's, or --hf-model's with
+    its LoRA adapters; with --data or a Hugging Face model, trained on the sample batch."""
+    src, own = cfg.source, cfg.source.hf_model or cfg.source.data
+    saved = None
+    if own:
+        saved = str(tmp / "sample.pt")
+        torch.save(sample, saved)
+    lora = None
+    if cfg.model.lora is not None:
+        targets = cfg.model.lora_targets
+        lora = {
+            "r": cfg.model.lora,
+            "alpha": cfg.model.lora_alpha,
+            "dropout": cfg.model.lora_dropout,
+            "targets": targets.split(",") if targets else None,
+        }
+    return fresh_process_verifier(
+        src.recipe, cfg.numerics.precision, src.seed, cfg.memory.meter,
+        hf_model=src.hf_model, lora=lora, sample=saved,
+    )  # fmt: skip
+
+
+def _plan(cfg, model, optimizer, recipe, sample, per_rank, verify, each_rank, phases):
+    return plan(
         model,
         optimizer,
         sample,
@@ -194,8 +223,6 @@ def _plan_now(cfg, model, optimizer, recipe, device, sample, per_rank, log, *, e
         sync="auto" if each_rank else "window",
         phases=phases,
     )
-    log(planned.summary())
-    return {**planned.to_dict(), "source": "planned"}
 
 
 # Evaluation's memory is one micro-batch's at a time: two of them measure it.
