@@ -287,13 +287,13 @@ def test_exports_of_a_model_named_by_a_relative_path_load_from_anywhere_offline(
 
 @pytest.fixture(scope="module")
 def deep(tmp_path_factory, base):
-    """A GPT-2 of 16 blocks over 256 positions (the tiny base's tokenizer): one sequence's
+    """A GPT-2 of 32 blocks over 256 positions (the tiny base's tokenizer): one sequence's
     activations are several times what its blocks keep under recomputation."""
     folder = tmp_path_factory.mktemp("deep-gpt2")
     fast = transformers.AutoTokenizer.from_pretrained(base)
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        vocab_size=len(fast), n_positions=256, n_embd=64, n_layer=16, n_head=4,
+        vocab_size=len(fast), n_positions=256, n_embd=64, n_layer=32, n_head=4,
         bos_token_id=fast.eos_token_id, eos_token_id=fast.eos_token_id,
     )  # fmt: skip
     transformers.GPT2LMHeadModel(config).save_pretrained(folder)
@@ -303,38 +303,31 @@ def deep(tmp_path_factory, base):
 
 @pytest.mark.slow
 def test_checkpointing_auto_plans_with_recomputation_where_only_it_fits(tmp_path, deep):
-    """At a budget between one sequence's need with recomputation and without (each
-    measured here by plan() on the same model), --checkpointing auto plans with it and the
-    run, evaluations, checkpoints and export included, stays within the budget; off is
-    refused, naming --checkpointing auto."""
+    """At a budget between the whole run's need at one sequence per micro-batch with
+    recomputation and without (each planned by the command at a roomy budget), --checkpointing
+    auto plans with it and the run, evaluations, checkpoints and export included, stays
+    within the budget; off is refused, naming --checkpointing auto."""
     import json as jsonlib
 
-    import gradaccum as ga
-    from gradaccum.app.recipes import hf_recipe
-    from gradaccum.app.recipes.userdata import load_sequences
     from gradaccum.memory import parse_bytes
 
     text = tmp_path / "text.txt"
     text.write_text(open(jsonlib.__file__).read() * 2)
-    recipe = hf_recipe(str(deep))
-    loaded = load_sequences(text, recipe.encoder(), seq_len=256, eval_fraction=0.1, seed=0)
-    ids, labels = loaded["train"]
-    sample = {"input_ids": ids[:8], "labels": labels[:8]}
-    model = transformers.AutoModelForCausalLM.from_pretrained(deep)
+    args = ["train", "--hf-model", deep, "--data", text, "--seq-len", 256, "--no-noise-scale"]
 
-    def need(checkpointing):
-        optimizer = torch.optim.AdamW(model.parameters())
-        roomy = ga.plan(
-            model, optimizer, sample, recipe.loss_fn, 8, "4GiB", checkpointing=checkpointing
-        )
-        return roomy.predict(1)
+    def need(checkpointing: str) -> float:
+        out = tmp_path / f"need-{checkpointing}"
+        cli(*args, "--effective-batch", 1, "--steps", 1, "--budget", "4GB",
+            "--checkpointing", checkpointing, "--out", out)  # fmt: skip
+        plan = jsonlib.loads((out / "plan.json").read_text())
+        assert plan["micro_size"] == 1 and plan["checkpointing"] is (checkpointing == "on")
+        return max([plan["predicted_peak"], *(p["peak_bytes"] for p in plan["phases"])])
 
     off, on = need("off"), need("on")
-    print(f"one sequence needs {off / 2**20:.1f} MiB, {on / 2**20:.1f} MiB recomputing")
-    assert on < 0.6 * off
+    print(f"one sequence's run needs {off / 2**20:.1f} MiB, {on / 2**20:.1f} MiB recomputing")
+    assert on < 0.75 * off  # a band wide enough for a process's noise between them
     budget = f"{int((off + on) / 2 / (1 - 0.15))}B"
-    args = ["train", "--hf-model", deep, "--data", text, "--seq-len", 256, "--effective-batch"]
-    args += [8, "--steps", 2, "--eval-every", 1, "--budget", budget, "--no-noise-scale"]
+    args += ["--effective-batch", 8, "--steps", 2, "--eval-every", 1, "--budget", budget]
     refused = cli(*args, "--out", tmp_path / "off", check=False)
     assert refused.returncode == 2 and "--checkpointing auto" in refused.stderr, refused.stderr
     cli(*args, "--checkpointing", "auto", "--out", tmp_path / "auto")
