@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gradaccum.batching import batch_size, take
+from gradaccum.batching import batch_size, map_tensors, take
 from gradaccum.checkpoint import preserved_rng
 from gradaccum.engine import Accumulator, LossFn
 from gradaccum.export import Export, export
@@ -151,10 +151,13 @@ class Plan:
         """Sizes of one rank's micro-batches in a window."""
         return [self.micro_size] * (self.micro_batches - 1) + [self.last_micro_size]
 
+    @property
+    def base_bytes(self) -> int:
+        """What every window's peak sits on: static, first-step overhead and its batch."""
+        return self.static_bytes + self.overhead_bytes + self.batch_bytes
+
     def predict(self, micro_size: int) -> float:
-        return (
-            self.static_bytes + self.overhead_bytes + self.batch_bytes + self.peak_fit(micro_size)
-        )
+        return self.base_bytes + self.peak_fit(micro_size)
 
     @property
     def run_peak(self) -> float:
@@ -270,7 +273,7 @@ class Plan:
     def table(self) -> str:
         """Predicted vs measured memory per probed size (markdown), each the whole peak as
         the summary and the plot count it: the static and first-step bytes included."""
-        base = self.static_bytes + self.overhead_bytes + self.batch_bytes
+        base = self.base_bytes
         rows = [
             "| micro-batch | probe | measured peak | the line's prediction | error | activations |",
             "|---:|---|---:|---:|---:|---:|",
@@ -550,13 +553,9 @@ def _plan_sync(model, optimizer, sample_batch, loss_fn, effective_batch, budget,
 def _input_bytes(batch: Any) -> int:
     """Bytes of every tensor in a batch as its own (a repeated or expanded sample counts as
     many times as it appears: the run's batches are made of distinct samples)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.numel() * batch.element_size()
-    if isinstance(batch, dict):
-        return sum(_input_bytes(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(_input_bytes(v) for v in batch)
-    return 0
+    sizes: list[int] = []
+    map_tensors(batch, lambda t: sizes.append(t.numel() * t.element_size()))
+    return sum(sizes)
 
 
 @contextlib.contextmanager
@@ -610,8 +609,7 @@ def _verify(
             return largest, micro, verified
         # the line scaled to pass through this measurement (never below it)
         scale = max(1.0, peak / max(m.peak_fit(micro), 1.0))
-        base = m.base
-        fits = [s for s in range(1, micro) if base + scale * m.peak_fit(s) <= usable]
+        fits = [s for s in range(1, micro) if m.base + scale * m.peak_fit(s) <= usable]
         largest = fits[-1] if fits else 1
     return largest, micro, verified
 

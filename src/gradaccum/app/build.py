@@ -102,15 +102,12 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
     resuming = cfg.output.resume is not None
     torch.manual_seed(src.seed)
     model = recipe.build_model()
-    lora = cfg.model
-    if lora.lora is not None:
+    lora = cfg.model.lora_arguments()
+    if lora is not None:
         from gradaccum.integrations import peft as finetune
 
-        targets = lora.lora_targets.split(",") if lora.lora_targets else None
-        model = finetune.apply_lora(
-            model, lora.lora, alpha=lora.lora_alpha, dropout=lora.lora_dropout, targets=targets
-        )
-        log(f"LoRA r={lora.lora}: {finetune.trainable_summary(model)}")
+        model = finetune.apply_lora(model, **lora)
+        log(f"LoRA r={lora['r']}: {finetune.trainable_summary(model)}")
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

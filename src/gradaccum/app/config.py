@@ -264,6 +264,14 @@ class Model:
         metavar="NAMES",
     )()
 
+    def lora_arguments(self) -> dict[str, Any] | None:
+        """``apply_lora``'s keyword arguments for these options; None without --lora."""
+        if self.lora is None:
+            return None
+        targets = self.lora_targets.split(",") if self.lora_targets else None
+        return {"r": self.lora, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
+                "targets": targets}  # fmt: skip
+
 
 @dataclass(kw_only=True)
 class Batch:

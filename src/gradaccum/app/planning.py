@@ -192,18 +192,9 @@ def _verifier(cfg: TrainConfig, sample: Any, tmp: Path):
     if own:
         saved = str(tmp / "sample.pt")
         torch.save(sample, saved)
-    lora = None
-    if cfg.model.lora is not None:
-        targets = cfg.model.lora_targets
-        lora = {
-            "r": cfg.model.lora,
-            "alpha": cfg.model.lora_alpha,
-            "dropout": cfg.model.lora_dropout,
-            "targets": targets.split(",") if targets else None,
-        }
     return fresh_process_verifier(
         src.recipe, cfg.numerics.precision, src.seed, cfg.memory.meter,
-        hf_model=src.hf_model, lora=lora, sample=saved,
+        hf_model=src.hf_model, lora=cfg.model.lora_arguments(), sample=saved,
     )  # fmt: skip
 
 

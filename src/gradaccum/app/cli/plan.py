@@ -114,7 +114,7 @@ def draw(result: Plan, path: str) -> Path:
     ax.plot(xs, [result.predict(x) / mib for x in xs], label="predicted peak")
     ax.scatter(
         [p.micro_size for p in result.probes],
-        [(result.predict(0) - result.peak_fit(0) + p.peak_bytes) / mib for p in result.probes],
+        [(result.base_bytes + p.peak_bytes) / mib for p in result.probes],
         color="black",
         zorder=3,
         label="measured (probes)",
