@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -178,12 +179,16 @@ def test_tampered_shard_metadata_of_a_checkpoint_without_checksums_is_one_line(f
 
     cmd = [*torchrun(), "-m", "gradaccum", "train", "--resume", "old"]
     proc = helpers.run(cmd, root, timeout=60, check=False)
-    # (torchrun's own report of a failed child follows, with its traceback: not ours)
-    ours = proc.stderr.split("torch/distributed/elastic/multiprocessing/api.py")[0]
-    assert proc.returncode != 0 and "Traceback" not in ours, ours[-6000:]
+    # torchrun's own report of a failed child carries a traceback of torchrun's frames, and
+    # its warnings interleave with the ranks' lines: no frame of gradaccum's may appear.
+    assert proc.returncode != 0, proc.stderr[-6000:]
+    assert not re.search(r'File ".*[/\\]gradaccum[/\\]', proc.stderr), proc.stderr[-6000:]
     assert "payload ran" not in proc.stdout + proc.stderr
-    errors = [x for x in ours.splitlines() if x.startswith("gradaccum: error: ")]
-    assert len(errors) == 2, ours  # one line from each rank
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("gradaccum: error: ")]
+    # One line from each rank that got to say it: once one rank exits, torchrun sends the
+    # other SIGTERM, which can land before that rank reaches its own (identical) refusal
+    # (CI saw one line of two).
+    assert 1 <= len(errors) <= 2, proc.stderr[-6000:]
     for line in errors:
         assert ".metadata cannot be read safely" in line and "builtins.print" in line, line
 
