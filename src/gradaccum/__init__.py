@@ -42,7 +42,19 @@ _watch_the_commands_loading()
 from gradaccum.batching import shard, split, windows  # noqa: E402
 from gradaccum.diagnose import batchnorm_momentum, check, convert_batchnorm  # noqa: E402
 from gradaccum.engine import Accumulator, AccumulatorState, StepResult  # noqa: E402
-from gradaccum.loss import causal_lm_loss, sample_mean, token_cross_entropy  # noqa: E402
+from gradaccum.loss import (  # noqa: E402
+    causal_lm_loss,
+    constant_normalizer,
+    group_count,
+    per_group,
+    per_sequence,
+    per_token,
+    sample_mean,
+    sequence_count,
+    sequence_ids,
+    token_count,
+    token_cross_entropy,
+)
 from gradaccum.noise import NoiseReading, NoiseScale  # noqa: E402
 from gradaccum.oom import OOMReplay  # noqa: E402
 from gradaccum.plan import Plan, plan  # noqa: E402
@@ -63,13 +75,21 @@ __all__ = [
     "batchnorm_momentum",
     "causal_lm_loss",
     "check",
+    "constant_normalizer",
     "convert_batchnorm",
     "disable_checkpointing",
     "enable_checkpointing",
+    "group_count",
+    "per_group",
+    "per_sequence",
+    "per_token",
     "plan",
     "sample_mean",
+    "sequence_count",
+    "sequence_ids",
     "shard",
     "split",
+    "token_count",
     "token_cross_entropy",
     "windows",
 ]

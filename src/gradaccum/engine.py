@@ -21,7 +21,7 @@ import torch
 
 from gradaccum.batchnorm import warn_batchnorm
 from gradaccum.checkpoint import FORMAT, rng_state, set_rng_state
-from gradaccum.loss import check_loss, unpack, window_input
+from gradaccum.loss import unpack, window_counts, window_input, zero_loss
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay
 from gradaccum.precision import PRECISIONS, Precision
@@ -112,12 +112,26 @@ class Accumulator:
 
     # -- one window -------------------------------------------------------------------------
 
-    def step(self, micro_batches: Iterable[Any], loss_fn: LossFn) -> StepResult:
+    def step(
+        self,
+        micro_batches: Iterable[Any],
+        loss_fn: LossFn,
+        counts: Callable[[Any], Mapping[str, Any]] | None = None,
+    ) -> StepResult:
         """Run one window: forward and backward of every micro-batch, then one step.
 
         ``micro_batches``: an iterable of micro-batches (see ``ga.split``); ``loss_fn(model,
-        micro_batch)`` returns ``(loss_sum, count)``.
+        micro_batch)`` returns ``(loss_sum, count)``, or named terms, each its own mean:
+        ``{"ce": (ce_sum, tokens), "aux": (aux_sum, routed, 0.01)}`` (weight 1 when not
+        given). Terms need ``counts(micro_batch) -> {"ce": tokens, "aux": routed}``: each
+        term's count is summed over the window and the ranks before the first backward, and
+        must equal what ``loss_fn`` then counts.
         """
+        if counts is not None and not callable(counts):
+            raise TypeError(
+                f"counts must be a function of a micro-batch returning each term's count, got "
+                f"{type(counts).__name__}"
+            )
         if self._window is not None:
             raise RuntimeError(
                 f"a manual window is open with {self._window.tally.micro_batches} micro-batches; "
@@ -126,11 +140,11 @@ class Accumulator:
         given = window_input(micro_batches, loss_fn, may_be_empty=self.sync.distributed)
         replays = 0
         if self.oom is None:
-            self._forward_backward(loss_fn, *self.sync.pad(given))
+            self._forward_backward(loss_fn, counts, *self.sync.pad(given))
         else:
             replays = self.oom.run(
                 given,
-                lambda run: self._forward_backward(loss_fn, *self.sync.pad(run)),
+                lambda run: self._forward_backward(loss_fn, counts, *self.sync.pad(run)),
                 window=self.state.windows + 1,
                 agree=self.sync.agree_oom if self.sync.distributed else None,
                 drop=self.abort_window,
@@ -138,15 +152,42 @@ class Accumulator:
         self.state.oom_replays += replays
         return dataclasses.replace(self.end_window(), oom_replays=replays)
 
-    def _forward_backward(self, loss_fn: LossFn, micro_batches: list[Any], real: int) -> None:
+    def _forward_backward(
+        self, loss_fn: LossFn, counts: Any, micro_batches: list[Any], real: int
+    ) -> None:
         """The micro-batches of one window, through the manual API. Those from ``real`` on
         pad this rank to the others' number (``Sync.pad``) and count zero."""
+        if counts is not None:
+            # A rank that holds no micro-batch (padded) still names every term, with 0 items.
+            held = micro_batches[:real] if real else micro_batches[:1]
+            self.begin_window(
+                {k: n if real else 0 for k, n in window_counts(counts, held).items()}
+            )
         for index, micro_batch in enumerate(micro_batches):
             with self.micro_batch(last=index == len(micro_batches) - 1):
                 loss_sum, count = unpack(loss_fn(self.model, micro_batch), index)
                 if index >= real:
-                    loss_sum, count = check_loss(loss_sum, index) * 0.0, 0
+                    loss_sum, count = zero_loss(loss_sum, index)
                 self.backward(loss_sum, count)
+
+    def begin_window(self, counts: Mapping[str, Any]) -> None:
+        """Open a window whose loss is named terms, before its first micro-batch: ``counts``
+        is this rank's item count of each term over the whole window (``{"ce": tokens,
+        "aux": routed}``). They are summed over ranks here (every rank calls this, with its
+        own counts), so each micro-batch's backward can divide each term by its own global
+        count. ``step(..., counts=fn)`` calls it with ``fn`` summed over the window."""
+        if self._window is not None:
+            raise RuntimeError(
+                f"begin_window() called in an open window after "
+                f"{self._window.tally.micro_batches} micro-batches; a window's counts come "
+                "before its first micro-batch"
+            )
+        window = self._open_window()
+        try:
+            window.tally.begin(counts, self.sync)
+        except BaseException:
+            self._close_window()
+            raise
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool = False) -> Iterator[None]:
@@ -180,8 +221,9 @@ class Accumulator:
         window.in_micro_batch = False
         window.ended_last = window.ended_last or last
 
-    def backward(self, loss_sum: torch.Tensor, count: int | torch.Tensor) -> None:
-        """Backpropagate one micro-batch's summed loss and record its item count."""
+    def backward(self, loss_sum: Any, count: int | torch.Tensor | None = None) -> None:
+        """Backpropagate one micro-batch's summed loss and record its item count; or, in a
+        window begun with counts (``begin_window``), its named terms (a mapping, no count)."""
         window = self._window
         if window is None or not window.in_micro_batch:
             raise RuntimeError("backward() must be called inside `with acc.micro_batch():`")
@@ -216,6 +258,7 @@ class Accumulator:
         try:
             self.sync.check_window_end(window.ended_last)
             total, loss_total = window.tally.totals(self.sync)
+            means = window.tally.means()
             if total == 0:
                 skipped = "zero count"
             else:
@@ -227,7 +270,7 @@ class Accumulator:
                 if not finite:
                     skipped = "fp16 overflow" if self.precision.scaler else "non-finite gradient"
             if self.noise is not None and skipped is None:
-                reading = self.noise.end_window(grad_norm**2, total, self.sync.distributed)
+                reading = self.noise.end_window(grad_norm**2, round(total), self.sync.distributed)
             elif self.noise is not None:  # a skipped window's prefixes are not the next one's
                 self.noise.drop_window()
             scale = self.precision.scale()
@@ -239,12 +282,12 @@ class Accumulator:
             raise
         self._close_window()
         micro_batches = window.tally.micro_batches
-        self.state.count_window(micro_batches, total, stepped=skipped is None)
+        self.state.count_window(micro_batches, round(total), stepped=skipped is None)
         if skipped is not None:
             warn_skipped(self.state, skipped, grad_norm, scale, self.precision.scale())
         return StepResult(
             loss=loss_total / total if total else None,
-            count=total,
+            count=round(total),
             grad_norm=grad_norm,
             stepped=skipped is None,
             skipped=skipped,
@@ -252,6 +295,7 @@ class Accumulator:
             step=self.state.optimizer_steps,
             noise_scale=None if reading is None else reading.value,
             noise_interval=None if reading is None else reading.interval,
+            terms=means,
         )
 
     def abort_window(self) -> None:

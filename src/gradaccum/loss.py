@@ -10,6 +10,7 @@ bug this contract exists to remove.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,15 @@ import torch.nn.functional as F
 
 __all__ = [
     "causal_lm_loss",
+    "constant_normalizer",
+    "group_count",
+    "next_token_labels",
+    "per_group",
+    "per_sequence",
+    "per_token",
+    "sequence_count",
+    "sequence_ids",
+    "token_count",
     "check_count",
     "check_loss",
     "count_value",
@@ -56,7 +66,11 @@ def window_input(micro_batches: Any, loss_fn: Any, may_be_empty: bool = False) -
 
 
 def unpack(result: Any, index: int) -> tuple[Any, Any]:
-    """``loss_fn``'s return value as ``(loss_sum, count)``, or the TypeError saying what it was."""
+    """``loss_fn``'s return value as ``(loss_sum, count)``, or named terms as ``(terms, None)``
+    (a mapping, checked term by term as the window records it), or the TypeError saying what
+    it was."""
+    if isinstance(result, Mapping):
+        return result, None
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         got = f"a {type(result).__name__}"
         if isinstance(result, (tuple, list)):
@@ -112,6 +126,86 @@ def check_count(count: Any, index: int) -> int | torch.Tensor:
     return count_value(count, index)
 
 
+def window_counts(counts: Any, micro_batches: list[Any]) -> dict[str, Any]:
+    """``counts(micro_batch)`` summed over a window's micro-batches, term by term."""
+    total: dict[str, Any] = {}
+    for index, micro_batch in enumerate(micro_batches):
+        given = counts(micro_batch)
+        if not isinstance(given, Mapping):
+            raise TypeError(
+                f"counts must return a mapping of each term's name to its count, got a "
+                f"{type(given).__name__} for micro-batch {index}"
+            )
+        for name, n in given.items():
+            n = check_term_count(n, name, index)
+            n = n.item() if isinstance(n, torch.Tensor) else n
+            total[str(name)] = total.get(str(name), 0) + n
+    return total
+
+
+def zero_loss(loss: Any, index: int) -> tuple[Any, Any]:
+    """A padding micro-batch's loss (``Sync.pad``): the same graph, times zero, no item."""
+    if isinstance(loss, Mapping):
+        zeroed = {}
+        for name, term in loss.items():
+            loss_sum, _, weight = unpack_term(term, str(name), index)
+            zeroed[name] = (loss_sum * 0.0, 0, weight)
+        return zeroed, None
+    return check_loss(loss, index) * 0.0, 0
+
+
+def unpack_term(value: Any, name: str, index: int) -> tuple[torch.Tensor, Any, float]:
+    """One named term of a micro-batch's loss: ``(loss_sum, count)`` or ``(loss_sum, count,
+    weight)``, checked; returns ``(loss_sum, count, weight)`` (weight 1 when not given). A
+    term that holds no item in this micro-batch (count 0) may be a constant."""
+    where = f"term {name!r} from micro-batch {index}"
+    if not isinstance(value, (tuple, list)) or len(value) not in (2, 3):
+        got = f"a {type(value).__name__}"
+        if isinstance(value, (tuple, list)):
+            got += f" of length {len(value)}"
+        raise TypeError(
+            f"{where} must be (loss_sum, count) or (loss_sum, count, weight), got {got}"
+        )
+    loss_sum, count = value[0], check_term_count(value[1], name, index)
+    weight = value[2] if len(value) == 3 else 1.0
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, numbers.Real)
+        or not math.isfinite(weight)
+    ):
+        raise ValueError(f"{where}: weight must be a finite number, got {weight!r}")
+    if isinstance(loss_sum, torch.Tensor) and not loss_sum.requires_grad and count == 0:
+        if loss_sum.dim() != 0 or not loss_sum.is_floating_point():
+            raise ValueError(f"{where}: loss_sum must be a 0-dim floating tensor")
+        return loss_sum, count, float(weight)
+    try:
+        loss_sum = check_loss(loss_sum, index)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"term {name!r}: {e}") from None
+    return loss_sum, count, float(weight)
+
+
+def check_term_count(count: Any, name: Any, index: int | None = None) -> Any:
+    """A named term's count: a non-negative finite number (a term's normalizer may be a
+    fraction: one group's share per completion), or a 0-dim tensor on an accelerator, read at
+    the window's end. ``index`` None: the window's count given before its first backward."""
+    where = f"term {name!r}" + ("" if index is None else f" from micro-batch {index}")
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1 or count.is_complex() or count.dtype == torch.bool:
+            raise ValueError(
+                f"{where}: count must be a number or a 0-dim real tensor, got a "
+                f"{count.dtype} tensor of shape {tuple(count.shape)}"
+            )
+        if not count.is_cpu and index is not None:
+            return count.detach().reshape(())
+        count = count.item()
+    if isinstance(count, bool) or not isinstance(count, numbers.Real):
+        raise ValueError(f"{where}: count must be a non-negative number, got {count!r}")
+    if not math.isfinite(count) or count < 0:
+        raise ValueError(f"{where}: count must be a non-negative number, got {count:g}")
+    return int(count) if float(count).is_integer() else float(count)
+
+
 def count_value(value: float, index: int) -> int:
     """A count read as a number: a whole, non-negative number of items, or the error naming it."""
     if value < 0 or not float(value).is_integer():
@@ -160,7 +254,11 @@ def token_cross_entropy(
 
 
 def causal_lm_loss(
-    logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy for a causal LM: position t predicts label t+1.
 
@@ -168,13 +266,199 @@ def causal_lm_loss(
     padding set to ``ignore_index``. The shift drops the last logit and the first label, and
     ``count`` is the number of *shifted* labels that are not ignored; counting before the
     shift over-counts by one per sequence.
+
+    ``position_ids``: for packed rows (several sequences per row, each starting at position
+    0): the last token of one sequence does not predict the first of the next, so those
+    labels are not counted either; a packed row of N sequences counts what the N sequences
+    count unpacked.
     """
     if logits.dim() != 3 or labels.dim() != 2:
         raise ValueError(
             "causal_lm_loss expects logits (batch, seq, vocab) and labels (batch, seq), got "
             f"{tuple(logits.shape)} and {tuple(labels.shape)}"
         )
-    return token_cross_entropy(logits[:, :-1, :], labels[:, 1:], ignore_index=ignore_index)
+    return token_cross_entropy(
+        logits[:, :-1, :],
+        next_token_labels(labels, ignore_index, position_ids),
+        ignore_index=ignore_index,
+    )
+
+
+def next_token_labels(
+    labels: torch.Tensor, ignore_index: int = -100, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``labels[:, 1:]``, each the target of the position before it; in packed rows
+    (``position_ids``), a target that starts a new sequence is ``ignore_index``."""
+    shifted = labels[:, 1:]
+    if position_ids is None:
+        return shifted
+    if position_ids.shape != labels.shape:
+        raise ValueError(
+            f"position_ids shape {tuple(position_ids.shape)} does not match labels shape "
+            f"{tuple(labels.shape)}"
+        )
+    return shifted.masked_fill(position_ids[:, 1:] == 0, ignore_index)
+
+
+# -- normalizations: each returns one term, (loss_sum, count) -----------------------------------
+#
+# A per-token loss tensor ``losses`` (batch, seq) and its ``mask`` (1 where a token counts) make
+# a term of the window's loss; the window divides it by its count over the window and the
+# ranks. Each normalization has a count function of the mask alone, for step(counts=...): the
+# term's counts are then known before the window's first backward.
+
+
+def _mask(losses: torch.Tensor, mask: torch.Tensor | None, name: str) -> torch.Tensor:
+    if losses.dim() != 2:
+        raise ValueError(f"{name} expects losses (batch, seq), got shape {tuple(losses.shape)}")
+    if mask is None:
+        return torch.ones_like(losses, dtype=torch.bool)
+    if mask.shape != losses.shape:
+        raise ValueError(
+            f"{name}: mask shape {tuple(mask.shape)} does not match losses shape "
+            f"{tuple(losses.shape)}"
+        )
+    return mask.bool()
+
+
+def token_count(mask: torch.Tensor) -> torch.Tensor:
+    """The tokens that count: ``per_token``'s count."""
+    return mask.bool().sum()
+
+
+def per_token(
+    losses: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every counted token of the window weighs the same: the sum over tokens / the window's
+    token count (DAPO's token-level loss, TRL's ``loss_type="dapo"``; ``"bnpo"`` is the same
+    over one micro-batch only, which accumulation must not do)."""
+    mask = _mask(losses, mask, "per_token")
+    return torch.where(mask, losses, 0).sum(), token_count(mask)
+
+
+def sequence_ids(
+    mask: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which sequence each token belongs to, numbered from 0 in the micro-batch, -1 where
+    ``mask`` is 0: one sequence per row; in packed rows, a new one wherever ``position_ids``
+    is 0, or at each of ``cu_seqlens`` (the cumulative lengths over the flattened rows, as
+    flash attention's varlen kernels take them, starting with 0)."""
+    mask = mask.bool()
+    if position_ids is not None and cu_seqlens is not None:
+        raise ValueError("give position_ids or cu_seqlens, not both")
+    if position_ids is not None:
+        if position_ids.shape != mask.shape:
+            raise ValueError(
+                f"position_ids shape {tuple(position_ids.shape)} does not match the mask's "
+                f"{tuple(mask.shape)}"
+            )
+        starts = position_ids == 0
+        starts[:, 0] = True  # a row always starts a sequence
+    elif cu_seqlens is not None:
+        bounds = cu_seqlens.long().flatten()
+        if (
+            bounds.numel() < 2
+            or bounds[0] != 0
+            or bounds[-1] != mask.numel()
+            or (bounds.diff() < 0).any()
+        ):
+            raise ValueError(
+                f"cu_seqlens must rise from 0 to the number of tokens ({mask.numel()}), got "
+                f"{bounds.tolist()}"
+            )
+        starts = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+        starts[bounds[:-1][bounds.diff() > 0]] = True
+        starts = starts.reshape(mask.shape)
+        starts[:, 0] = True
+    else:
+        starts = torch.zeros_like(mask)
+        starts[:, 0] = True
+    ids = starts.flatten().long().cumsum(0).reshape(mask.shape) - 1
+    return torch.where(mask, ids, -1)
+
+
+_sequence_ids = sequence_ids  # for the helpers whose argument of that name shadows it
+
+
+def _per_sequence_means(
+    losses: torch.Tensor, mask: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's mean over its counted tokens, and which sequences have any."""
+    n = int(ids.max()) + 1 if ids.numel() else 0
+    flat = ids.flatten()
+    keep = flat >= 0
+    sums = losses.new_zeros(max(n, 0)).index_add(0, flat[keep], losses.flatten()[keep])
+    tokens = torch.zeros(max(n, 0), dtype=losses.dtype, device=losses.device)
+    tokens = tokens.index_add(0, flat[keep], torch.ones_like(losses.flatten()[keep]))
+    present = tokens > 0
+    return sums[present] / tokens[present], present
+
+
+def sequence_count(mask: torch.Tensor, *, sequence_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Sequences with at least one counted token: ``per_sequence``'s count."""
+    ids = sequence_ids if sequence_ids is not None else _sequence_ids(mask)
+    ids = torch.where(mask.bool(), ids, -1)
+    return torch.tensor(torch.unique(ids[ids >= 0]).numel())
+
+
+def per_sequence(
+    losses: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    sequence_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's mean over its tokens, then the mean over the window's sequences
+    (GRPO as published: ``loss_type="grpo"``; SFT that weighs sequences, not tokens). Rows
+    are sequences, or packed ones given by ``sequence_ids`` (``ga.sequence_ids``)."""
+    mask = _mask(losses, mask, "per_sequence")
+    ids = sequence_ids if sequence_ids is not None else _sequence_ids(mask)
+    ids = torch.where(mask, ids, -1)
+    means, _ = _per_sequence_means(losses, mask, ids)
+    return means.sum(), torch.tensor(means.numel())
+
+
+def group_count(mask: torch.Tensor, group_size: torch.Tensor) -> torch.Tensor:
+    """Groups' share in this micro-batch: each sequence that counts adds 1 / its group's
+    size, so a window adds up to its number of groups: ``per_group``'s count."""
+    rows = mask.bool().any(dim=1)
+    return (rows.double() / group_size.double()).sum()
+
+
+def per_group(
+    losses: torch.Tensor, mask: torch.Tensor | None, group_size: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each completion's mean over its tokens, the mean over each prompt's group of
+    completions, then the mean over the window's groups. ``group_size`` (batch,): the number
+    of completions of each row's prompt in the whole window (over ranks), which may differ
+    from group to group (completions filtered out, DAPO's dynamic sampling). A group may span
+    micro-batches: its share of the count is 1 / its size per completion."""
+    mask = _mask(losses, mask, "per_group")
+    if group_size.shape != losses.shape[:1] or (group_size <= 0).any():
+        raise ValueError(
+            f"per_group: group_size must hold each row's positive group size, shape "
+            f"{tuple(losses.shape[:1])}, got shape {tuple(group_size.shape)}"
+        )
+    ids = torch.where(mask, _sequence_ids(mask), -1)
+    means, present = _per_sequence_means(losses, mask, ids)
+    rows = mask.any(dim=1)
+    return (means / group_size[rows].to(means.dtype)).sum(), group_count(mask, group_size)
+
+
+def constant_normalizer(
+    losses: torch.Tensor, mask: torch.Tensor | None, constant: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's token sum divided by a constant (the longest completion allowed), then
+    the mean over the window's sequences: Dr. GRPO's unbiased normalizer (TRL's
+    ``loss_type="dr_grpo"``, ``max_completion_length`` as the constant). Count: the rows."""
+    mask = _mask(losses, mask, "constant_normalizer")
+    if isinstance(constant, bool) or not isinstance(constant, numbers.Real) or not constant > 0:
+        raise ValueError(
+            f"constant_normalizer: constant must be a positive number, got {constant!r}"
+        )
+    return torch.where(mask, losses, 0).sum() / constant, torch.tensor(losses.shape[0])
 
 
 def sample_mean(losses: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -101,6 +101,7 @@ class Sync:
             )
         self.mode, self.model, self.inner, self.group = mode, model, model, None
         self.world = 1  # what the reduction averages the gradient over
+        self.ranks = 1  # the processes the window's numbers are summed over
         self.reduce_at_end = False  # DDP: the Accumulator reduces the window's sums (configure)
 
     @staticmethod
@@ -176,6 +177,11 @@ class Sync:
         """Items and loss summed over ranks."""
         return count, loss_sum
 
+    def sum(self, values: list[float]) -> list[float]:
+        """Numbers summed over ranks, in float64 (one all-reduce; none in one process): a
+        window's per-term counts before its first backward, its per-term sums at its end."""
+        return [float(v) for v in values]
+
     def reduce(self, sums: list[torch.Tensor]) -> None:
         """Under ``reduce_at_end`` (DDP only): the window's sums averaged over ranks."""
         raise RuntimeError(f"a {self.name} model's gradient is not reduced at the window's end")
@@ -222,7 +228,7 @@ class _Collective(Sync):
     def __init__(self, model: torch.nn.Module | None, mode: str, group: Any) -> None:
         super().__init__(model, mode)
         self.group = group
-        self.world = dist.get_world_size(group)
+        self.world = self.ranks = dist.get_world_size(group)
         self._device = collective_device(group)
         self._pad: Any = None  # one sample of a micro-batch this rank held, to pad with
         self._forwards: int | None = None  # forwards in the micro-batch in progress
@@ -298,6 +304,11 @@ class _Collective(Sync):
         """One all-reduce of two float64 scalars per window (exact for counts below 2**53)."""
         total, loss = self._all_reduce([float(count), loss_sum], torch.float64, dist.ReduceOp.SUM)
         return int(total), loss
+
+    def sum(self, values: list[float]) -> list[float]:
+        if not values:
+            return []
+        return self._all_reduce([float(v) for v in values], torch.float64, dist.ReduceOp.SUM)
 
     def most(self, values: list[int]) -> list[int]:
         return [int(v) for v in self._all_reduce(values, torch.int64, dist.ReduceOp.MAX)]

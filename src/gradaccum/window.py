@@ -15,13 +15,20 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gradaccum.loss import check_count, check_loss, tensor_count_total
+from gradaccum.loss import (
+    check_count,
+    check_loss,
+    check_term_count,
+    tensor_count_total,
+    unpack_term,
+)
 
 __all__ = [
     "AccumulatorState",
@@ -62,6 +69,7 @@ class StepResult:
     """What one window did.
 
     ``loss`` is the mean loss per item over the window (None when the window held no item);
+    with named terms, the sum over terms of weight x the term's mean, each mean in ``terms``;
     ``grad_norm`` is the global norm of the normalized gradient before clipping (None when
     the window held no item); ``skipped`` is None or why the optimizer did not step.
     """
@@ -76,10 +84,21 @@ class StepResult:
     oom_replays: int = 0  # times this window was replayed at a smaller micro-batch size
     noise_scale: float | None = None  # B_simple so far (with a NoiseScale), else None
     noise_interval: tuple[float, float] | None = None  # its interval (NoiseScale.confidence)
+    terms: dict[str, float | None] | None = None  # named terms: each one's mean (unweighted)
 
 
 class Tally:
     """The window in progress as numbers: its micro-batches, their item count and summed loss.
+
+    A loss is one ``(loss_sum, count)`` pair, or named terms (``begin`` first), each its own
+    mean: ``{"ce": (ce_sum, tokens), "aux": (aux_sum, routed, 0.01)}``. The window's gradient
+    is the sum over terms of weight x the term's summed gradient / the term's count, counts
+    over the window and every rank. A pair's count is learned as the micro-batches run and its
+    gradient divided once at the end (``normalize``). Terms need their counts before the first
+    backward (``begin``: this rank's counts, all-reduced there): each micro-batch then
+    backpropagates ``sum_t c_t * loss_sum_t`` with ``c_t = weight_t * K / N_t``, and the
+    end's one division is by ``K``, the first term with items (``N_t``, ``K``: global counts).
+    The first term's coefficient is 1: a pair is the one-term case of the same arithmetic.
 
     Nothing here waits for the device: a loss is summed where it lives (in float64) and a
     count left on a GPU is read once, in ``totals``, with the others."""
@@ -89,27 +108,192 @@ class Tally:
         self._count = 0  # counts known on the host
         self._device_counts: list[tuple[int, torch.Tensor]] = []  # (index, count) on a device
         self._loss: torch.Tensor | None = None
+        self._terms: list[_Term] | None = None  # named terms, after begin()
+        self._divisor = 0.0  # K: the first term's global count that is not zero
 
-    def add(self, loss_sum: Any, count: Any) -> tuple[torch.Tensor, int | torch.Tensor]:
-        """One micro-batch's summed loss and item count, checked (an error names the
-        micro-batch by its index) and recorded. Returns the two as checked."""
+    @property
+    def terms(self) -> bool:
+        """Whether this window's loss is named terms (``begin`` was called)."""
+        return self._terms is not None
+
+    def begin(self, counts: Any, sync: Any) -> None:
+        """Named terms: this rank's item count of each term over the whole window, before its
+        first backward (``{"ce": tokens, "aux": routed}``), summed over ranks here (one
+        all-reduce of as many numbers as terms)."""
+        if self.micro_batches:
+            raise RuntimeError(
+                f"the window's counts must be given before its first micro-batch, after "
+                f"{self.micro_batches}"
+            )
+        if not isinstance(counts, Mapping) or not counts:
+            raise TypeError(
+                "counts must map each term's name to its item count over the window, e.g. "
+                f"{{'ce': tokens, 'aux': routed}}, got {_shown(counts)}"
+            )
+        local = [check_term_count(n, name) for name, n in counts.items()]
+        # The names' checksum rides along: ranks that name the terms differently (or in
+        # another order) would add one term's counts to another's.
+        names = zlib.crc32("\0".join(map(str, counts)).encode())
+        *totals, named = sync.sum([*local, names])
+        if named != names * sync.ranks:
+            raise ValueError(
+                f"the ranks' counts name different terms, or the same in another order (this "
+                f"rank: {', '.join(map(str, counts))}); every rank gives every term, in one order"
+            )
+        self._terms = [
+            _Term(str(name), n, t) for name, n, t in zip(counts, local, totals, strict=True)
+        ]
+        self._divisor = next((t for t in totals if t > 0), 0.0)
+
+    def add(self, loss_sum: Any, count: Any = None) -> tuple[torch.Tensor, Any]:
+        """One micro-batch's loss, checked (an error names the micro-batch by its index) and
+        recorded: ``(loss_sum, count)``, or a mapping of named terms with ``count`` None.
+        Returns the loss whose backward runs and the micro-batch's count (a pair's, or the
+        first term's, as the noise estimate and the fp16 pre-scale read it)."""
         index = self.micro_batches
-        loss_sum, count = check_loss(loss_sum, index), check_count(count, index)
-        if isinstance(count, torch.Tensor):
-            self._device_counts.append((index, count))
+        if isinstance(loss_sum, Mapping) or self._terms is not None:
+            loss, count = self._add_terms(loss_sum, count, index)
         else:
-            self._count += count
-        if self._loss is None:
-            self._loss = torch.zeros((), dtype=torch.float64, device=loss_sum.device)
-        self._loss.add_(loss_sum.detach())
+            loss, count = check_loss(loss_sum, index), check_count(count, index)
+            if isinstance(count, torch.Tensor):
+                self._device_counts.append((index, count))
+            else:
+                self._count += count
+            if self._loss is None:
+                self._loss = torch.zeros((), dtype=torch.float64, device=loss.device)
+            self._loss.add_(loss.detach())
         self.micro_batches += 1
-        return loss_sum, count
+        return loss, count
 
-    def totals(self, sync: Any) -> tuple[int, float]:
+    def _add_terms(self, terms: Any, count: Any, index: int) -> tuple[torch.Tensor, Any]:
+        where = f"from micro-batch {index}"
+        if self._terms is None:
+            raise TypeError(
+                f"the loss returned named terms ({', '.join(map(repr, terms))}) {where}, but "
+                "the window's counts were not given: each term is divided by its own count "
+                "over the window, which its backward needs first; pass step(..., "
+                "counts=fn) or call acc.begin_window(counts) (docs/losses.md)"
+            )
+        if not isinstance(terms, Mapping) or count is not None:
+            raise TypeError(
+                f"the window was begun with named terms ({', '.join(t.name for t in self._terms)}"
+                f"), so the loss must be a mapping of them, got {_shown(terms)} {where}"
+            )
+        names = [t.name for t in self._terms]
+        if set(map(str, terms)) != set(names):
+            missing = sorted(set(names) - set(map(str, terms)))
+            extra = sorted(set(map(str, terms)) - set(names))
+            raise ValueError(
+                f"the loss's terms {where} are not the window's counts' terms ({names}): "
+                + "; ".join(
+                    x
+                    for x in (
+                        f"missing {missing}" if missing else "",
+                        f"not counted {extra}" if extra else "",
+                    )
+                    if x
+                )
+            )
+        given = {str(k): v for k, v in terms.items()}
+        backward: torch.Tensor | None = None
+        for term in self._terms:
+            loss, n, weight = unpack_term(given[term.name], term.name, index)
+            backward = term.add(loss, n, weight, index, self._divisor, backward)
+        first = self._terms[0].last_count
+        return backward, first
+
+    def totals(self, sync: Any) -> tuple[float, float]:
         """The window's item count and summed loss over every rank (``Sync.totals``: one
-        all-reduce of two numbers, none in one process)."""
-        count = self._count + tensor_count_total(self._device_counts)
-        return sync.totals(count, 0.0 if self._loss is None else self._loss.item())
+        all-reduce of two numbers, none in one process). For named terms: ``K`` (the end's
+        divisor) and ``K`` times the weighted sum of the terms' means, so that loss / count
+        is the window's loss; one all-reduce of the terms' sums."""
+        if self._terms is None:
+            count = self._count + tensor_count_total(self._device_counts)
+            return sync.totals(count, 0.0 if self._loss is None else self._loss.item())
+        sums = [t.local_sum() for t in self._terms]
+        wrong = [t for t in self._terms if not t.counted_as_begun()]
+        reduced = sync.sum([*sums, float(len(wrong))])
+        if reduced[-1]:
+            raise ValueError(
+                "the loss's counts over the window differ from the counts it was begun with: "
+                + (
+                    "; ".join(
+                        f"{t.name}: {t.seen:g} counted by the loss, {t.local:g} given"
+                        for t in wrong
+                    )
+                    or "on another rank"
+                )
+                + "; the gradient used the given counts, so the window is dropped"
+            )
+        for term, total in zip(self._terms, reduced, strict=False):
+            term.total_sum = total
+        loss = sum(t.coefficient(self._divisor) * t.total_sum for t in self._terms)
+        return self._divisor, loss
+
+    def means(self) -> dict[str, float | None] | None:
+        """After ``totals``: each term's mean over the window (None for a term with no item),
+        or None for a pair."""
+        if self._terms is None:
+            return None
+        return {t.name: (t.total_sum / t.total if t.total > 0 else None) for t in self._terms}
+
+
+class _Term:
+    """One named term of a window: its counts (this rank's and global, given at ``begin``),
+    its weight, what its micro-batches summed and counted."""
+
+    def __init__(self, name: str, local: float, total: float) -> None:
+        self.name, self.local, self.total = name, local, total
+        self.weight: float | None = None
+        self.seen = 0.0  # counted by the loss on this rank (host counts)
+        self._device_counts: list[torch.Tensor] = []
+        self._sum: torch.Tensor | None = None
+        self.total_sum = 0.0
+        self.last_count: Any = 0
+
+    def coefficient(self, divisor: float) -> float:
+        """What this term's summed loss is multiplied by before backward: weight x K / N."""
+        return 0.0 if self.total <= 0 else (self.weight or 0.0) * divisor / self.total
+
+    def add(
+        self,
+        loss: torch.Tensor,
+        count: Any,
+        weight: float,
+        index: int,
+        divisor: float,
+        backward: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if self.weight is None:
+            self.weight = weight
+        elif weight != self.weight:
+            raise ValueError(
+                f"term {self.name!r} has weight {weight:g} in micro-batch {index} but "
+                f"{self.weight:g} earlier in the window; a term's weight is one per window"
+            )
+        if isinstance(count, torch.Tensor):
+            self._device_counts.append(count)
+        else:
+            self.seen += count
+        self.last_count = count
+        if self._sum is None:
+            self._sum = torch.zeros((), dtype=torch.float64, device=loss.device)
+        self._sum.add_(loss.detach().to(self._sum.device))
+        part = loss * self.coefficient(divisor)
+        return part if backward is None else backward + part
+
+    def local_sum(self) -> float:
+        if self._device_counts:
+            self.seen += float(torch.stack([c.double() for c in self._device_counts]).sum())
+            self._device_counts = []
+        return 0.0 if self._sum is None else self._sum.item()
+
+    def counted_as_begun(self) -> bool:
+        return abs(self.seen - self.local) <= 1e-9 * max(1.0, abs(self.local))
+
+
+def _shown(value: Any) -> str:
+    return f"a {type(value).__name__}" if not isinstance(value, Mapping) else "an empty mapping"
 
 
 def normalize(

@@ -505,3 +505,37 @@ def plan_sync(rank: int, world: int, out: str) -> None:
         }
     if rank == 0:
         torch.save(results, Path(out) / "plan_sync.pt")
+
+
+# Named terms over ranks with different counts: per step, rank 0's and rank 1's micro-batch
+# sizes of a global batch of 12 (rank 1 holds more micro-batches, and once none).
+TERMS_STEPS = [([3, 2], [1, 4, 2]), ([5, 3], [1, 1, 2]), ([12], [])]
+
+
+def terms(rank: int, world: int, kind: str, dtype_name: str, out: str) -> None:
+    """Three terms with three denominators (tests/terms.py), 3 steps; rank 0 saves the
+    gradient the optimizer is handed at each step and the reported term means."""
+    import terms as three_terms
+
+    dtype = getattr(torch, dtype_name)
+    model = wrap(make_model(TinyLM).to(dtype), kind)
+    opt = optimizer(model.parameters())
+    handed = []
+    opt.register_step_pre_hook(lambda *_: handed.append(full_grads(model)))
+    acc = ga.Accumulator(model, opt)
+    means = []
+    for step, sizes in enumerate(TERMS_STEPS):
+        batch = padded_lm_batch(seed=21 + step, n=12)
+        start = 0 if rank == 0 else sum(sizes[0])
+        mine = {k: v[start : start + sum(sizes[rank])] for k, v in batch.items()}
+        result = acc.step(
+            split_sizes(mine, sizes[rank]), three_terms.loss_fn, counts=three_terms.counts
+        )
+        assert result.stepped, result
+        means.append(result.terms)
+    params = full_params(model)  # a collective under FSDP2: every rank gathers
+    if rank == 0:
+        torch.save(
+            {"grads": handed, "means": means, "params": params},
+            Path(out) / f"terms-{kind}-{dtype_name}.pt",
+        )
