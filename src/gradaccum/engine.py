@@ -160,9 +160,7 @@ class Accumulator:
         if counts is not None:
             # A rank that holds no micro-batch (padded) still names every term, with 0 items.
             held = micro_batches[:real] if real else micro_batches[:1]
-            self.begin_window(
-                {k: n if real else 0 for k, n in window_counts(counts, held).items()}
-            )
+            self.begin_window({k: n if real else 0 for k, n in window_counts(counts, held).items()})
         for index, micro_batch in enumerate(micro_batches):
             with self.micro_batch(last=index == len(micro_batches) - 1):
                 loss_sum, count = unpack(loss_fn(self.model, micro_batch), index)

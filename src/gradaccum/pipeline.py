@@ -24,7 +24,7 @@ skips the window on every stage and lowers the one scale they share.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -163,7 +163,14 @@ class PipelineWindow:
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         with self.precision.autocast():
-            loss_sum, count = self.loss_fn(output, target)
+            result = self.loss_fn(output, target)
+        if isinstance(result, Mapping):
+            raise TypeError(
+                "the pipeline window's loss_fn returns (loss_sum, count); named terms (each "
+                "divided by its own count) are not supported across pipeline stages yet: "
+                "return one term's (sum, count), or train with the Accumulator"
+            )
+        loss_sum, count = result
         self._losses.append((loss_sum, count))
         # fp16: the pre-scale from the first loss the schedule computes in this window.
         return self.precision.scaled(loss_sum, count, first=len(self._losses) == 1)

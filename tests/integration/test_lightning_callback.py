@@ -150,3 +150,9 @@ def test_manual_optimization_is_refused():
     # (Lightning itself refuses accumulate_grad_batches > 1 with manual optimization)
     with pytest.raises(ValueError, match="manual optimization"):
         fit(Manual(tiny_gpt2()), padded_sequences(8), [ExactAccumulation()], accumulate=1)
+
+
+def test_named_terms_are_refused_in_one_line_with_where_they_work():
+    loss = torch.zeros((), requires_grad=True)
+    with pytest.raises(TypeError, match=r"named terms .*Accumulator \(step\(\.\.\., counts=fn\)\)"):
+        exact_output(None, {"ce": (loss, 1), "aux": (loss, 1, 0.1)}, None)

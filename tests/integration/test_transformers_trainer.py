@@ -133,3 +133,55 @@ def test_what_it_cannot_do_exactly_is_refused(tmp_path):
     trainer = Trainer(model=tiny_gpt2(), args=arguments(tmp_path), train_dataset=items)
     with pytest.raises(ValueError, match="needs `labels` in every training batch"):
         trainer.train()
+
+
+def _token_losses(model, batch):
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    losses = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        labels.reshape(-1).clamp(min=0),
+        reduction="none",
+    ).reshape(labels.shape)
+    return losses, labels != -100
+
+
+def test_named_terms_with_counts_give_the_full_batch_gradient(tmp_path):
+    """Two terms, per token and per sequence (weight 0.5), over windows of 4 micro-batches
+    whose token counts differ: against one backward of the whole window's loss (torch)."""
+    from frameworks import stack
+
+    import gradaccum as ga
+
+    def loss_fn(model, batch):
+        losses, mask = _token_losses(model, batch)
+        return {"ce": ga.per_token(losses, mask), "seq": (*ga.per_sequence(losses, mask), 0.5)}
+
+    def counts(batch):
+        mask = batch["labels"][:, 1:] != -100
+        return {"ce": ga.token_count(mask), "seq": ga.sequence_count(mask)}
+
+    model = tiny_gpt2()
+    reference = copy.deepcopy(model)
+    items = padded_sequences(16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = capture_step_grads(optimizer, model)
+    trainer = Trainer(
+        model=model,
+        args=arguments(tmp_path),
+        train_dataset=items,
+        optimizers=(optimizer, None),
+        loss_fn=loss_fn,
+        counts=counts,
+    )
+    trainer.train()
+    losses, mask = _token_losses(reference, stack(items))
+    per_sequence = (losses * mask).sum(1) / mask.sum(1)
+    reference.zero_grad(set_to_none=True)
+    (losses[mask].mean() + 0.5 * per_sequence.mean()).backward()
+    want = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+    err = rel_err(seen[0], want)
+    print(f"two named terms in the Trainer: gradaccum {err:.1e}")
+    assert len(seen) == 1 and err <= 1e-6
+    logged = [x for x in trainer.state.log_history if "loss_ce" in x]
+    assert logged and logged[0]["loss_seq"] == pytest.approx(per_sequence.mean().item(), rel=1e-5)

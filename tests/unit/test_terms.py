@@ -411,3 +411,42 @@ def test_a_term_missing_from_the_counts_or_a_changing_weight_is_named():
     with pytest.raises(ValueError, match=r"term 'ce': count must be a non-negative number, got -1"):
         acc.begin_window({"ce": -1})
     assert not acc.in_window
+
+
+# -- the other paths: a framework's window, a pipeline's -------------------------------------
+
+
+def test_a_frameworks_window_of_terms_computes_what_step_computes():
+    """A framework's loop (the transformers Trainer's order): the window begun with the
+    counts, each micro-batch's terms recorded before its backward, the end's one division."""
+    from gradaccum.integrations.window import FrameworkWindow
+
+    batch = padded_lm_batch(seed=4)
+    micro_batches = split_sizes(batch, UNEVEN_SIZES[4])
+    model = make_model(TinyLM).double()
+    expected = full_batch_grads(model, terms.reference(model, batch))
+    window = FrameworkWindow(model, None)
+    window.begin(ga.loss.window_counts(terms.counts, micro_batches))
+    for mb in micro_batches:
+        loss, _ = window.record(terms.loss_fn(model, mb))
+        loss.backward()
+    end = window.end([p.grad for p in model.parameters()])
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert max_rel_err(got, expected) <= 1e-12
+    assert set(end.terms) == {"ce", "seq", "z"}
+
+
+def test_named_terms_through_a_pipeline_are_refused_in_one_line(one_process_group):
+    from torch.distributed.pipelining import PipelineStage
+
+    from gradaccum.pipeline import PipelineWindow
+
+    batch = padded_lm_batch(seed=5)
+    model = make_model(TinyLM)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    stage = PipelineStage(model, 0, 1, torch.device("cpu"))
+    pipe = PipelineWindow(
+        stage, opt, lambda out, y: {"ce": ga.causal_lm_loss(out, y)}, 4, schedule="gpipe"
+    )
+    with pytest.raises(TypeError, match="named terms .* not supported across pipeline stages"):
+        pipe.step(batch["input_ids"], target=batch["labels"])

@@ -32,6 +32,7 @@ return through ``exact_output``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import lightning
@@ -47,6 +48,13 @@ __all__ = ["ExactAccumulation", "exact_output"]
 def exact_output(module: lightning.LightningModule, loss_sum: Any, count: Any) -> dict[str, Any]:
     """``{"loss": loss_sum, "count": count}`` for training_step to return, with the count
     handed to the trainer's ``ExactAccumulation`` before backward."""
+    if isinstance(loss_sum, Mapping):
+        raise TypeError(
+            "exact_output takes (loss_sum, count); named terms need each term's count over "
+            "the window before its first backward, and Lightning's loop fetches a window's "
+            "micro-batches one at a time: use gradaccum's Accumulator (step(..., counts=fn)) "
+            "or its transformers Trainer (counts=fn) for a loss of several terms"
+        )
     callbacks = [c for c in module.trainer.callbacks if isinstance(c, ExactAccumulation)]
     if len(callbacks) != 1:
         raise RuntimeError(

@@ -42,7 +42,7 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from gradaccum.integrations.window import FrameworkWindow, noise_option
-from gradaccum.loss import causal_lm_loss, token_cross_entropy, unpack
+from gradaccum.loss import causal_lm_loss, token_cross_entropy, unpack, window_counts
 from gradaccum.noise import NoiseScale
 
 __all__ = ["Trainer"]
@@ -55,7 +55,12 @@ class Trainer(transformers.Trainer):
 
     Args (besides the Trainer's own):
         loss_fn: ``loss_fn(model, inputs) -> (loss_sum, count)``, or None for the model's
-            own loss (see the module's docstring).
+            own loss (see the module's docstring); or named terms, each its own mean
+            (``{"ce": (sum, tokens), "aux": (sum, routed, 0.01)}``), with ``counts``.
+        counts: ``counts(inputs) -> {"ce": tokens, "aux": routed}`` for named terms: the
+            Trainer fetches a window's micro-batches up front, so each term's count over the
+            window (and the ranks) is known before its first backward. Each term's mean is
+            logged as ``loss_<name>``.
         noise: a ``NoiseScale`` for the gradient noise scale logged as ``b_simple``; True
             (the default) for ``NoiseScale()``, False for none.
     """
@@ -66,18 +71,27 @@ class Trainer(transformers.Trainer):
         self,
         *args: Any,
         loss_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
+        counts: Callable[[Any], Any] | None = None,
         noise: NoiseScale | bool = True,
         **kwargs: Any,
     ) -> None:
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
+        if counts is not None and (not callable(counts) or loss_fn is None):
+            raise TypeError(
+                "counts must be a function of a micro-batch returning each term's count, "
+                "given with a loss_fn that returns those terms"
+                f" (got counts={type(counts).__name__}, loss_fn={type(loss_fn).__name__})"
+            )
         self.noise = noise_option(noise)
         super().__init__(*args, **kwargs)
-        self.loss_fn = loss_fn
+        self.loss_fn, self.counts = loss_fn, counts
         self._window: FrameworkWindow | None = None
         self._window_size = 0
-        self._micro: tuple[torch.Tensor, Any] | None = None  # the micro-batch in training_step
+        self._window_counts: dict[str, Any] | None = None  # the next window's, with counts=
+        self._micro: tuple[Any] | None = None  # the micro-batch's count, in training_step
         self._last_b_simple: float | None = None
+        self._last_terms: dict[str, float | None] | None = None
 
     # -- the window, through the Trainer's documented override points ---------------------
 
@@ -86,6 +100,8 @@ class Trainer(transformers.Trainer):
         window's size. Its own item count (``num_items_in_batch``) is not used."""
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._window_size = len(batch_samples)
+        if self.counts is not None:  # named terms: each term's count, before any backward
+            self._window_counts = window_counts(self.counts, batch_samples)
         return batch_samples, None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -96,28 +112,31 @@ class Trainer(transformers.Trainer):
         if self._window is None:
             self._window = self._open(model)
         window = self._window
+        if window.micro_batches == 0 and self._window_counts is not None:
+            window.begin(self._window_counts)
+            self._window_counts = None
         loss = super().training_step(model, inputs, None)
         if self._micro is None:
             raise RuntimeError(
                 "gradaccum's Trainer: training_step ran without its compute_loss; a subclass "
                 "overriding compute_loss must call super().compute_loss(...) in training"
             )
-        loss_sum, count = self._micro
+        (count,) = self._micro
         self._micro = None
-        last = window.micro_batches + 1 >= self._window_size
-        if self.noise is None:
-            window.add(loss_sum, count)
-        else:
-            window.add(loss_sum, count, self._grads(), self._loss_scale())
+        last = window.micro_batches >= self._window_size
+        if self.noise is not None:
+            window.after_backward(count, self._grads(), self._loss_scale())
         if not last:
             return torch.zeros_like(loss)
         end = window.end(self._grads(), scale=self._loss_scale())
         self._last_b_simple = end.b_simple
+        self._last_terms = end.terms
         return torch.full_like(loss, end.loss if end.loss is not None else 0.0)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """In training: the micro-batch's summed loss (kept with its count for the window).
-        Elsewhere (evaluation): the Trainer's own loss, a mean."""
+        """In training: the micro-batch's summed loss (recorded in the window with its count),
+        or its named terms combined as the window's counts weigh them. Elsewhere
+        (evaluation): the Trainer's own loss, a mean."""
         if not (model.training and self._window is not None):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         index = self._window.micro_batches
@@ -126,13 +145,20 @@ class Trainer(transformers.Trainer):
             loss_sum, count = unpack(self.loss_fn(model, inputs), index)
         else:
             loss_sum, count, outputs = self._model_loss(model, inputs)
-        self._micro = (loss_sum, count)
+        loss_sum, count = self._window.record(loss_sum, count)
+        self._micro = (count,)
         return (loss_sum, outputs) if return_outputs else loss_sum
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """Training logs gain ``b_simple``, the gradient noise scale so far."""
+        """Training logs gain ``b_simple``, the gradient noise scale so far, and each named
+        term's mean over the last window (``loss_<name>``)."""
         if "loss" in logs and self._last_b_simple is not None:
             logs = {**logs, "b_simple": self._last_b_simple}
+        if "loss" in logs and self._last_terms:
+            logs = {
+                **logs,
+                **{f"loss_{k}": v for k, v in self._last_terms.items() if v is not None},
+            }
         super().log(logs, *args, **kwargs)
 
     # -- helpers --------------------------------------------------------------------------

@@ -37,14 +37,15 @@ def noise_option(noise: NoiseScale | bool) -> NoiseScale | None:
 @dataclass(frozen=True)
 class WindowEnd:
     """What ``FrameworkWindow.end`` did: the global count and mean loss, the mean gradient's
-    norm before the framework clips it (None on an empty or non-finite window), and B_simple
-    so far (None without an estimate)."""
+    norm before the framework clips it (None on an empty or non-finite window), B_simple
+    so far (None without an estimate), and each named term's mean (None for a pair)."""
 
     count: int
     loss: float | None
     grad_norm: float | None
     finite: bool
     b_simple: float | None
+    terms: dict[str, float | None] | None = None  # named terms: each one's mean
 
 
 class FrameworkWindow:
@@ -64,14 +65,21 @@ class FrameworkWindow:
         self.tally = Tally()
         self._prefix: tuple[torch.Tensor, Any] | None = None  # the latest, not yet kept
 
-    def add(
-        self,
-        loss_sum: Any,
-        count: Any,
-        grads: list[torch.Tensor] | None = None,
-        multiplier: float = 1.0,
+    def begin(self, counts: Any) -> None:
+        """A window whose loss is named terms: this rank's count of each term over the whole
+        window, before its first backward (``Tally.begin``: summed over ranks here)."""
+        self.tally.begin(counts, self.sync)
+
+    def record(self, loss: Any, count: Any = None) -> tuple[torch.Tensor, Any]:
+        """One micro-batch's loss before its backward: ``(loss_sum, count)``, or named terms
+        (a mapping, count None) in a window begun with their counts. Returns the loss whose
+        backward the framework runs, and the count ``after_backward`` takes."""
+        return self.tally.add(loss, count)
+
+    def after_backward(
+        self, count: Any, grads: list[torch.Tensor] | None = None, multiplier: float = 1.0
     ) -> None:
-        """One micro-batch whose backward has run. ``grads``: the window's gradient so far,
+        """After a recorded micro-batch's backward. ``grads``: the window's gradient so far,
         carrying ``multiplier`` times the summed losses' gradient, for the noise estimate.
         As in the engine, nothing here waits for the device: losses and GPU counts are summed
         where they are and read once, at ``end``.
@@ -79,10 +87,21 @@ class FrameworkWindow:
         Its prefix is kept once another micro-batch follows in the window: only then is it
         known to be a local prefix and not the last backward, which under DDP has already
         reduced across ranks (``end`` adds the global window instead)."""
-        _, count = self.tally.add(loss_sum, count)
         if self.noise is not None and grads is not None:
             self._keep_prefix()
             self._prefix = (total_norm(grads).square() / multiplier**2, count)
+
+    def add(
+        self,
+        loss_sum: Any,
+        count: Any,
+        grads: list[torch.Tensor] | None = None,
+        multiplier: float = 1.0,
+    ) -> None:
+        """``record`` and ``after_backward`` at once, for a framework that tells the window
+        what a micro-batch held only after its backward (Lightning's callback): a pair."""
+        _, count = self.record(loss_sum, count)
+        self.after_backward(count, grads, multiplier)
 
     @property
     def micro_batches(self) -> int:
@@ -109,6 +128,7 @@ class FrameworkWindow:
         itself later (only the norm reported here is corrected for it); ``max_grad_norm``:
         clip here, by ``window.finish``'s rule (frameworks that clip themselves leave it None)."""
         total, loss = self.tally.totals(self.sync)
+        terms = self.tally.means()
         self.tally = Tally()
         if self.sync.distributed:
             self._prefix = None  # the last backward reduced: not this rank's prefix
@@ -117,16 +137,17 @@ class FrameworkWindow:
         if total == 0:
             if self.noise is not None:
                 self.noise.drop_window()
-            return WindowEnd(0, None, None, True, self._b_simple())
+            return WindowEnd(0, None, None, True, self._b_simple(), terms)
         grad_norm, finite = normalize(grads, total, self.sync, carried, max_grad_norm)
         grad_norm /= scale
         b_simple = None
         if self.noise is not None and finite:
-            b_simple = self.noise.end_window(grad_norm**2, total, self.sync.distributed).value
+            reading = self.noise.end_window(grad_norm**2, round(total), self.sync.distributed)
+            b_simple = reading.value
         elif self.noise is not None:
             self.noise.drop_window()
             b_simple = self.noise.value()
-        return WindowEnd(total, loss / total, grad_norm, finite, b_simple)
+        return WindowEnd(round(total), loss / total, grad_norm, finite, b_simple, terms)
 
     def _b_simple(self) -> float | None:
         return None if self.noise is None else self.noise.value()
