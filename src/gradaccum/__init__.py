@@ -42,6 +42,7 @@ _watch_the_commands_loading()
 from gradaccum.batching import shard, split, windows  # noqa: E402
 from gradaccum.diagnose import batchnorm_momentum, check, convert_batchnorm  # noqa: E402
 from gradaccum.engine import Accumulator, AccumulatorState, StepResult  # noqa: E402
+from gradaccum.inbatch import InBatch  # noqa: E402
 from gradaccum.loss import (  # noqa: E402
     causal_lm_loss,
     constant_normalizer,
@@ -66,6 +67,7 @@ __all__ = [
     "Accumulator",
     "AccumulatorState",
     "BatchSchedule",
+    "InBatch",
     "NoiseReading",
     "NoiseScale",
     "OOMReplay",

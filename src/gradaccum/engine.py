@@ -21,6 +21,7 @@ import torch
 
 from gradaccum.batchnorm import warn_batchnorm
 from gradaccum.checkpoint import FORMAT, rng_state, set_rng_state
+from gradaccum.inbatch import InBatch
 from gradaccum.loss import unpack, window_counts, window_input, zero_loss
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay
@@ -44,6 +45,7 @@ class _Window:
     backward_done: bool = False
     last: bool = False  # the micro-batch in progress is marked last
     ended_last: bool = False  # a micro-batch marked last has run
+    coupled: bool = False  # an in-batch loss: a prefix is no smaller batch's gradient
 
 
 class Accumulator:
@@ -123,9 +125,10 @@ class Accumulator:
         ``micro_batches``: an iterable of micro-batches (see ``ga.split``); ``loss_fn(model,
         micro_batch)`` returns ``(loss_sum, count)``, or named terms, each its own mean:
         ``{"ce": (ce_sum, tokens), "aux": (aux_sum, routed, 0.01)}`` (weight 1 when not
-        given). Terms need ``counts(micro_batch) -> {"ce": tokens, "aux": routed}``: each
-        term's count is summed over the window and the ranks before the first backward, and
-        must equal what ``loss_fn`` then counts.
+        given); or ``loss_fn`` is a ``ga.InBatch``, a loss over the whole window's embeddings
+        (in-batch negatives, docs/losses.md). Terms need ``counts(micro_batch) -> {"ce":
+        tokens, "aux": routed}``: each term's count is summed over the window and the ranks
+        before the first backward, and must equal what ``loss_fn`` then counts.
         """
         if counts is not None and not callable(counts):
             raise TypeError(
@@ -138,13 +141,22 @@ class Accumulator:
                 "finish it with end_window() or drop it with abort_window() before step()"
             )
         given = window_input(micro_batches, loss_fn, may_be_empty=self.sync.distributed)
+        if isinstance(loss_fn, InBatch) and counts is not None:
+            raise TypeError("counts= is for named terms; an InBatch loss counts its own items")
+
+        def window(part: list[Any]) -> None:
+            if isinstance(loss_fn, InBatch):
+                loss_fn.forward_backward(self, *self.sync.pad(part))
+            else:
+                self._forward_backward(loss_fn, counts, *self.sync.pad(part))
+
         replays = 0
         if self.oom is None:
-            self._forward_backward(loss_fn, counts, *self.sync.pad(given))
+            window(given)
         else:
             replays = self.oom.run(
                 given,
-                lambda run: self._forward_backward(loss_fn, counts, *self.sync.pad(run)),
+                window,
                 window=self.state.windows + 1,
                 agree=self.sync.agree_oom if self.sync.distributed else None,
                 drop=self.abort_window,
@@ -237,7 +249,7 @@ class Accumulator:
         self.precision.backward(loss_sum, count, index == 0, self._params)
         # A reduced gradient is not this rank's prefix: the window's global mean is added at
         # end_window instead.
-        if self.noise is not None and not self.sync.reduces(window.last):
+        if self.noise is not None and not window.coupled and not self.sync.reduces(window.last):
             sums = [g for g in map(self.precision.accumulated, self._step_params) if g is not None]
             self.noise.record(sums, count, self.precision.loss_multiplier())
         window.backward_done = True
@@ -327,7 +339,7 @@ class Accumulator:
         """True between a window's first micro-batch and its end."""
         return self._window is not None
 
-    def _open_window(self) -> _Window:
+    def _open_window(self, coupled: bool = False) -> _Window:
         if not self._warned_batchnorm:
             self._warned_batchnorm = True
             warn_batchnorm(self.model)
@@ -339,7 +351,7 @@ class Accumulator:
                     "micro-batch; it would leak into this step. Clear it with "
                     "optimizer.zero_grad(set_to_none=True) before using the Accumulator"
                 )
-        self._window = _Window()
+        self._window = _Window(coupled=coupled)
         return self._window
 
     # -- checkpoints ------------------------------------------------------------------------

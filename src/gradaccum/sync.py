@@ -102,6 +102,7 @@ class Sync:
         self.mode, self.model, self.inner, self.group = mode, model, model, None
         self.world = 1  # what the reduction averages the gradient over
         self.ranks = 1  # the processes the window's numbers are summed over
+        self.rank = 0  # this process's place among them
         self.reduce_at_end = False  # DDP: the Accumulator reduces the window's sums (configure)
 
     @staticmethod
@@ -182,6 +183,11 @@ class Sync:
         window's per-term counts before its first backward, its per-term sums at its end."""
         return [float(v) for v in values]
 
+    def gather(self, local: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Every rank's ``local`` rows concatenated in rank order (ranks may hold different
+        numbers of rows), and where this rank's rows start: an in-batch loss's negatives."""
+        return local, 0
+
     def reduce(self, sums: list[torch.Tensor]) -> None:
         """Under ``reduce_at_end`` (DDP only): the window's sums averaged over ranks."""
         raise RuntimeError(f"a {self.name} model's gradient is not reduced at the window's end")
@@ -229,6 +235,7 @@ class _Collective(Sync):
         super().__init__(model, mode)
         self.group = group
         self.world = self.ranks = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self._device = collective_device(group)
         self._pad: Any = None  # one sample of a micro-batch this rank held, to pad with
         self._forwards: int | None = None  # forwards in the micro-batch in progress
@@ -309,6 +316,21 @@ class _Collective(Sync):
         if not values:
             return []
         return self._all_reduce([float(v) for v in values], torch.float64, dist.ReduceOp.SUM)
+
+    def gather(self, local: torch.Tensor) -> tuple[torch.Tensor, int]:
+        # all_gather needs one shape: the rows are padded to the most any rank holds
+        world = dist.get_world_size(self.group)
+        rows = torch.tensor([local.shape[0]], dtype=torch.int64, device=self._device)
+        counts = [torch.zeros_like(rows) for _ in range(world)]
+        dist.all_gather(counts, rows, group=self.group)
+        sizes = [int(c) for c in counts]
+        padded = local.new_zeros((max(sizes), *local.shape[1:])).to(self._device)
+        padded[: local.shape[0]] = local.to(self._device)
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded, group=self.group)
+        whole = torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+        me = dist.get_rank(self.group)
+        return whole.to(local.device), sum(sizes[:me])
 
     def most(self, values: list[int]) -> list[int]:
         return [int(v) for v in self._all_reduce(values, torch.int64, dist.ReduceOp.MAX)]
