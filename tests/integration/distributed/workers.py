@@ -539,3 +539,34 @@ def terms(rank: int, world: int, kind: str, dtype_name: str, out: str) -> None:
             {"grads": handed, "means": means, "params": params},
             Path(out) / f"terms-{kind}-{dtype_name}.pt",
         )
+
+
+def in_batch(rank: int, world: int, model_name: str, dtype_name: str, out: str) -> None:
+    """One in-batch window on 2 ranks holding different numbers of pairs (rank 0 the first
+    sizes[0], rank 1 the rest): rank 0 saves the gradient the optimizer is handed."""
+    import test_inbatch_ddp as case
+
+    dtype = getattr(torch, dtype_name)
+    model, batch, encode, loss = case.setup(model_name, dtype)
+    model = DistributedDataParallel(model)
+    sizes = case.SIZES[rank]
+    start = 0 if rank == 0 else sum(case.SIZES[0])
+    mine = {k: v[start : start + sum(sizes)] for k, v in batch.items()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.0)
+    handed = []
+    opt.register_step_pre_hook(lambda *_: handed.append(full_grads_of(model)))
+    result = ga.Accumulator(model, opt).step(split_sizes(mine, sizes), ga.InBatch(encode, loss))
+    if rank == 0:
+        torch.save(
+            {"grads": handed[0], "loss": result.loss, "count": result.count},
+            Path(out) / f"inbatch-{model_name}-{dtype_name}.pt",
+        )
+
+
+def full_grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n.removeprefix("module."): p.grad.detach().clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
