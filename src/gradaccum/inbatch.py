@@ -56,6 +56,13 @@ class InBatch:
     def __repr__(self) -> str:
         return f"InBatch(embed={self.embed!r}, loss={self.loss!r})"
 
+    def __call__(self, model: torch.nn.Module, batch: Any) -> Any:
+        """The loss over ``batch`` alone, as a plain ``loss_fn``: a full batch's reference
+        (``ga.check``), an evaluation, a probe of one micro-batch's memory. Given to a plain
+        loop one micro-batch at a time, it is plain accumulation: each micro-batch's own
+        negatives only."""
+        return self.loss(_rebuild(*_parts(self.embed(model, batch), "embed")))
+
     def forward_backward(self, acc: Any, micro_batches: list[Any], real: int) -> None:
         """One window through ``acc``'s manual API. Micro-batches from ``real`` on are padding
         (``Sync.pad``): they run, for the collectives' sake, and contribute nothing."""

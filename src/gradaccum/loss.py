@@ -57,7 +57,7 @@ def window_input(micro_batches: Any, loss_fn: Any, may_be_empty: bool = False) -
             "labels)? Split it first with ga.split(batch, micro_size); a window whose "
             "micro-batches are single tensors goes in a list"
         )
-    if not callable(loss_fn) and not hasattr(loss_fn, "forward_backward"):  # ga.InBatch
+    if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     given = list(micro_batches)
     if not given and not may_be_empty:

@@ -426,6 +426,27 @@ def _minilm() -> Recipe:
 RECIPES["minilm"] = _minilm()
 
 
+def _minilm_pairs() -> Recipe:
+    from gradaccum.app.recipes import minilm, minilm_pairs
+
+    return Recipe(
+        name="minilm-pairs",
+        item="pair",
+        summary="pretrained all-MiniLM-L6-v2 fine-tuned contrastively on pairs of stdlib "
+        "docstring paragraphs, every other pair of the batch a negative (in-batch, exact)",
+        build_model=minilm_pairs.PairEncoder,
+        loss_fn=minilm_pairs.LOSS,
+        sample_batch=minilm_pairs.sample_batch,
+        make_data=minilm_pairs.PairData,
+        signature={"recipe": "minilm-pairs", "families": list(minilm.FAMILIES)},
+        metrics=("loss", "accuracy"),
+        defaults=minilm_pairs.DEFAULTS,
+    )
+
+
+RECIPES["minilm-pairs"] = _minilm_pairs()
+
+
 def _segmentation(norm: str) -> Recipe:
     from gradaccum.app.recipes import segmentation
 

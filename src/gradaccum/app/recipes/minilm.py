@@ -98,36 +98,46 @@ def tokenizer():
     return tok
 
 
+def pretrained_encoder() -> nn.Module:
+    """The package's BertModel, without its pooler (mean pooling, as sentence-transformers
+    pools: with the pooler missing, transformers reports its weights as unexpected, with a
+    progress bar, which is silenced here)."""
+    from transformers import BertModel
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        return BertModel.from_pretrained(
+            str(model_dir()), local_files_only=True, add_pooling_layer=False
+        )
+    finally:
+        logging.set_verbosity(verbosity)
+        logging.enable_progress_bar()
+
+
+def mean_pooled(encoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The mean of the encoder's last hidden states over each paragraph's real tokens."""
+    # The batch is padded to MAX_TOKENS; the encoder sees only as many as its longest
+    # sequence has (the rest are padding for every row).
+    longest = max(1, int(attention_mask.sum(1).max()))
+    ids, mask = input_ids[:, :longest], attention_mask[:, :longest]
+    hidden = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+
+
 class DocstringClassifier(nn.Module):
     """The pretrained encoder, mean pooling over real tokens, a linear head."""
 
     def __init__(self, classes: int = len(FAMILIES)) -> None:
         super().__init__()
-        from transformers import BertModel
-        from transformers.utils import logging
-
-        # The checkpoint's pooler is not used (mean pooling, as sentence-transformers pools):
-        # without it, transformers reports its weights as unexpected, with a progress bar.
-        verbosity = logging.get_verbosity()
-        logging.set_verbosity_error()
-        logging.disable_progress_bar()
-        try:
-            self.encoder = BertModel.from_pretrained(
-                str(model_dir()), local_files_only=True, add_pooling_layer=False
-            )
-        finally:
-            logging.set_verbosity(verbosity)
-            logging.enable_progress_bar()
+        self.encoder = pretrained_encoder()
         self.head = nn.Linear(self.encoder.config.hidden_size, classes)
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        # The batch is padded to MAX_TOKENS; the encoder sees only as many as its longest
-        # sequence has (the rest are padding for every row).
-        longest = max(1, int(attention_mask.sum(1).max()))
-        ids, mask = input_ids[:, :longest], attention_mask[:, :longest]
-        hidden = self.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
-        return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+        return mean_pooled(self.encoder, input_ids, attention_mask)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.head(self.embed(input_ids, attention_mask))
