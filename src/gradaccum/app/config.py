@@ -158,8 +158,9 @@ RECIPE = Opt(
     "gpt",
     "built-in model and data: gpt (byte-level GPT on the Python stdlib's source), digits "
     "(GroupNorm CNN on scikit-learn's digits), minilm (fine-tune pretrained MiniLM on stdlib "
-    "docstrings), segment (U-Net segmenting 256x256 procedural images; segment-batchnorm: the "
-    "same with BatchNorm); minilm and segment set their own batch, budget and length",
+    "docstrings; minilm-pairs: contrastively, in-batch negatives), segment (U-Net segmenting "
+    "256x256 procedural images; segment-batchnorm: the same with BatchNorm); minilm, "
+    "minilm-pairs and segment set their own batch, budget and length",
     check=_recipe,
     choices=sorted(RECIPES),
 )
@@ -414,7 +415,7 @@ class TargetsConfig:
     target_accuracy: float | None = Opt(
         None,
         "stop when the held-out accuracy reaches this, in (0, 1] (recipes that measure "
-        "accuracy: digits, minilm)",
+        "accuracy: digits, minilm, minilm-pairs)",
         check=_accuracy,
         metavar="ACC",
         resumable=True,
