@@ -13,6 +13,11 @@ from helpers import capture_step_grads
 import gradaccum as ga
 from gradaccum.app.recipes import get_recipe, minilm_pairs
 
+# Building the pairs parses every stdlib module's docstrings (seconds), and the window test
+# runs MiniLM: the slow tier (CI runs it after make test). The exactness of ga.InBatch on
+# MiniLM is in make test (test_inbatch.py).
+pytestmark = pytest.mark.slow
+
 
 def test_no_paragraph_is_in_two_pairs_and_held_out_modules_stay_apart():
     train, held = minilm_pairs.pairs("train"), minilm_pairs.pairs("held_out")

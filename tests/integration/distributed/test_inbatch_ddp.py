@@ -60,7 +60,12 @@ def reference(model_name: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("model_name", "dtype"), [("encoder", "float32"), ("encoder", "float64"), ("minilm", "float32")]
+    ("model_name", "dtype"),
+    [
+        ("encoder", "float32"),
+        ("encoder", "float64"),
+        pytest.param("minilm", "float32", marks=pytest.mark.slow),  # two MiniLMs: the slow tier
+    ],
 )
 def test_in_batch_window_over_two_ranks_equals_the_full_batch(tmp_path, model_name, dtype):
     launch(workers.in_batch, model_name, dtype, str(tmp_path), timeout=120)
