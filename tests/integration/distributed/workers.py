@@ -570,3 +570,44 @@ def full_grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for n, p in model.named_parameters()
         if p.grad is not None
     }
+
+
+def normalizations(rank: int, world: int, dtype_name: str, out: str) -> None:
+    """Each normalization helper as one term, one window over 2 ranks: rank 0 holds rows
+    0-5 as micro-batches of 4 and 2, rank 1 rows 6-12 as 1, 5, 1; groups of completions span
+    the ranks. Rank 0 saves each helper's handed gradient."""
+    import test_terms as case
+
+    dtype = getattr(torch, dtype_name)
+    batch = case.rl_batch(seed=7, groups=[3, 5, 1, 4])
+    sizes = ([4, 2], [1, 5, 1])
+    start = 0 if rank == 0 else sum(sizes[0])
+    mine = {k: v[start : start + sum(sizes[rank])] for k, v in batch.items()}
+    found = {}
+    for name, (term, count, _) in case.HELPERS.items():
+        model = DistributedDataParallel(make_model(case.TokenMLP).to(dtype))
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        handed = []
+        opt.register_step_pre_hook(lambda *_, h=handed, m=model: h.append(full_grads_of(m)))
+        ga.Accumulator(model, opt).step(
+            split_sizes(mine, sizes[rank]),
+            lambda m, mb, term=term: {"t": term(m, mb)},
+            counts=lambda mb, count=count: {"t": count(mb)},
+        )
+        found[name] = handed[0]
+    # Packed rows: rank 0 the first 3 rows (micro-batches of 1 and 2), rank 1 the rest
+    packed = case.pack(case.sequences(seed=9, n=17), row=16)
+    rows = packed["input_ids"].shape[0]
+    sizes = ([1, 2], [2, rows - 5])
+    start = 0 if rank == 0 else 3
+    mine = {k: v[start : start + sum(sizes[rank])] for k, v in packed.items()}
+    model = DistributedDataParallel(make_model(case.TokenMLP).to(dtype))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    handed = []
+    opt.register_step_pre_hook(lambda *_: handed.append(full_grads_of(model)))
+    ga.Accumulator(model, opt).step(
+        split_sizes(mine, sizes[rank]), case.packed_terms, counts=case.packed_counts
+    )
+    found["packed rows"] = handed[0]
+    if rank == 0:
+        torch.save(found, Path(out) / f"normalizations-{dtype_name}.pt")
