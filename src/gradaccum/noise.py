@@ -49,7 +49,7 @@ import torch
 from gradaccum.stats import fieller, fit_line, t_quantile
 from gradaccum.window import total_norm
 
-__all__ = ["NoiseReading", "NoiseScale", "advice"]
+__all__ = ["NoiseReading", "NoiseScale", "Tradeoff", "advice", "tradeoff_advice"]
 
 _MERGE_ABOVE = 2048  # stored entries; beyond it, neighbours merge pairwise
 
@@ -72,6 +72,63 @@ class NoiseReading:
     @property
     def interval(self) -> tuple[float, float] | None:
         return None if self.value is None else (self.low, self.high)
+
+    def tradeoff(self, batch: float, reference: float = 1.0) -> Tradeoff | None:
+        """What training at ``batch`` items per step costs against ``reference`` items per
+        step (one sample), to the same loss, by McCandlish et al. (2018): steps S = S_min (1 +
+        B_noise / B) and samples E = E_min (1 + B / B_noise), with B_noise read as B_simple.
+        Each number is given at B_simple and at its interval's ends (both move monotonically
+        with it). None without a reading, or for a batch not above the reference."""
+        if self.value is None or not batch > reference > 0:
+            return None
+
+        def at(noise: float) -> tuple[float, float]:
+            if noise <= 0:  # no noise: any batch takes the fewest steps' samples
+                return batch / reference - 1, 0.0
+            more = (1 + batch / noise) / (1 + reference / noise) - 1
+            fewer = 1 - (1 + noise / batch) / (1 + noise / reference)
+            return more, fewer
+
+        (more, fewer), (more_hi, fewer_lo), (more_lo, fewer_hi) = (
+            at(self.value),
+            at(self.low),
+            at(self.high),
+        )
+        # Numbers are worth saying when the interval pins B_simple within a factor of 4
+        certain = self.low > 0 and self.high <= 4 * self.low
+        return Tradeoff(
+            batch, reference, (more, more_lo, more_hi), (fewer, fewer_lo, fewer_hi), certain
+        )
+
+
+@dataclass(frozen=True)
+class Tradeoff:
+    """A batch against a smaller one, to the same loss: ``more_samples`` and ``fewer_steps``
+    as fractions (0.25 is 25%), each ``(at B_simple, low, high)`` over its interval; when the
+    interval is wide (``certain`` False) the sentence says it cannot put numbers on them."""
+
+    batch: float
+    reference: float
+    more_samples: tuple[float, float, float]
+    fewer_steps: tuple[float, float, float]
+    certain: bool  # B_simple's interval within a factor of 4 (and above 0): worth numbers
+
+    def sentence(self, against: str) -> str:
+        """In words, ``against`` naming the smaller batch ("a batch of one sample")."""
+        if not self.certain:
+            return (
+                f"against {against}, too uncertain yet to say how many more samples and fewer "
+                "steps this batch takes (B_simple's interval spans more than a factor of 4)"
+            )
+
+        def pct(x: tuple[float, float, float]) -> str:
+            return f"{x[0]:.0%} ({x[1]:.0%} to {x[2]:.0%})"
+
+        return (
+            f"against {against}, this batch should take about {pct(self.more_samples)} more "
+            f"samples and {pct(self.fewer_steps)} fewer optimizer steps to reach the same loss "
+            "(McCandlish et al. 2018, from B_simple and its interval)"
+        )
 
 
 @dataclass
@@ -302,3 +359,18 @@ def advice(
         f"{found}; {batch} lies inside the interval: cannot tell yet whether larger or "
         "smaller batches would do better"
     )
+
+
+def tradeoff_advice(
+    effective_batch: float, reading: NoiseReading | None, items_per_sample: float | None = None
+) -> str | None:
+    """The trade-off in words: this effective batch (in items) against a batch of one sample
+    (one item when a sample's items are not known), or None when there is nothing to say."""
+    found = None if reading is None else reading.tradeoff(effective_batch, items_per_sample or 1.0)
+    if found is None:
+        return None
+    if items_per_sample is None:
+        return found.sentence("a batch of one item")
+    if round(items_per_sample) == 1:
+        return found.sentence("a batch of one sample")
+    return found.sentence(f"a batch of one sample ({items_per_sample:,.0f} items)")

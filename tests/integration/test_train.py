@@ -202,6 +202,9 @@ def test_auto_batch_schedule_from_the_cli(tmp_path):
     print("auto on digits:", summary["batch_changes"], summary["noise_advice"])
     assert summary["samples"] == 1600 and (run / "batch.png").is_file()
     assert summary["noise_advice"].startswith("gradient noise scale")
+    assert summary["noise_tradeoff"] is None or summary["noise_tradeoff"].startswith(
+        "against a batch of one sample, this batch"
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,15 @@
 """The gradient noise scale against its closed form, its interval's coverage, and that it
 changes nothing else."""
 
+import math
+
 import pytest
 import torch
 from helpers import make_model, params
 from torch import nn
 
 import gradaccum as ga
-from gradaccum.noise import NoiseReading, advice
+from gradaccum.noise import NoiseReading, advice, tradeoff_advice
 from gradaccum.stats import fieller, t_quantile
 
 
@@ -211,3 +213,54 @@ def test_advice_names_a_direction_only_when_the_interval_excludes_the_batch():
     for text in (above, below, inside):
         assert "-" not in text.replace("B_simple", "").replace("better-parallelized", "")
         assert not any(w in text for w in ("nan", "inf", "None"))
+
+
+@pytest.mark.parametrize(
+    ("value", "low", "high", "batch", "reference"),
+    [
+        (3861.0, 2458.0, 5996.0, 8128.0, 127.0),  # the demo's reading, in bytes
+        (35.0, 20.0, 60.0, 64.0, 1.0),  # a batch near B_simple
+        (100.0, 60.0, 200.0, 10.0, 2.0),  # a batch far below it
+        (100.0, 0.0, 5000.0, 800.0, 4.0),  # an interval that reaches 0: too uncertain
+        (5.0, 4.0, 6.0, 1e6, 1.0),  # far above: nearly all the samples extra
+    ],
+)
+def test_the_tradeoff_follows_mccandlish_formula_with_the_interval_carried(
+    value, low, high, batch, reference
+):
+    """Steps S(B) = S_min (1 + B_noise / B), samples E(B) = E_min (1 + B / B_noise), written out
+    here: the batch against the reference batch, at B_simple and at the interval's ends."""
+
+    def more_samples(noise):
+        return (1 + batch / noise) / (1 + reference / noise) - 1 if noise else batch / reference - 1
+
+    def fewer_steps(noise):
+        return 1 - (1 + noise / batch) / (1 + noise / reference)
+
+    found = reading(value, low, high).tradeoff(batch, reference)
+    assert found.more_samples[0] == pytest.approx(more_samples(value))
+    assert found.fewer_steps[0] == pytest.approx(fewer_steps(value))
+    # a larger B_simple: fewer extra samples, more steps saved
+    assert found.more_samples[1] == pytest.approx(more_samples(high))
+    assert found.more_samples[2] == pytest.approx(more_samples(low))
+    assert found.fewer_steps[1] == pytest.approx(fewer_steps(low))
+    assert found.fewer_steps[2] == pytest.approx(fewer_steps(high))
+    for lo, _, hi in (sorted(found.more_samples), sorted(found.fewer_steps)):
+        assert math.isfinite(lo) and math.isfinite(hi) and lo >= 0
+    assert found.more_samples[1] <= found.more_samples[0] <= found.more_samples[2]
+    assert 0 <= found.fewer_steps[1] <= found.fewer_steps[0] <= found.fewer_steps[2] < 1
+    assert found.certain == (low > 0 and high <= 4 * low)
+    text = found.sentence("a batch of one sample")
+    assert not any(w in text for w in ("nan", "inf", "None", "-"))
+    if found.certain:
+        assert f"{found.more_samples[0]:.0%} ({found.more_samples[1]:.0%} to" in text
+    else:
+        assert "too uncertain yet" in text
+
+
+def test_no_tradeoff_without_a_reading_or_a_larger_batch():
+    assert reading(100.0, 60.0, 200.0).tradeoff(4.0, 4.0) is None
+    assert NoiseReading(None, None, None, 2, 0.9, "too few").tradeoff(64.0) is None
+    assert tradeoff_advice(64, None) is None
+    said = tradeoff_advice(64, reading(35.0, 20.0, 60.0), items_per_sample=None)
+    assert said.startswith("against a batch of one item, this batch should take about")

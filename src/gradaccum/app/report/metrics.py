@@ -63,4 +63,5 @@ SUMMARY = (
     Metric("noise_scale", "gradient noise scale B_simple (items)", "items", printed=False),
     Metric("noise_interval", "its 90% interval", "interval", printed=False),
     Metric("noise_advice", "noise scale advice", "text", printed=False),
+    Metric("noise_tradeoff", "the effective batch's trade-off", "text", printed=False),
 )

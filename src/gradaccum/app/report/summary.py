@@ -12,7 +12,7 @@ from gradaccum.app.report import plots
 from gradaccum.app.report.metrics import SUMMARY
 from gradaccum.engine import Accumulator
 from gradaccum.memory import format_bytes
-from gradaccum.noise import advice
+from gradaccum.noise import advice, tradeoff_advice
 
 
 def final_evaluation(run: _Run) -> dict[str, float] | None:
@@ -66,6 +66,9 @@ def _report(
                 )
                 + ")"
             ),
+            "noise_tradeoff": None
+            if acc.noise is None
+            else tradeoff_advice(batch_items, reading, acc.state.items / max(schedule.samples, 1)),
             "run_folder": str(out),
             "stopped_by": run.stopped_by,
             "targets": run.targets.summary(),
@@ -83,6 +86,8 @@ def _report(
         log(_summary_table(summary))
         if cfg.batch.noise_scale:
             log(summary["noise_advice"])
+            if summary["noise_tradeoff"]:
+                log(summary["noise_tradeoff"])
         log(f"\nthe run's page: {page} (open it in a browser)")
         if (out / "tensorboard").is_dir():
             log(f"its curves in TensorBoard: tensorboard --logdir {out / 'tensorboard'}")
