@@ -229,13 +229,18 @@ def tensor_count_total(counts: list[tuple[int, torch.Tensor]]) -> int:
 
 
 def token_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy summed over the tokens whose label is not ``ignore_index``.
 
     ``logits``: (..., vocab); ``labels``: the same leading shape. Returns ``(loss_sum, count)``
     with ``count`` the number of labels that are not ignored, as a 0-dim int64 tensor (no
     host sync). No label shift is applied; see :func:`causal_lm_loss` for next-token loss.
+    ``label_smoothing``: as ``F.cross_entropy``'s (and transformers' ``LabelSmoother``).
     """
     if logits.dim() < 2:
         raise ValueError(f"logits must have shape (..., vocab), got {tuple(logits.shape)}")
@@ -248,7 +253,13 @@ def token_cross_entropy(
     flat_labels = labels.reshape(-1)
     if flat_logits.dtype in (torch.float16, torch.bfloat16):
         flat_logits = flat_logits.float()  # a long sum of low-precision terms loses bits
-    loss_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
+    loss_sum = F.cross_entropy(
+        flat_logits,
+        flat_labels,
+        ignore_index=ignore_index,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
     count = (flat_labels != ignore_index).sum()
     return loss_sum, count
 
@@ -259,6 +270,7 @@ def causal_lm_loss(
     *,
     ignore_index: int = -100,
     position_ids: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy for a causal LM: position t predicts label t+1.
 
@@ -281,6 +293,7 @@ def causal_lm_loss(
         logits[:, :-1, :],
         next_token_labels(labels, ignore_index, position_ids),
         ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
     )
 
 

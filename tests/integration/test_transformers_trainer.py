@@ -20,6 +20,7 @@ from helpers import capture_step_grads
 
 transformers = pytest.importorskip("transformers")
 from gradaccum.integrations.transformers import Trainer  # noqa: E402
+from gradaccum.noise import NoiseScale  # noqa: E402
 
 
 def arguments(tmp_path, **overrides):
@@ -133,6 +134,16 @@ def test_what_it_cannot_do_exactly_is_refused(tmp_path):
     trainer = Trainer(model=tiny_gpt2(), args=arguments(tmp_path), train_dataset=items)
     with pytest.raises(ValueError, match="needs `labels` in every training batch"):
         trainer.train()
+    args = arguments(tmp_path, auto_find_batch_size=True)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=padded_sequences(16))
+    with pytest.raises(ValueError, match="auto_find_batch_size halves the micro-batch"):
+        trainer.train()
+    args = arguments(tmp_path, label_smoothing_factor=0.1)
+    trainer = Trainer(
+        model=tiny_gpt2(), args=args, train_dataset=padded_sequences(16), loss_fn=token_sum_loss
+    )
+    with pytest.raises(ValueError, match="with loss_fn= given, smooth inside it"):
+        trainer.train()
 
 
 def _token_losses(model, batch):
@@ -185,3 +196,110 @@ def test_named_terms_with_counts_give_the_full_batch_gradient(tmp_path):
     assert len(seen) == 1 and err <= 1e-6
     logged = [x for x in trainer.state.log_history if "loss_ce" in x]
     assert logged and logged[0]["loss_seq"] == pytest.approx(per_sequence.mean().item(), rel=1e-5)
+
+
+def test_compute_loss_func_is_refused_in_one_line(tmp_path):
+    """transformers calls compute_loss_func with its own count and takes the result as
+    already divided by it; gradaccum cannot read that back as a sum, so it refuses (it was
+    silently never called: the run trained on the model's own loss)."""
+    calls = []
+
+    def compute_loss_func(outputs, labels, num_items_in_batch=None):
+        calls.append(num_items_in_batch)
+        return outputs.logits.sum() * 0.0
+
+    trainer = Trainer(
+        model=tiny_gpt2(),
+        args=arguments(tmp_path),
+        train_dataset=padded_sequences(16),
+        compute_loss_func=compute_loss_func,
+    )
+    with pytest.raises(ValueError, match="compute_loss_func returns a loss already divided"):
+        trainer.train()
+    assert calls == []
+
+
+def test_label_smoothing_is_the_full_batchs_smoothed_loss(tmp_path):
+    """label_smoothing_factor 0.1 on the model's own (causal) loss: the window's gradient is
+    the smoothed cross-entropy's over the whole batch (torch alone); it used to be the
+    unsmoothed one's, which is measurably different."""
+    from frameworks import stack
+
+    model = tiny_gpt2()
+    reference = copy.deepcopy(model)
+    items = padded_sequences(16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = capture_step_grads(optimizer, model)
+    Trainer(
+        model=model,
+        args=arguments(tmp_path, label_smoothing_factor=0.1),
+        train_dataset=items,
+        optimizers=(optimizer, None),
+    ).train()
+    batch = stack(items)
+    logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:].reshape(-1)
+    smoothed = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels, label_smoothing=0.1
+    )
+    smoothed.backward()
+    want = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+    unsmoothed = full_batch_grads(copy.deepcopy(model), items)
+    err = rel_err(seen[0], want)
+    print(f"label smoothing 0.1: gradaccum {err:.1e}; unsmoothed {rel_err(unsmoothed, want):.2e}")
+    assert err <= 1e-6 and rel_err(unsmoothed, want) > 1e-3
+
+
+def test_a_resumed_run_logs_the_b_simple_of_the_uninterrupted_one(tmp_path):
+    """60 windows of the regression problem with a checkpoint at step 30, against the same
+    run resumed from it: the noise estimate's state travels with the Trainer's checkpoint
+    (it restarted empty: the resumed run logged another b_simple at each later step)."""
+    problem = Regression()
+    items = [{"x": xi, "y": yi} for xi, yi in zip(problem.x, problem.y, strict=True)]
+
+    def run(folder, steps, resume=None):
+        model = problem.model()
+        trainer = Trainer(
+            model=model,
+            args=arguments(
+                folder,
+                max_steps=steps,
+                save_strategy="steps",
+                save_steps=30,
+                per_device_train_batch_size=16,
+                gradient_accumulation_steps=8,
+                remove_unused_columns=False,
+            ),
+            train_dataset=items,
+            optimizers=(torch.optim.SGD(model.parameters(), lr=0.0), None),
+            loss_fn=lambda model, inputs: problem.loss(model, inputs["x"], inputs["y"]),
+            noise=NoiseScale(groups=3),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return {e["step"]: e["b_simple"] for e in trainer.state.log_history if "b_simple" in e}
+
+    whole = run(tmp_path / "whole", 60)
+    run(tmp_path / "part", 30)
+    resumed = run(tmp_path / "part", 60, resume=True)
+    assert (tmp_path / "part" / "checkpoint-30" / "gradaccum_noise_0.pt").is_file()
+    later = [s for s in whole if s > 30]
+    assert len(later) == 30 and all(resumed[s] == pytest.approx(whole[s], rel=1e-9) for s in later)
+
+
+def test_the_mixin_makes_a_trainer_subclass_exact(tmp_path):
+    """A Trainer subclass whose compute_loss returns a per-micro-batch mean (the 4x bug when
+    it ignores num_items_in_batch) is exact with ExactAccumulationMixin in front of it."""
+    from gradaccum.integrations.transformers import ExactAccumulationMixin
+
+    class MeanLossTrainer(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss_sum, count = token_sum_loss(model, inputs)
+            return loss_sum / count
+
+    class Exact(ExactAccumulationMixin, MeanLossTrainer):
+        pass
+
+    plain = window_errors(tmp_path / "plain", MeanLossTrainer, 16)
+    ours = window_errors(tmp_path / "ours", Exact, 16)
+    print(f"a subclass's per-micro-batch mean: alone {plain[0]:.2e}, with the mixin {ours[0]:.1e}")
+    assert plain[0] > 1e-2 and ours[0] <= 1e-6

@@ -28,13 +28,16 @@ micro-batch prefixes and added as ``b_simple`` to the Trainer's training logs, s
 wherever ``report_to`` sends them.
 
 Not supported, refused at ``train()`` with the reason: DeepSpeed and FSDP (they own the
-gradient's reduction and normalization), ``torch.nn.DataParallel`` over several GPUs, and a
-transformers without ``Trainer.loss_is_scaled_for_ga``.
+gradient's reduction and normalization), ``torch.nn.DataParallel`` over several GPUs,
+``auto_find_batch_size``, ``compute_loss_func``, and a transformers without
+``Trainer.loss_is_scaled_for_ga``. ``label_smoothing_factor`` is honored on the model's own
+loss (refused with ``loss_fn=``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,13 +48,17 @@ from gradaccum.integrations.window import FrameworkWindow, noise_option
 from gradaccum.loss import causal_lm_loss, token_cross_entropy, unpack, window_counts
 from gradaccum.noise import NoiseScale
 
-__all__ = ["Trainer"]
+__all__ = ["ExactAccumulationMixin", "Trainer"]
 
 _CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
-class Trainer(transformers.Trainer):
-    """``transformers.Trainer`` whose accumulated gradient is the window's exact item-mean.
+class ExactAccumulationMixin:
+    """Makes a ``transformers.Trainer`` (or any subclass of it) exact: the accumulated
+    gradient is the window's item-mean. Put it first: ``class MyTrainer(
+    ExactAccumulationMixin, SomeTrainer)``; gradaccum's ``Trainer`` is this mixin over the
+    stock one. In training it computes the loss itself (a sum and its count), so a
+    subclass's own ``compute_loss`` runs in evaluation only.
 
     Args (besides the Trainer's own):
         loss_fn: ``loss_fn(model, inputs) -> (loss_sum, count)``, or None for the model's
@@ -91,9 +98,21 @@ class Trainer(transformers.Trainer):
         self._window_counts: dict[str, Any] | None = None  # the next window's, with counts=
         self._micro: tuple[Any] | None = None  # the micro-batch's count, in training_step
         self._last_b_simple: float | None = None
+        self._resume_from: str | None = None
+        self.add_callback(_NoiseCheckpoint(self))
         self._last_terms: dict[str, float | None] | None = None
 
     # -- the window, through the Trainer's documented override points ---------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """The Trainer's ``train``; a resumed run also restores the noise estimate's state
+        from the checkpoint it resumes (``gradaccum_noise_<rank>.pt``, written beside it)."""
+        if resume_from_checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+        self._resume_from = resume_from_checkpoint or None
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The Trainer fetches each window's micro-batches up front: their number is the
@@ -111,6 +130,7 @@ class Trainer(transformers.Trainer):
         then the whole window's mean (the Trainer sums them per step)."""
         if self._window is None:
             self._window = self._open(model)
+            self._restore_noise()
         window = self._window
         if window.micro_batches == 0 and self._window_counts is not None:
             window.begin(self._window_counts)
@@ -176,6 +196,23 @@ class Trainer(transformers.Trainer):
                 f"torch.nn.DataParallel over {self.args.n_gpu} GPUs splits each micro-batch "
                 "inside forward; launch one process per GPU with torchrun instead"
             )
+        if self.args.auto_find_batch_size:
+            problems.append(
+                "auto_find_batch_size halves the micro-batch on out-of-memory and with it the "
+                "effective batch; plan the micro-batch first (gradaccum plan --export "
+                "transformers)"
+            )
+        if getattr(self, "compute_loss_func", None) is not None:
+            problems.append(
+                "compute_loss_func returns a loss already divided by the Trainer's own item "
+                "count, which cannot be read back as a sum; give loss_fn=(model, inputs) -> "
+                "(loss_sum, count) instead"
+            )
+        if self.args.label_smoothing_factor and self.loss_fn is not None:
+            problems.append(
+                "label_smoothing_factor smooths the model's own loss; with loss_fn= given, "
+                "smooth inside it (ga.token_cross_entropy(..., label_smoothing=...))"
+            )
         if type(self).loss_is_scaled_for_ga is not True or not hasattr(
             transformers.Trainer, "loss_is_scaled_for_ga"
         ):
@@ -188,6 +225,16 @@ class Trainer(transformers.Trainer):
                 "gradaccum's Trainer cannot run exactly here:\n  - " + "\n  - ".join(problems)
             )
         return FrameworkWindow(model, self.noise)
+
+    def _noise_file(self, folder: str) -> Path:
+        return Path(folder) / f"gradaccum_noise_{self.args.process_index}.pt"
+
+    def _restore_noise(self) -> None:
+        """On a resumed run's first step: the noise estimate as the checkpoint left it."""
+        folder = getattr(self, "_resume_from", None)
+        if self.noise is None or not folder or not self._noise_file(folder).is_file():
+            return
+        self.noise.load_state_dict(torch.load(self._noise_file(folder), weights_only=True))
 
     def _loss_scale(self) -> float:
         """The fp16 loss scale on the gradient until the Trainer unscales it (reading it
@@ -220,10 +267,26 @@ class Trainer(transformers.Trainer):
             rest = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
             outputs = model(**rest)
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+            smoothing = self.args.label_smoothing_factor
             if shift_labels is not None:
-                loss_sum, count = token_cross_entropy(logits, shift_labels)
+                loss_sum, count = token_cross_entropy(
+                    logits, shift_labels, label_smoothing=smoothing
+                )
             else:
-                loss_sum, count = causal_lm_loss(logits, labels)
+                loss_sum, count = causal_lm_loss(logits, labels, label_smoothing=smoothing)
+            return loss_sum, count, outputs
+        if self.args.label_smoothing_factor:
+            # transformers' LabelSmoother on the logits, as a sum over the labels that count
+            outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+            if logits.shape[:-1] != inputs["labels"].shape:
+                raise ValueError(
+                    f"label_smoothing_factor needs logits (..., classes) over the labels' shape "
+                    f"{tuple(inputs['labels'].shape)}; this model gives {tuple(logits.shape)}"
+                )
+            loss_sum, count = token_cross_entropy(
+                logits, inputs["labels"], label_smoothing=self.args.label_smoothing_factor
+            )
             return loss_sum, count, outputs
         outputs = model(**inputs)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
@@ -232,3 +295,24 @@ class Trainer(transformers.Trainer):
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
             return logits.sum() * 0.0, 0, outputs
         return loss * count, count, outputs
+
+
+class _NoiseCheckpoint(transformers.TrainerCallback):
+    """Writes the noise estimate's state into each checkpoint the Trainer saves."""
+
+    def __init__(self, trainer: ExactAccumulationMixin) -> None:
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        trainer = self.trainer
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if trainer.noise is not None and folder.is_dir():
+            torch.save(trainer.noise.state_dict(), trainer._noise_file(str(folder)))
+        return control
+
+
+class Trainer(ExactAccumulationMixin, transformers.Trainer):
+    """``transformers.Trainer`` whose accumulated gradient is the window's exact item-mean
+    (``ExactAccumulationMixin`` over the stock Trainer)."""
