@@ -40,7 +40,7 @@ def _watch_the_commands_loading() -> None:
 _watch_the_commands_loading()
 
 from gradaccum.batching import shard, split, windows  # noqa: E402
-from gradaccum.diagnose import batchnorm_momentum, check, convert_batchnorm  # noqa: E402
+from gradaccum.diagnose import audit, batchnorm_momentum, check, convert_batchnorm  # noqa: E402
 from gradaccum.engine import Accumulator, AccumulatorState, StepResult  # noqa: E402
 from gradaccum.inbatch import InBatch  # noqa: E402
 from gradaccum.loss import (  # noqa: E402
@@ -66,6 +66,7 @@ from gradaccum.schedule import BatchSchedule  # noqa: E402
 __all__ = [
     "Accumulator",
     "AccumulatorState",
+    "audit",
     "BatchSchedule",
     "InBatch",
     "NoiseReading",

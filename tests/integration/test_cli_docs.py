@@ -66,7 +66,7 @@ def places(tmp_path_factory) -> dict[str, str]:
 
 def test_the_docs_show_an_example_of_every_command():
     commands = {shlex.split(e)[shlex.split(e).index("gradaccum") + 1] for e in examples()}
-    assert commands == {"train", "plan", "check", "report"}, commands
+    assert commands == {"train", "plan", "check", "audit", "report"}, commands
     assert len(examples()) >= 15
 
 
@@ -79,6 +79,9 @@ def test_every_example_in_docs_cli_md_is_accepted_as_written(example, places):
     elif command in ("plan", "check"):
         kind = PlanConfig if command == "plan" else CheckConfig
         assert kind(**options.given(args, kind)).problems() == []
+    elif command == "audit":
+        file, _, function = args.target.rpartition(":")
+        assert file.endswith(".py") and function.isidentifier(), args.target
     else:
         assert command == "report"
 

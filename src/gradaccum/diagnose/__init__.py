@@ -7,10 +7,13 @@ from gradaccum.batchnorm import (
     batchnorm_momentum,
     convert_batchnorm,
 )
+from gradaccum.diagnose.audit import AuditResult, audit
 from gradaccum.diagnose.check import TOLERANCES, CheckResult, check
 
 __all__ = [
     "TOLERANCES",
+    "AuditResult",
+    "audit",
     "CheckResult",
     "FrozenBatchNorm",
     "batchnorm_modules",

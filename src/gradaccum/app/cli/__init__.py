@@ -29,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    from gradaccum.app.cli import check, plan, report, train
+    from gradaccum.app.cli import audit, check, plan, report, train
 
     root = _Parser(
         prog="gradaccum",
@@ -44,6 +44,7 @@ def parser() -> argparse.ArgumentParser:
     train.add_parser(sub)
     plan.add_parser(sub)
     check.add_parser(sub)
+    audit.add_parser(sub)
     report.add_parser(sub)
     return root
 

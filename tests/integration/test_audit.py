@@ -1,0 +1,141 @@
+"""ga.audit on trainers as users write them, with no gradaccum in their training code: the
+stock Hugging Face Trainer with a per-micro-batch mean compute_loss (the 4x bug), the stock
+Trainer as shipped, gradaccum's own Trainer, and plain loops. The large batch's gradient is
+computed by the audit from the trainer's own loss; these tests check what it reports."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from frameworks import padded_sequences, tiny_gpt2, token_sum_loss
+from helpers import TinyLM, lm_loss, lm_reference, make_model, padded_lm_batch, split_sizes
+
+import gradaccum as ga
+
+transformers = pytest.importorskip("transformers")
+from gradaccum.integrations.transformers import Trainer  # noqa: E402
+
+
+def arguments(tmp_path, **overrides):
+    settings = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        train_sampling_strategy="sequential",
+        disable_tqdm=True,
+    )
+    return transformers.TrainingArguments(**{**settings, **overrides})
+
+
+class MeanLossTrainer(transformers.Trainer):
+    """A compute_loss that returns each micro-batch's mean and ignores num_items_in_batch."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss_sum, count = token_sum_loss(model, inputs)
+        return loss_sum / count
+
+
+def test_a_per_micro_batch_mean_compute_loss_is_reported_as_4x(tmp_path):
+    model = tiny_gpt2()
+    before = copy.deepcopy(model.state_dict())
+    trainer = MeanLossTrainer(
+        model=model, args=arguments(tmp_path), train_dataset=padded_sequences(16)
+    )
+    result = ga.audit(trainer)
+    print(result.summary)
+    assert not result.passed and result.ratio == pytest.approx(4.0, rel=0.1)
+    assert "the gradient is 3.9" in result.cause or "the gradient is 4.0" in result.cause
+    assert "num_items_in_batch" in result.cause
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_the_stock_trainer_as_shipped_is_measured(tmp_path):
+    trainer = transformers.Trainer(
+        model=tiny_gpt2(), args=arguments(tmp_path), train_dataset=padded_sequences(16)
+    )
+    result = ga.audit(trainer)
+    print(result.summary)
+    # transformers counts GPT-2's labels before the causal shift: a few percent off
+    assert not result.passed and 1e-3 < result.relative_error < 0.2
+
+
+def test_gradaccums_trainer_passes(tmp_path):
+    trainer = Trainer(
+        model=tiny_gpt2(), args=arguments(tmp_path), train_dataset=padded_sequences(16)
+    )
+    result = ga.audit(trainer)
+    print(result.summary)
+    assert result.passed and result.relative_error <= 1e-6
+    assert result.ratio == pytest.approx(1.0, abs=1e-5) and "PASS" in result.summary
+
+
+def test_plain_loops_are_audited_too():
+    batch = padded_lm_batch(seed=3)
+    micro_batches = split_sizes(batch, [1, 5, 3, 4])
+    model = make_model(TinyLM)
+
+    def naive(model, mbs):  # the textbook loop: each micro-batch's mean / N
+        for mb in mbs:
+            loss_sum, count = lm_loss(model, mb)
+            (loss_sum / count / len(mbs)).backward()
+
+    def exact(model, mbs):  # sums, divided once by the window's count
+        total = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs)
+        for mb in mbs:
+            (lm_loss(model, mb)[0] / total).backward()
+
+    wrong = ga.audit(step=naive, loss=lm_reference, model=model, micro_batches=micro_batches)
+    right = ga.audit(step=exact, loss=lm_reference, model=model, micro_batches=micro_batches)
+    print(wrong.summary)
+    assert not wrong.passed and "weighted equally" in wrong.cause
+    assert right.passed and right.relative_error <= 1e-6
+    with pytest.raises(TypeError, match="needs loss, model"):
+        ga.audit(step=naive)
+
+
+TRAINER_FILE = """
+import sys
+
+sys.path.insert(0, {tests!r})  # the tests' tiny GPT-2 and data
+
+import transformers
+from frameworks import padded_sequences, tiny_gpt2, token_sum_loss
+
+
+class MeanLossTrainer(transformers.Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss_sum, count = token_sum_loss(model, inputs)
+        return loss_sum / count
+
+
+def make_trainer():
+    args = transformers.TrainingArguments(
+        output_dir="out", per_device_train_batch_size=4, gradient_accumulation_steps=4,
+        report_to=[], use_cpu=True, save_strategy="no", train_sampling_strategy="sequential",
+    )
+    return MeanLossTrainer(model=tiny_gpt2(), args=args, train_dataset=padded_sequences(16))
+"""
+
+
+def test_the_command_audits_a_trainer_from_a_file_and_exits_1_on_failure(tmp_path):
+    from pathlib import Path
+
+    from helpers import cli
+
+    tests = str(Path(__file__).resolve().parents[1])
+    (tmp_path / "train.py").write_text(TRAINER_FILE.format(tests=tests))
+    proc = cli("audit", tmp_path / "train.py:make_trainer", cwd=tmp_path, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "FAIL; the gradient is 3.9" in proc.stdout or "FAIL; the gradient is 4.0" in proc.stdout
+    proc = cli("audit", tmp_path / "train.py:nothing", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("has no function 'nothing'")
+    assert "Traceback" not in proc.stderr
+    (tmp_path / "broken.py").write_text("import no_such_module\n")
+    proc = cli("audit", tmp_path / "broken.py:make", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "broken.py failed to load: ModuleNotFoundError" in proc.stderr
