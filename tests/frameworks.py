@@ -156,3 +156,24 @@ class Regression:
             window = (self.x[128 * i : 128 * (i + 1)], self.y[128 * i : 128 * (i + 1)])
             result = acc.step(ga.split(window, 16), lambda m, mb: self.loss(m, *mb))
         return result.noise_scale
+
+
+def trainer_arguments(tmp_path, **overrides):
+    """TrainingArguments for the integration tests: CPU, no saving, no reports, sequential
+    windows (a window's items are known, for the reference), clipping off."""
+    import transformers
+
+    settings = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        num_train_epochs=1,
+        max_grad_norm=0.0,  # clipping off: the captured gradient is the accumulated one
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        train_sampling_strategy="sequential",  # windows of known items, for the reference
+        disable_tqdm=True,
+    )
+    return transformers.TrainingArguments(**{**settings, **overrides})

@@ -10,26 +10,13 @@ import copy
 import pytest
 import torch
 from frameworks import padded_sequences, tiny_gpt2, token_sum_loss
+from frameworks import trainer_arguments as arguments
 from helpers import TinyLM, lm_loss, lm_reference, make_model, padded_lm_batch, split_sizes
 
 import gradaccum as ga
 
 transformers = pytest.importorskip("transformers")
 from gradaccum.integrations.transformers import Trainer  # noqa: E402
-
-
-def arguments(tmp_path, **overrides):
-    settings = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=4,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        train_sampling_strategy="sequential",
-        disable_tqdm=True,
-    )
-    return transformers.TrainingArguments(**{**settings, **overrides})
 
 
 class MeanLossTrainer(transformers.Trainer):
@@ -105,6 +92,7 @@ sys.path.insert(0, {tests!r})  # the tests' tiny GPT-2 and data
 
 import transformers
 from frameworks import padded_sequences, tiny_gpt2, token_sum_loss
+from frameworks import trainer_arguments as arguments
 
 
 class MeanLossTrainer(transformers.Trainer):

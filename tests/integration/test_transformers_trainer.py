@@ -16,28 +16,14 @@ from frameworks import (
     tiny_gpt2,
     token_sum_loss,
 )
+from frameworks import (
+    trainer_arguments as arguments,
+)
 from helpers import capture_step_grads
 
 transformers = pytest.importorskip("transformers")
 from gradaccum.integrations.transformers import Trainer  # noqa: E402
 from gradaccum.noise import NoiseScale  # noqa: E402
-
-
-def arguments(tmp_path, **overrides):
-    settings = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=4,
-        num_train_epochs=1,
-        max_grad_norm=0.0,  # clipping off: the captured gradient is the accumulated one
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_steps=1,
-        train_sampling_strategy="sequential",  # windows of known items, for the reference
-        disable_tqdm=True,
-    )
-    return transformers.TrainingArguments(**{**settings, **overrides})
 
 
 def window_errors(tmp_path, trainer_class, n_items, **kwargs) -> list[float]:
