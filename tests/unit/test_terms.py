@@ -450,3 +450,33 @@ def test_named_terms_through_a_pipeline_are_refused_in_one_line(one_process_grou
     )
     with pytest.raises(TypeError, match="named terms .* not supported across pipeline stages"):
         pipe.step(batch["input_ids"], target=batch["labels"])
+
+
+@pytest.mark.parametrize("helper", sorted(HELPERS))
+def test_each_normalization_follows_the_full_batch_loop_through_a_ragged_last_window(helper):
+    """13 rows in windows of 5, 5 and 3 (the last one ragged), each split unevenly, SGD with
+    momentum, float64: every step's gradient against the plain full-batch loop's."""
+    term, count, definition = HELPERS[helper]
+    data = rl_batch(seed=12, groups=[2, 3, 4, 4])
+    windows = [(0, 5, [2, 3]), (5, 10, [4, 1]), (10, 13, [1, 2])]
+    ref = make_model(TokenMLP).double()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model = make_model(TokenMLP).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    seen = capture_step_grads(opt, model)
+    acc = ga.Accumulator(model, opt)
+    for start, stop, sizes in windows:
+        batch = {k: v[start:stop] for k, v in data.items()}
+        # group sizes are the window's: the group cut by a window's end counts its rows in
+        # each window, as the reference's groups do
+        batch["group_size"] = torch.bincount(batch["group"])[batch["group"]]
+        ref_opt.zero_grad(set_to_none=True)
+        definition(token_losses(ref, batch), batch).backward()
+        want = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        ref_opt.step()
+        acc.step(
+            split_sizes(batch, sizes),
+            lambda m, mb: {"t": term(m, mb)},
+            counts=lambda mb: {"t": count(mb)},
+        )
+        assert max_rel_err(seen[-1], want) <= 1e-12, (helper, start)
