@@ -183,16 +183,11 @@ class Tally:
         if set(map(str, terms)) != set(names):
             missing = sorted(set(names) - set(map(str, terms)))
             extra = sorted(set(map(str, terms)) - set(names))
+            problems = [f"missing {missing}"] if missing else []
+            problems += [f"not counted {extra}"] if extra else []
             raise ValueError(
                 f"the loss's terms {where} are not the window's counts' terms ({names}): "
-                + "; ".join(
-                    x
-                    for x in (
-                        f"missing {missing}" if missing else "",
-                        f"not counted {extra}" if extra else "",
-                    )
-                    if x
-                )
+                + "; ".join(problems)
             )
         given = {str(k): v for k, v in terms.items()}
         backward: torch.Tensor | None = None
