@@ -130,6 +130,7 @@ class PipelineWindow:
         if self._tied and stage.is_first and stage.is_last:
             raise ValueError("tied parameters need two stages: this one is the only one")
         self._losses: list[tuple[torch.Tensor, Any]] = []  # the last stage's, this window
+        self._tally = Tally()  # this window's numbers (begun with the counts of named terms)
         kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         # Summed losses, no division by the number of micro-batches: the gradient each stage
         # holds after the schedule is the window's sum over its items.
@@ -164,23 +165,35 @@ class PipelineWindow:
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         with self.precision.autocast():
             result = self.loss_fn(output, target)
-        if isinstance(result, Mapping):
-            raise TypeError(
-                "the pipeline window's loss_fn returns (loss_sum, count); named terms (each "
-                "divided by its own count) are not supported across pipeline stages yet: "
-                "return one term's (sum, count), or train with the Accumulator"
-            )
-        loss_sum, count = result
-        self._losses.append((loss_sum, count))
+        if isinstance(result, Mapping):  # named terms: weighed by the window's counts
+            loss_sum, count = self._tally.combine(result, len(self._losses))
+            self._losses.append((result, None))
+        else:
+            loss_sum, count = result
+            self._losses.append((loss_sum, count))
         # fp16: the pre-scale from the first loss the schedule computes in this window.
         return self.precision.scaled(loss_sum, count, first=len(self._losses) == 1)
 
-    def step(self, *inputs: Any, target: Any = None) -> StepResult:
+    def step(self, *inputs: Any, target: Any = None, counts: Any = None) -> StepResult:
         """One window: the first stage passes the batch's inputs, the last its targets (every
         stage may pass both; each uses its own). Every stage returns the same global loss per
-        item, count, norm and decision."""
+        item, count, norm and decision.
+
+        ``counts(target) -> {"ce": tokens, ...}``: for a ``loss_fn`` that returns named terms,
+        each term's count over the window's whole target (it must add up over rows: a sum
+        over the micro-batches the schedule cuts). Every stage passes ``target`` and
+        ``counts``: the last stage counts, the others name the terms with no items."""
         args = inputs if self.stage.is_first else ()
         self._losses = []
+        self._tally = Tally()  # the last stage's losses; the others learn the count in totals()
+        if counts is not None:
+            if target is None:
+                raise ValueError(
+                    "counts= needs target= on every stage: the last stage counts the terms, "
+                    "the others name them with no items"
+                )
+            given = dict(counts(target))
+            self._tally.begin(given if self.stage.is_last else dict.fromkeys(given, 0), self.sync)
         self._in_step = True
         try:
             if self.stage.is_last:
@@ -189,7 +202,7 @@ class PipelineWindow:
                 self.schedule.step(*args)
         finally:
             self._in_step = False
-        tally = Tally()  # the last stage's losses; the others learn the count in totals()
+        tally = self._tally
         if self.stage.is_last:
             # The schedule's first step also calls the loss once to infer the backward's
             # shapes: the window's micro-batches are the last ones it computed.
@@ -228,6 +241,7 @@ class PipelineWindow:
             skipped=skipped,
             micro_batches=self.micro_batches,
             step=self.state.optimizer_steps,
+            terms=tally.means(),
         )
 
     @property

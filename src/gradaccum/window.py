@@ -166,6 +166,30 @@ class Tally:
         return loss, count
 
     def _add_terms(self, terms: Any, count: Any, index: int) -> tuple[torch.Tensor, Any]:
+        parsed = self._parse(terms, count, index)
+        for term, loss, n, weight in parsed:
+            term.record(loss, n, weight, index)
+        return self._combined(parsed), parsed[0][2]
+
+    def combine(self, terms: Any, index: int) -> tuple[torch.Tensor, Any]:
+        """The loss whose backward runs for ``terms`` (each times weight x K / N), and the
+        first term's count, without recording them: a pipeline schedule computes a loss
+        more often than it runs micro-batches (its first step infers shapes), so the
+        pipeline window records the micro-batches' terms once the schedule is done."""
+        parsed = self._parse(terms, None, index)
+        return self._combined(parsed), parsed[0][2]
+
+    def _combined(self, parsed: list[tuple[_Term, torch.Tensor, Any, float]]) -> torch.Tensor:
+        backward: torch.Tensor | None = None
+        for term, loss, _, weight in parsed:
+            part = loss * term.coefficient(self._divisor, weight)
+            backward = part if backward is None else backward + part
+        return backward
+
+    def _parse(
+        self, terms: Any, count: Any, index: int
+    ) -> list[tuple[_Term, torch.Tensor, Any, float]]:
+        """Each of the window's terms with its micro-batch's loss, count and weight, checked."""
         where = f"from micro-batch {index}"
         if self._terms is None:
             raise TypeError(
@@ -190,12 +214,7 @@ class Tally:
                 + "; ".join(problems)
             )
         given = {str(k): v for k, v in terms.items()}
-        backward: torch.Tensor | None = None
-        for term in self._terms:
-            loss, n, weight = unpack_term(given[term.name], term.name, index)
-            backward = term.add(loss, n, weight, index, self._divisor, backward)
-        first = self._terms[0].last_count
-        return backward, first
+        return [(t, *unpack_term(given[t.name], t.name, index)) for t in self._terms]
 
     def totals(self, sync: Any) -> tuple[float, float]:
         """The window's item count and summed loss over every rank (``Sync.totals``: one
@@ -246,19 +265,13 @@ class _Term:
         self.total_sum = 0.0
         self.last_count: Any = 0
 
-    def coefficient(self, divisor: float) -> float:
-        """What this term's summed loss is multiplied by before backward: weight x K / N."""
-        return 0.0 if self.total <= 0 else (self.weight or 0.0) * divisor / self.total
+    def coefficient(self, divisor: float, weight: float | None = None) -> float:
+        """What this term's summed loss is multiplied by before backward: weight x K / N
+        (its recorded weight unless ``weight`` is given)."""
+        weight = self.weight if weight is None else weight
+        return 0.0 if self.total <= 0 else (weight or 0.0) * divisor / self.total
 
-    def add(
-        self,
-        loss: torch.Tensor,
-        count: Any,
-        weight: float,
-        index: int,
-        divisor: float,
-        backward: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def record(self, loss: torch.Tensor, count: Any, weight: float, index: int) -> None:
         if self.weight is None:
             self.weight = weight
         elif weight != self.weight:
@@ -274,8 +287,6 @@ class _Term:
         if self._sum is None:
             self._sum = torch.zeros((), dtype=torch.float64, device=loss.device)
         self._sum.add_(loss.detach().to(self._sum.device))
-        part = loss * self.coefficient(divisor)
-        return part if backward is None else backward + part
 
     def local_sum(self) -> float:
         if self._device_counts:

@@ -436,20 +436,50 @@ def test_a_frameworks_window_of_terms_computes_what_step_computes():
     assert set(end.terms) == {"ce", "seq", "z"}
 
 
-def test_named_terms_through_a_pipeline_are_refused_in_one_line(one_process_group):
+def test_a_pipeline_window_of_terms_computes_the_full_batch(one_process_group):
+    """A pipeline of one stage (the schedule cuts the batch into 4 micro-batches itself):
+    a token term and a per-sequence term (weight 0.5), against torch alone."""
     from torch.distributed.pipelining import PipelineStage
 
     from gradaccum.pipeline import PipelineWindow
 
-    batch = padded_lm_batch(seed=5)
-    model = make_model(TinyLM)
+    batch = padded_lm_batch(seed=5, n=12)
+    ids, labels = batch["input_ids"], batch["labels"]
+
+    def pipe_loss(logits, target):
+        token = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]),
+            target[:, 1:].clamp(min=0).reshape(-1),
+            reduction="none",
+        ).reshape(target[:, 1:].shape)
+        mask = target[:, 1:] != -100
+        return {"ce": ga.per_token(token, mask), "seq": (*ga.per_sequence(token, mask), 0.5)}
+
+    def counts(target):
+        mask = target[:, 1:] != -100
+        return {"ce": ga.token_count(mask), "seq": ga.sequence_count(mask)}
+
+    reference = make_model(TinyLM).double()
+    logits = reference(ids)[:, :-1]
+    token = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        labels[:, 1:].clamp(min=0).reshape(-1),
+        reduction="none",
+    ).reshape(labels[:, 1:].shape)
+    mask = labels[:, 1:] != -100
+    per_row = (token * mask).sum(1) / mask.sum(1)
+    expected = full_batch_grads(reference, token[mask].mean() + 0.5 * per_row.mean())
+
+    model = make_model(TinyLM).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    captured = capture_step_grads(opt, model)
     stage = PipelineStage(model, 0, 1, torch.device("cpu"))
-    pipe = PipelineWindow(
-        stage, opt, lambda out, y: {"ce": ga.causal_lm_loss(out, y)}, 4, schedule="gpipe"
-    )
-    with pytest.raises(TypeError, match="named terms .* not supported across pipeline stages"):
-        pipe.step(batch["input_ids"], target=batch["labels"])
+    pipe = PipelineWindow(stage, opt, pipe_loss, 4, schedule="gpipe")
+    result = pipe.step(ids, target=labels, counts=counts)
+    assert max_rel_err(captured[0], expected) <= 1e-12
+    assert result.terms["seq"] == pytest.approx(per_row.mean().item(), rel=1e-12)
+    with pytest.raises(TypeError, match="counts were not given"):
+        pipe.step(ids, target=labels)
 
 
 @pytest.mark.parametrize("helper", sorted(HELPERS))

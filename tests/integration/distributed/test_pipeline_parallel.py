@@ -16,6 +16,7 @@ import io
 import json
 import math
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -264,3 +265,57 @@ def test_bf16_and_fp16_through_the_pipeline_equal_torch_under_autocast(tmp_path)
         assert errors[name] < 1e-5
         # Autocast ran: the low-precision forward is far from fp32's.
         assert from_fp32[name] > 100 * max(errors[name], 1e-7)
+
+
+def two_terms(logits: torch.Tensor, labels: torch.Tensor):
+    """A token term and a per-sequence term (weight 0.5), each its own mean."""
+    mask = labels != -100
+    token = F.cross_entropy(
+        logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none"
+    ).reshape(labels.shape)
+    return {"ce": ga.per_token(token, mask), "seq": (*ga.per_sequence(token, mask), 0.5)}
+
+
+def two_counts(labels: torch.Tensor):
+    mask = labels != -100
+    return {"ce": ga.token_count(mask), "seq": ga.sequence_count(mask)}
+
+
+def terms_worker(rank: int, world: int, out: str) -> None:
+    from torch.distributed.pipelining import PipelineStage
+
+    model = stages()[rank]
+    stage = PipelineStage(model, rank, world, torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    window = PipelineWindow(stage, optimizer, two_terms, MICRO, schedule="1f1b")
+    means = [window.step(ids, target=labels, counts=two_counts).terms for ids, labels in batches()]
+    with open(f"{out}/terms{rank}.json", "w") as f:
+        json.dump(
+            {"params": {k: v.tolist() for k, v in model.state_dict().items()}, "means": means}, f
+        )
+
+
+def test_named_terms_through_two_stages_equal_the_full_batch(tmp_path):
+    """Each term divided by its own count over the window: the last stage counts, the first
+    names the terms; 3 SGD steps against torch alone on the whole batch."""
+    launch(terms_worker, str(tmp_path), timeout=90)
+    first, last = stages()
+    params = [*first.parameters(), *last.parameters()]
+    optimizer = torch.optim.SGD(params, lr=LR)
+    means = []
+    for ids, labels in batches():
+        logits = last(first(ids))
+        mask = labels != -100
+        token = F.cross_entropy(
+            logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none"
+        ).reshape(labels.shape)
+        per_row = (token * mask).sum(1) / mask.sum(1)
+        (token[mask].mean() + 0.5 * per_row.mean()).backward()
+        means.append(per_row.mean().item())
+        optimizer.step()
+        optimizer.zero_grad()
+    want = [first.state_dict(), last.state_dict()]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"terms{rank}.json").read_text())
+        assert worst_error(got["params"], want[rank]) < 1e-5
+        assert [m["seq"] for m in got["means"]] == pytest.approx(means, rel=1e-5)
