@@ -2,9 +2,9 @@
 
 The `minilm-pairs` recipe (pretrained all-MiniLM-L6-v2, pairs of consecutive docstring
 paragraphs of a stdlib module, multiple-negatives ranking loss at scale 20): an effective
-batch of 1,024 pairs per step as micro-batches of MICRO pairs, the size a 2GB budget
-plans (a micro-batch of at most 64 fits, not 1,024), trained twice from the same weights on
-the same pairs in the same order:
+batch of 1,024 pairs per step as micro-batches of MICRO pairs (fixed here; the recipe's 2GB
+budget plans 23 on 2 CPU cores: a batch of 1,024 fits only as many micro-batches), trained
+twice from the same weights on the same pairs in the same order:
 
 - *cached*: ``ga.InBatch``: each query against the 1,023 other positives of its step;
 - *plain*: the same loss over each micro-batch alone, accumulated: each query against the
