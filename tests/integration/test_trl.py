@@ -1,12 +1,15 @@
 """TRL's SFTTrainer (prompt/completion data, completion-only labels, padded micro-batches), as
-shipped and with gradaccum's ExactAccumulationMixin in front of it, each audited by ga.audit:
-one window against the same samples as one batch under SFTTrainer's own loss."""
+shipped and with gradaccum's ExactAccumulationMixin in front of it, each audited by ga.audit
+(one window against the same samples as one batch under SFTTrainer's own loss); and the
+mixin's window against the full batch computed with torch alone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from frameworks import tiny_gpt2
+import torch.nn.functional as F
+from frameworks import rel_err, tiny_gpt2
+from helpers import capture_step_grads
 
 import gradaccum as ga
 
@@ -46,8 +49,9 @@ def prompts_and_completions(n: int = 16):
     return datasets.Dataset.from_list(rows)
 
 
-def config(out):
+def config(out, **overrides):
     return trl.SFTConfig(
+        **overrides,
         output_dir=str(out),
         per_device_train_batch_size=4,
         gradient_accumulation_steps=4,
@@ -90,3 +94,40 @@ def test_the_mixin_over_sft_trainer_passes_the_audit(tmp_path):
     result = ga.audit(trainer, tolerance=1e-6)
     print(f"ExactAccumulationMixin over TRL's SFTTrainer: {result.summary}")
     assert result.passed
+
+
+def window_and_reference(trainer_class, folder) -> tuple[dict, dict]:
+    """One window of 4 micro-batches of 4 through ``trainer_class`` in fp32 (TRL's SFTConfig
+    trains in bf16 by default), and one backward of the same 16 sequences' mean over their
+    completion tokens (the collator's labels: prompt and padding are -100), written with
+    torch alone."""
+    model, reference = tiny_gpt2(), tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = capture_step_grads(optimizer, model)
+    trainer = trainer_class(
+        model=model,
+        args=config(folder, bf16=False),
+        train_dataset=prompts_and_completions(),
+        processing_class=tokenizer(),
+        optimizers=(optimizer, None),
+    )
+    batches = list(trainer.get_train_dataloader())
+    trainer.train()
+    assert len(seen) == 1 and len(batches) == 4
+    logits, labels = [], []
+    for b in batches:
+        out = reference(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        logits.append(out[:, :-1].reshape(-1, out.shape[-1]))
+        labels.append(b["labels"][:, 1:].reshape(-1))
+    prompt_or_padding = sum(int((b["labels"] == -100).sum()) for b in batches)
+    assert prompt_or_padding > 0  # completion-only labels: the prompts are not counted
+    F.cross_entropy(torch.cat(logits), torch.cat(labels), ignore_index=-100).backward()
+    want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    return seen[0], want
+
+
+def test_the_mixin_over_sft_trainer_gives_the_full_batch_gradient(tmp_path):
+    ours = rel_err(*window_and_reference(ExactSFT, tmp_path / "ours"))
+    shipped = rel_err(*window_and_reference(trl.SFTTrainer, tmp_path / "shipped"))
+    print(f"TRL's SFTTrainer in fp32: with the mixin {ours:.1e}, as shipped {shipped:.1e}")
+    assert ours <= 1e-6
