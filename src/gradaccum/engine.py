@@ -246,7 +246,12 @@ class Accumulator:
         # Recorded before the backward: a backward that fails drops the whole window.
         loss_sum, count = window.tally.add(loss_sum, count)
         self.sync.check_forward(index)
-        self.precision.backward(loss_sum, count, index == 0, self._params)
+        scale_count = count
+        if index == 0 and self.precision.scaler is not None and self.sync.distributed:
+            # fp16's power-of-two pre-scale comes from the first micro-batch's count; DDP adds
+            # the ranks' gradients, so every rank must pre-scale alike: the largest first count
+            scale_count = self.sync.most([int(count)])[0]
+        self.precision.backward(loss_sum, scale_count, index == 0, self._params)
         # A reduced gradient is not this rank's prefix: the window's global mean is added at
         # end_window instead.
         if self.noise is not None and not window.coupled and not self.sync.reduces(window.last):

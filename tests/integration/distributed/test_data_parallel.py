@@ -177,3 +177,20 @@ def test_the_planner_picks_window_or_micro_sync_for_fsdp2_from_the_budget(tmp_pa
             err = abs(measured - predicted) / predicted
             assert err <= 0.15, f"{name}, rank {rank}: measured {measured}, predicted {predicted}"
         assert got[name]["untouched"]  # planning leaves the model as it was
+
+
+def test_fp16_under_ddp_prescales_every_rank_alike(tmp_path):
+    """Ranks whose first micro-batches count 2 tokens and many: each pre-scaled its loss by a
+    power of two from its own first count, and DDP added gradients of different scales (the
+    handed gradient was 2.1x off the full batch's). The ranks now agree on the largest first
+    count (one all-reduce per window, fp16 under DDP only): the step is the full batch's
+    within fp16's rounding."""
+    launch(workers.fp16_first_counts, str(tmp_path))
+    got = torch.load(tmp_path / "fp16.pt", weights_only=True)
+    batch = padded_lm_batch(seed=3, n=12)
+    batch["labels"][6, 3:] = -100
+    model = make_model(TinyLM)
+    lm_reference(model, batch).backward()
+    err = max_rel_err(got["grads"], {n: p.grad for n, p in model.named_parameters()})
+    print(f"fp16 under DDP, first counts 2 and many: {err:.1e}")
+    assert got["stepped"][-1] and err <= 1e-2

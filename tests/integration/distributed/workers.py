@@ -611,3 +611,23 @@ def normalizations(rank: int, world: int, dtype_name: str, out: str) -> None:
     found["packed rows"] = handed[0]
     if rank == 0:
         torch.save(found, Path(out) / f"normalizations-{dtype_name}.pt")
+
+
+def fp16_first_counts(rank: int, world: int, out: str) -> None:
+    """fp16 under DDP, 3 steps, rank 1's first micro-batch holding 2 tokens and rank 0's
+    many: fp16's power-of-two pre-scale comes from a first micro-batch's count, and DDP
+    adds the ranks' gradients. Rank 0 saves the last step's handed gradient."""
+    batch = padded_lm_batch(seed=3, n=12)
+    batch["labels"][6, 3:] = -100  # rank 1's first sequence: 2 shifted tokens
+    mine = {k: v[rank * 6 : (rank + 1) * 6] for k, v in batch.items()}
+    model = DistributedDataParallel(make_model(TinyLM))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    handed = []
+    opt.register_step_pre_hook(lambda *_: handed.append(full_grads_of(model)))
+    acc = ga.Accumulator(model, opt, precision="fp16")
+    results = [acc.step(split_sizes(mine, [1, 5]), lm_loss) for _ in range(3)]
+    if rank == 0:
+        torch.save(
+            {"grads": handed[-1], "stepped": [r.stepped for r in results]},
+            Path(out) / "fp16.pt",
+        )
