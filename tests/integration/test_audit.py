@@ -110,6 +110,7 @@ def make_trainer():
 """
 
 
+@pytest.mark.slow  # three fresh processes that import transformers: the slow tier
 def test_the_command_audits_a_trainer_from_a_file_and_exits_1_on_failure(tmp_path):
     from pathlib import Path
 
