@@ -5,7 +5,7 @@ other sample of its batch: over one micro-batch it sees only that micro-batch's 
 so plain accumulation is not the large batch at all. The exact method caches the
 embeddings' gradient (GradCache, Gao et al. 2021):
 
-1. every micro-batch is embedded without a graph (its random state kept);
+1. every micro-batch is embedded without a graph (the random generators' state kept);
 2. the embeddings of the whole window, and of every rank (gathered), make the loss once,
    and its gradient with respect to each embedding is computed;
 3. each micro-batch is embedded again, with its graph and the same random state (dropout
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gradaccum.checkpoint import rng_state, set_rng_state
 from gradaccum.loss import unpack
 
 __all__ = ["InBatch"]
@@ -61,17 +62,17 @@ class InBatch:
         (``ga.check``), an evaluation, a probe of one micro-batch's memory. Given to a plain
         loop one micro-batch at a time, it is plain accumulation: each micro-batch's own
         negatives only."""
-        return self.loss(_rebuild(*_parts(self.embed(model, batch), "embed")))
+        return self.loss(self.embed(model, batch))
 
     def forward_backward(self, acc: Any, micro_batches: list[Any], real: int) -> None:
         """One window through ``acc``'s manual API. Micro-batches from ``real`` on are padding
         (``Sync.pad``): they run, for the collectives' sake, and contribute nothing."""
         states, cached = [], []
         for mb in micro_batches:  # 1. without a graph
-            states.append(_rng())
+            states.append(rng_state())
             with torch.no_grad(), acc.precision.autocast():
                 cached.append(_parts(self.embed(acc.model, mb), "embed"))
-        after = _rng()
+        after = rng_state()
         mine = cached[:real]
         structure = cached[0][1]
         if any(s != structure for _, s in mine):
@@ -87,7 +88,7 @@ class InBatch:
         try:
             for index, mb in enumerate(micro_batches):
                 with acc.micro_batch(last=index == len(micro_batches) - 1):
-                    _set_rng(states[index])
+                    set_rng_state(states[index])
                     parts, _ = _parts(self.embed(acc.model, mb), "embed")
                     surrogate = None
                     for k, part in enumerate(parts):
@@ -107,7 +108,7 @@ class InBatch:
                         value = value + loss_sum
                     acc.backward(value, count if index == 0 and leader else 0)
         finally:
-            _set_rng(after)
+            set_rng_state(after)
 
     def _gradients(
         self,
@@ -173,15 +174,3 @@ def _rebuild(parts: list[torch.Tensor], structure: Any) -> Any:
     if kind == "dict":
         return dict(zip(keys, parts, strict=True))
     return tuple(parts) if kind == "tuple" else list(parts)
-
-
-def _rng() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    """Torch's generators, which dropout draws from: the CPU's and, once initialized, CUDA's."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])

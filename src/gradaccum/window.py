@@ -111,11 +111,6 @@ class Tally:
         self._terms: list[_Term] | None = None  # named terms, after begin()
         self._divisor = 0.0  # K: the first term's global count that is not zero
 
-    @property
-    def terms(self) -> bool:
-        """Whether this window's loss is named terms (``begin`` was called)."""
-        return self._terms is not None
-
     def begin(self, counts: Any, sync: Any) -> None:
         """Named terms: this rank's item count of each term over the whole window, before its
         first backward (``{"ce": tokens, "aux": routed}``), summed over ranks here (one
