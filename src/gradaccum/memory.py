@@ -36,6 +36,7 @@ import torch
 __all__ = [
     "LiveTensorBytes",
     "MemoryMeter",
+    "Resident",
     "TrainingMemory",
     "format_bytes",
     "parse_bytes",
@@ -310,15 +311,50 @@ class MemoryMeter:
         return max(0, top - self.baseline)
 
 
+class Resident:
+    """How far the process's resident set grew over some work, freed pages handed back first
+    at both ends: ``with Resident() as r: ...`` then ``r.grown``. 0 on a GPU (CUDA's
+    allocator counts what is in use, not what a process once touched) and where there is no
+    /proc."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.grown = 0
+        self._before = 0
+
+    def _now(self) -> int:
+        if self.device.type != "cpu" or not _STATUS.exists():
+            return 0
+        gc.collect()
+        if _LIBC is not None:
+            _LIBC.malloc_trim(0)
+        return rss_bytes()
+
+    def __enter__(self) -> Resident:
+        self._before = self._now()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.grown = max(0, self._now() - self._before)
+
+
 class TrainingMemory:
     """Peak memory of a training run in the plan's terms, from the moment it is made: CUDA's
     allocator peak on a GPU; on CPU the parameters' and buffers' bytes plus how far the
     resident set rose above this moment (the interpreter and torch are not training).
     Make it once the model and optimizer exist, just before the first step. ``kind``: as
-    ``MemoryMeter``'s ("tensors": live tensor bytes, deterministic, slow)."""
+    ``MemoryMeter``'s ("tensors": live tensor bytes, deterministic, slow). ``carried``:
+    bytes this process already holds for training from before this moment (what planning
+    in this process left resident, ``Resident.grown``: a first step's one-time allocations,
+    which a fresh process pays inside its first window), counted in every peak."""
 
     def __init__(
-        self, model: torch.nn.Module, device: torch.device | str, kind: str = "auto"
+        self,
+        model: torch.nn.Module,
+        device: torch.device | str,
+        kind: str = "auto",
+        *,
+        carried: int = 0,
     ) -> None:
         device = torch.device(device)
         try:
@@ -333,7 +369,7 @@ class TrainingMemory:
             self.resident = (
                 self.meter.baseline
                 if device.type == "cuda"
-                else tensor_bytes(list(model.parameters()) + list(model.buffers()))
+                else tensor_bytes(list(model.parameters()) + list(model.buffers())) + carried
             )
         self.phases: dict[str, int] = {}  # each phase's highest peak, in these terms
         self._top = 0  # the peak of the phases before the meter's last reset

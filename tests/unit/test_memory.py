@@ -72,3 +72,32 @@ def test_training_memory_sees_each_phase_apart_and_the_run_whole():
     assert memory.phases["evaluation"] < memory.phases["training"] - big // 2
     assert memory.phases["evaluation"] >= 0.8 * small
     assert memory.peak() >= memory.phases["training"]
+
+
+def test_resident_counts_what_the_work_left_held_and_training_memory_carries_it():
+    """What work left resident (kept) counts; what it freed does not; TrainingMemory adds
+    what it is told the process carries to every peak, phases included."""
+    from gradaccum.memory import Resident, TrainingMemory
+
+    size = 64 * 2**20
+    with Resident() as freed:
+        x = torch.ones(size // 4)
+        del x
+    with Resident() as kept:
+        y = torch.ones(size // 4)
+    assert kept.grown >= 0.95 * size
+    assert freed.grown < size // 4
+    with Resident("meta") as elsewhere:  # not the CPU: a GPU's allocator counts use itself
+        w = torch.ones(size // 4)
+    assert elsewhere.grown == 0
+    del w
+    model = torch.nn.Linear(4, 4)
+    plain = TrainingMemory(model, "cpu")
+    carried = TrainingMemory(model, "cpu", carried=kept.grown)
+    for memory in (plain, carried):
+        with memory.phase("training"):
+            z = torch.ones(2**20)
+            del z
+    assert carried.peak() - plain.peak() > 0.9 * kept.grown
+    assert carried.phases["training"] - plain.phases["training"] > 0.9 * kept.grown
+    del y

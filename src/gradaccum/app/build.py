@@ -22,6 +22,7 @@ from gradaccum.app.loop import _Run
 from gradaccum.app.recipes import Recipe, get_recipe, hf_recipe
 from gradaccum.app.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
 from gradaccum.checkpoint import preserved_rng
+from gradaccum.memory import Resident
 from gradaccum.schedule import BatchSchedule
 
 
@@ -151,9 +152,13 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
     model = kind.distribute(model, lambda m: baseline(m, cfg.batch.micro_batch or 8), log)
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=sched.lr, weight_decay=sched.weight_decay)
-    micro, checkpointing, sync, eval_micro = planning.micro_batch(
-        cfg, folder, saved, kind, model, optimizer, recipe, device, log, data
-    )
+    # Planning here leaves a first step's one-time allocations resident (thread pools,
+    # kernels' caches): the run's meter counts them, as a fresh process pays them in its
+    # first window, so a planning run and a rerun of its stored plan measure alike.
+    with Resident(device) as planned:
+        micro, checkpointing, sync, eval_micro = planning.micro_batch(
+            cfg, folder, saved, kind, model, optimizer, recipe, device, log, data
+        )
     baseline(model, micro)
     if cfg.batch.batch_schedule == "auto" and micro * kind.replicas >= effective and saved is None:
         micro = max(1, math.ceil(effective / kind.replicas / 2))
@@ -190,6 +195,7 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
         total_samples=total_samples,
         targets=cfg.targets.runtime(),
         guard=guard,
+        carried=planned.grown,
     )
     if saved is not None:
         run.restore(saved)

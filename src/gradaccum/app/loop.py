@@ -118,6 +118,7 @@ class _Run:
     skips: list[list[int]] = field(default_factory=list)  # [first, end) samples set aside
     retries: int = 0  # rollbacks in a row that did not get past the incident's step
     last_incident: int = 0  # the step of the latest incident
+    carried: int = 0  # resident bytes planning in this process left for training (Resident)
     elapsed: float = 0.0  # training seconds over all sessions, as of the last window
     stopped_by: str = "length"
     eval_micro_batch: int | None = None  # the plan's own for evaluation, else micro_batch
@@ -234,7 +235,7 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
     first_kept = kind.agree(run.guard is not None and not folder.kept_checkpoints())
     if first_kept:
         _checkpoint(run, run.start, run.start)  # something to roll back to from the start
-    memory = TrainingMemory(run.model, run.device)
+    memory = TrainingMemory(run.model, run.device, carried=run.carried)
     bar = _progress(run) if run.main else None
     metrics = folder.open_metrics(run.start) if run.main else open(os.devnull, "w")
     began, items, last = time.perf_counter(), 0, run.start
@@ -363,7 +364,10 @@ def _loop(run: _Run, log, stop: list[int], faults=None) -> None:
             # what each part of this session peaked at, for the plan's prediction to be
             # judged by (bench/planner.py)
             with contextlib.suppress(OSError, ValueError):
-                folder.write_json(MEMORY, {"peak": memory.peak(), "phases": memory.phases})
+                folder.write_json(
+                    MEMORY,
+                    {"peak": memory.peak(), "phases": memory.phases, "carried": run.carried},
+                )
         if events is not None:
             events.close()
         if bar is not None:

@@ -25,9 +25,11 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from gradaccum.app.folder import sealed
 from gradaccum.app.recipes import get_recipe, hf_recipe
 from gradaccum.batching import split, take, to_device
 from gradaccum.engine import Accumulator
@@ -65,28 +67,45 @@ def measure(
         batch = to_device(batch, torch.device("cuda"))
     if checkpointing:
         enable_checkpointing(model)
+    evaluate = _evaluation(recipe, seed, batch, micro)
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)
     acc = Accumulator(model, optimizer, precision=precision)
     memory = TrainingMemory(model, next(model.parameters()).device, meter)
     for _ in range(windows):
         acc.step(split(batch, micro), recipe.loss_fn)
+        memory.window_done()  # as the run's loop does between windows
     # The run in miniature: an evaluation and a checkpoint between windows, then windows
     # again. Training after an evaluation peaks higher than before it (freed blocks of
-    # other sizes, kernels' caches for other shapes): a Hugging Face GPT-2 with LoRA by
-    # 40%, which windows alone never show.
-    with torch.no_grad():
-        model.eval()
-        for part in split(batch, micro)[:2]:
-            recipe.loss_fn(model, part)
-        model.train()
+    # other sizes, kernels' caches for other shapes), which windows alone never show.
+    evaluate(model)
     with tempfile.TemporaryDirectory(prefix="gradaccum-measure-") as tmp:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-        torch.save(state, Path(tmp) / "checkpoint.pt")
+        torch.save(sealed(state), Path(tmp) / "checkpoint.pt")  # as the run writes one
         del state
     for _ in range(windows):
         acc.step(split(batch, micro), recipe.loss_fn)
+        memory.window_done()
     return memory.peak()
+
+
+def _evaluation(recipe: Any, seed: int, batch: Any, micro: int):
+    """The run's held-out evaluation, two micro-batches of it, through the arithmetic the
+    run's evaluation runs: a language model's ``held_out_loss`` or the recipe's
+    ``evaluate`` on the sample, else the recipe's data's own ``evaluate``. An evaluation by
+    the training loss instead leaves the process holding other blocks than the run's does,
+    and the windows after it peak higher than the run's (bench/results/planner.md)."""
+    held = take(batch, 2 * micro)
+    if recipe.logits is not None:
+        from gradaccum.app.recipes import held_out_loss
+
+        return lambda model: held_out_loss(
+            model, recipe.logits, held["input_ids"], held["labels"], micro
+        )
+    if recipe.evaluate is not None:
+        return lambda model: recipe.evaluate(model, held, micro)
+    data = recipe.make_data(seed)
+    return lambda model: data.evaluate(model, micro, limit=2 * micro)
 
 
 def fresh_process_verifier(

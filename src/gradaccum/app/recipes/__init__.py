@@ -67,6 +67,11 @@ class Recipe:
     encoder: Callable[[], Any] | None = None
     logits: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
     metrics: tuple[str, ...] = ("loss",)  # what its held-out evaluation measures
+    # The held-out evaluation's arithmetic over a batch of the sample's form: (model, batch,
+    # micro_size) -> metrics, what its data's evaluate runs on the held-out set; the plan's
+    # fresh process runs it on the sample (its data's evaluate when None). A language
+    # model's is held_out_loss with its logits.
+    evaluate: Callable[[torch.nn.Module, Any, int], dict[str, float]] | None = None
     item: str = "item"  # what its loss averages over: the unit of the loss and of the rate
     # `gradaccum train`'s defaults for this recipe where they differ from TrainConfig's (a
     # larger effective batch, its own budget and length); flags and config files override.
@@ -252,20 +257,26 @@ class DigitsData:
         chosen = epoch_order(len(self.y), self.seed, position, size)
         return self.x[chosen], self.y[chosen]
 
-    @torch.no_grad()
     def evaluate(
         self, model: torch.nn.Module, micro_size: int, limit: int | None = None
     ) -> dict[str, float]:
-        was_training = model.training
-        model.eval()
-        total, correct = 0.0, 0
-        xs, ys = self.test_x[:limit], self.test_y[:limit]
-        for x, y in split((xs, ys), micro_size):
-            logits = model(x)
-            total += float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(1) == y).sum())
-        model.train(was_training)
-        return {"loss": total / len(ys), "accuracy": correct / len(ys)}
+        return _digits_evaluate(model, (self.test_x[:limit], self.test_y[:limit]), micro_size)
+
+
+@torch.no_grad()
+def _digits_evaluate(
+    model: torch.nn.Module, held: tuple[torch.Tensor, torch.Tensor], micro_size: int
+) -> dict[str, float]:
+    was_training = model.training
+    model.eval()
+    total, correct = 0.0, 0
+    for x, y in split(held, micro_size):
+        logits = model(x)
+        total += float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(1) == y).sum())
+    model.train(was_training)
+    n = len(held[1])
+    return {"loss": total / n, "accuracy": correct / n}
 
 
 # -- any Hugging Face causal LM from a local directory or config file ---------------------------
@@ -398,6 +409,7 @@ RECIPES: dict[str, Recipe] = {
         loss_fn=_digits_loss,
         sample_batch=lambda n: (torch.zeros(n, 1, 8, 8), torch.zeros(n, dtype=torch.long)),
         make_data=DigitsData,
+        evaluate=_digits_evaluate,
         signature={"recipe": "digits"},
         metrics=("loss", "accuracy"),
     ),
@@ -416,6 +428,7 @@ def _minilm() -> Recipe:
         loss_fn=minilm.loss_fn,
         sample_batch=minilm.sample_batch,
         make_data=minilm.DocstringData,
+        evaluate=minilm.evaluate,
         # (samples: whole docstrings before 0.5.0; a run of those is another run)
         signature={"recipe": "minilm", "families": list(minilm.FAMILIES), "samples": "paragraphs"},
         metrics=("loss", "accuracy"),

@@ -249,22 +249,15 @@ class DocstringData:
             "labels": self.labels[chosen],
         }
 
-    @torch.no_grad()
     def evaluate(
         self, model: nn.Module, micro_size: int, limit: int | None = None
     ) -> dict[str, float]:
-        was_training = model.training
-        model.eval()
-        device = next(model.parameters()).device
-        total, correct = 0.0, 0
-        held = (self.test_ids[:limit], self.test_mask[:limit], self.test_labels[:limit])
-        for ids, mask, y in split(held, micro_size):
-            logits = model(ids.to(device), mask.to(device))
-            total += float(F.cross_entropy(logits, y.to(device), reduction="sum"))
-            correct += int((logits.argmax(1) == y.to(device)).sum())
-        model.train(was_training)
-        n = len(held[2])
-        return {"loss": total / n, "accuracy": correct / n}
+        held = {
+            "input_ids": self.test_ids[:limit],
+            "attention_mask": self.test_mask[:limit],
+            "labels": self.test_labels[:limit],
+        }
+        return evaluate(model, held, micro_size)
 
     @torch.no_grad()
     def baseline(self, model: DocstringClassifier, micro_size: int) -> dict[str, Any]:
@@ -316,6 +309,24 @@ class DocstringData:
             "name": f"best linear probe on the frozen pretrained encoder (weight decay {best:g})",
             "accuracy": scores[best],
         }
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, held: dict[str, torch.Tensor], micro_size: int) -> dict[str, float]:
+    """Cross-entropy and accuracy over ``held`` (a batch as ``loss_fn`` takes), in eval mode,
+    in micro-batches moved to the model's device."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, correct = 0.0, 0
+    for mb in split(held, micro_size):
+        logits = model(mb["input_ids"].to(device), mb["attention_mask"].to(device))
+        y = mb["labels"].to(device)
+        total += float(F.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(1) == y).sum())
+    model.train(was_training)
+    n = len(held["labels"])
+    return {"loss": total / n, "accuracy": correct / n}
 
 
 def sample_batch(n: int) -> dict[str, torch.Tensor]:
