@@ -346,6 +346,24 @@ def test_the_same_command_again_trains_on_its_cached_plan(tmp_path, monkeypatch)
     assert "cached" not in resumed.stdout + resumed.stderr
 
 
+@pytest.mark.slow  # a plan of the default recipe: most of half a minute on 2 cores
+def test_a_new_plan_is_made_in_a_process_of_its_own_and_training_carries_nothing_of_it(
+    tmp_path, monkeypatch
+):
+    """Planning the default recipe in the training process leaves it holding what the
+    probes allocated (many MiB); made in a process of its own, the run's process only reads
+    the answer, and memory.json says what it carried."""
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", "off")
+    run = tmp_path / "run"
+    proc = cli("train", "--steps", 1, "--budget", "300MB", "--no-tensorboard", "--out", run)
+    assert "planning the micro-batch" in proc.stdout, proc.stdout
+    memory = json.loads((run / "memory.json").read_text())
+    assert 0 <= memory["carried"] < 4 * 2**20, memory
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["source"] == "planned" and plan["micro_size"] >= 1
+    assert memory["peak"] <= plan["budget"]
+
+
 def test_a_budget_too_small_is_refused_in_the_commands_flags_and_no_plan_is_written(tmp_path):
     cfg = TrainConfig.of(recipe="digits", budget="1KB", steps=1, out=str(tmp_path / "run"))
     with pytest.raises(ValueError) as err:

@@ -97,11 +97,9 @@ def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
         raise
 
 
-def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
-    """The model, data, optimizer, micro-batch and window runner, in the opened folder."""
-    main, src, effective = kind.main, cfg.source, cfg.batch.effective_batch
-    resuming = cfg.output.resume is not None
-    torch.manual_seed(src.seed)
+def build_model(cfg: TrainConfig, recipe: Recipe, log) -> torch.nn.Module:
+    """The run's model from its seed, with its LoRA adapters (on the CPU, whole)."""
+    torch.manual_seed(cfg.source.seed)
     model = recipe.build_model()
     lora = cfg.model.lora_arguments()
     if lora is not None:
@@ -109,18 +107,36 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
 
         model = finetune.apply_lora(model, **lora)
         log(f"LoRA r={lora['r']}: {finetune.trainable_summary(model)}")
+    return model
+
+
+def run_data(cfg: TrainConfig, recipe: Recipe, loaded: dict[str, Any] | None):
+    """(recipe, data): --data's sequences (``loaded``), the recipe's sample batch then drawn
+    from them, or the recipe's own data."""
+    if loaded is None:
+        return recipe, recipe.make_data(cfg.source.seed)
+    data = SequenceData(loaded, cfg.source.seed, recipe.logits)
+    model_only = recipe.summary.split(" on the Python stdlib")[0]  # not its own data
+    summary = f"{model_only} on --data {cfg.source.data}"
+    return dataclasses.replace(recipe, sample_batch=data.sample, summary=summary), data
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+    return torch.optim.AdamW(trainable, lr=cfg.schedule.lr, weight_decay=cfg.schedule.weight_decay)
+
+
+def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
+    """The model, data, optimizer, micro-batch and window runner, in the opened folder."""
+    main, effective = kind.main, cfg.batch.effective_batch
+    resuming = cfg.output.resume is not None
+    model = build_model(cfg, recipe, log)
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     signature = _signature(recipe, model)  # the whole model's, on every process
     model = kind.wrap(model).to(device)
-    if loaded is not None:
-        data = SequenceData(loaded, src.seed, recipe.logits)
-        model_only = recipe.summary.split(" on the Python stdlib")[0]  # not its own data
-        summary = f"{model_only} on --data {src.data}"
-        recipe = dataclasses.replace(recipe, sample_batch=data.sample, summary=summary)
-    else:
-        data = recipe.make_data(src.seed)
+    recipe, data = run_data(cfg, recipe, loaded)
     sched = cfg.schedule
     total_steps = total_samples = None
     if sched.samples is not None or sched.epochs is not None:
@@ -150,8 +166,7 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
     # What the untrained model scores (minilm's probe), once, on rank 0's whole model.
     baseline = _Baseline(folder, data, log, measure=main and not resuming)
     model = kind.distribute(model, lambda m: baseline(m, cfg.batch.micro_batch or 8), log)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
-    optimizer = torch.optim.AdamW(trainable, lr=sched.lr, weight_decay=sched.weight_decay)
+    optimizer = build_optimizer(cfg, model)
     # Planning here leaves a first step's one-time allocations resident (thread pools,
     # kernels' caches): the run's meter counts them, as a fresh process pays them in its
     # first window, so a planning run and a rerun of its stored plan measure alike.

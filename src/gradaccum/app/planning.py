@@ -5,8 +5,12 @@ command's, so the plan's advice is translated into flags here."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,6 +25,7 @@ from gradaccum.app.exports import write_exports
 from gradaccum.app.folder import PLAN, RunFolder, sealed
 from gradaccum.app.measure import fresh_process_verifier
 from gradaccum.app.recipes import Recipe
+from gradaccum.app.recipes.userdata import SequenceData
 from gradaccum.checkpoint import preserved_rng
 from gradaccum.plan import plan
 from gradaccum.precision import PRECISIONS
@@ -112,12 +117,18 @@ def window_plan(
     *,
     each_rank: bool,
     data: Any = None,
+    here: bool = False,
 ) -> dict[str, Any]:
     """The micro-batch of an Accumulator's window. One plan for all ranks (same model and
     hardware): rank 0's, broadcast; or, ``each_rank`` (FSDP2), every rank planning its own
     shards together (gathers are collectives; the fullest rank's measurements decide, so all
     arrive at one plan), with sync "auto": the window's one reduce-scatter when the
-    unsharded gradient fits between micro-batches, else one per micro-batch."""
+    unsharded gradient fits between micro-batches, else one per micro-batch.
+
+    On the CPU, one process's plan is made in a process of its own (``_plan_elsewhere``)
+    unless ``here``: probing leaves the planning process holding memory a fresh one does not
+    (kernels' caches, freed blocks, the phases' imports), which training would then sit
+    on."""
     per_rank = math.ceil(cfg.batch.effective_batch / world)
     info = None
     if rank == 0 or each_rank:
@@ -153,16 +164,56 @@ def window_plan(
             took = time.perf_counter() - began
             log(f"the plan is the cached one ({path}, read in {took:.2f} s; --replan plans again)")
             log(planned.summary())
-        else:
+        elif here or each_rank or world > 1 or device.type != "cpu":
             args = (cfg, model, optimizer, recipe, device, sample, per_rank, log)
             # (FSDP2's evaluation is a collective of every rank: its plan is the window's)
             phases = None if each_rank or data is None else run_phases(cfg, model, optimizer, data)
             info = _plan_now(*args, each_rank=each_rank, phases=phases)
             if parts is not None:
                 plan_cache.store(parts, info)
+        else:
+            info = _plan_elsewhere(cfg, data, log)
     if world > 1 and not each_rank:
         info = launch.broadcast(info)
     return info
+
+
+def _plan_elsewhere(cfg: TrainConfig, data: Any, log) -> dict[str, Any]:
+    """The plan, made by ``python -m gradaccum.app.plan_process`` on the run's configuration
+    (and --data's sequences, handed over in a file): it builds the model and data as the run
+    does, plans, stores the plan in the cache and hands it back. Its lines are this run's
+    log lines; its refusal (a budget too small) is this run's, in one line. The child gets
+    the read end of a pipe only this process writes to: if this process dies, it exits."""
+    with tempfile.TemporaryDirectory(prefix="gradaccum-plan-") as tmp:
+        config, out = Path(tmp) / "config.json", Path(tmp) / "plan.json"
+        config.write_text(json.dumps(cfg.flat()))
+        cmd = [sys.executable, "-m", "gradaccum.app.plan_process", str(config), str(out)]
+        if isinstance(data, SequenceData):
+            sequences = Path(tmp) / "sequences.pt"
+            train, held = (data.ids, data.labels), (data.eval_ids, data.eval_labels)
+            torch.save({"train": train, "eval": held}, sequences)
+            cmd += ["--sequences", str(sequences)]
+        read, write = os.pipe()
+        cmd += ["--parent-pipe", str(read)]
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, pass_fds=(read,))
+            try:
+                for line in proc.stdout:
+                    log(line.rstrip("\n"))
+                proc.wait()
+            finally:
+                if proc.poll() is None:  # interrupted here: the child goes too
+                    proc.kill()
+                    proc.wait()
+        finally:
+            os.close(read)
+            os.close(write)
+        answer = json.loads(out.read_text()) if out.is_file() else {}
+    if "info" in answer:
+        return answer["info"]
+    if "error" in answer:
+        raise ValueError(answer["error"])
+    raise RuntimeError(f"planning in a fresh process failed (exit status {proc.returncode})")
 
 
 def _plan_now(cfg, model, optimizer, recipe, device, sample, per_rank, log, *, each_rank, phases):
