@@ -13,9 +13,9 @@ micro-batch size:
 
 Each run is `gradaccum train` (AdamW, warm-up over the same samples whatever the batch, then
 cosine decay over a horizon of samples the same for every batch) stopped when its held-out
-loss reaches the task's target (`--target-loss`), evaluated often enough that the crossing
-is placed to within a few percent (linear interpolation between the two evaluations around
-it). Learning rates: a sweep of three on seed 0 around the square-root rule, extended while
+loss reaches the task's target (`--target-loss`), evaluated every 16 sequences or 32
+images (every step from those batches up), so the crossing is placed to within a few steps
+(linear interpolation between the two evaluations around it). Learning rates: a sweep of three on seed 0 around the square-root rule, extended while
 the best (fewest steps to the target) is at an edge; the best then runs on further seeds.
 
 The fit: S = S_min (1 + B_crit / B), i.e. S = S_min + E_min / B, a straight line in 1/B
@@ -73,10 +73,10 @@ class Task:
 TASKS = {
     "digits": Task(
         "digits", ("--recipe", "digits"), 8, (8, 16, 32, 64, 128, 256), 0.12, 3e-3, 40_960,
-        256, 128, "image", 1.0,
+        256, 32, "image", 1.0,
     ),
     "gpt": Task(
-        "gpt", (), 4, (4, 8, 16, 32, 64, 128), 3.0, 3e-3, 40_960, 256, 128, "byte", 127.0
+        "gpt", (), 4, (4, 8, 16, 32, 64, 128), 3.0, 3e-3, 40_960, 256, 16, "byte", 127.0
     ),
 }  # fmt: skip
 
