@@ -11,8 +11,9 @@ bytes plus the resident set's rise above the moment before the first step). Then
 command again with the plan cache on: the setup's seconds (start to the first step) with the
 plan measured and with the cached one.
 
-Writes bench/results/planner.md; `python bench/planner.py "gpt2 full" digits` runs those
-cases alone and writes nothing.
+Writes bench/results/planner.md (and planner.json, its rows); `python bench/planner.py
+"gpt2 full" digits` measures those cases again and keeps the other rows of planner.json;
+PLANNER_PASSES=fixed (or default) runs one of the two passes.
 """
 
 from __future__ import annotations
@@ -147,11 +148,12 @@ def main() -> None:
         for budget in ("100MB", "250MB"):
             lora = ["--lora", "8", "--merge-lora", "--lr", "1e-3"]
             cases.append((f"{name} LoRA", ["--hf-model", str(path), *hf, *lora], budget))
-    only = [c for c in sys.argv[1:]]  # case names ("gpt2 full"): those alone, not written
+    only = [c for c in sys.argv[1:]]  # case names ("gpt2 full"): those alone
     passes = os.environ.get("PLANNER_PASSES", "fixed,default").split(",")
     saved = OUT / "planner.json"
-    rows = [] if only or not saved.is_file() else json.loads(saved.read_text())
-    rows = [r for r in rows if r["allocator"] not in passes]
+    # the rows of earlier runs that this one does not measure again are kept
+    rows = json.loads(saved.read_text()) if saved.is_file() else []
+    rows = [r for r in rows if r["allocator"] not in passes or (only and r["case"] not in only)]
     for allocator in passes:
         # fixed: glibc hands every freed block of 64 KiB and more back at once, so the
         # resident set follows the tensors (the planning, its fresh process and the run all
@@ -196,10 +198,11 @@ def main() -> None:
                 f"{first['setup']:.1f} s, cached {again['setup']:.1f} s",
                 flush=True,
             )
-    if not only:
-        OUT.mkdir(exist_ok=True)
-        saved.write_text(json.dumps(rows, indent=1) + "\n")
-        write(rows)
+    order = [name for name, _, _ in cases]
+    rows.sort(key=lambda r: (r["allocator"], order.index(r["case"]), r["budget"]))
+    OUT.mkdir(exist_ok=True)
+    saved.write_text(json.dumps(rows, indent=1) + "\n")
+    write(rows)
 
 
 NOTES = [
