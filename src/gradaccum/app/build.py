@@ -167,14 +167,15 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
     baseline = _Baseline(folder, data, log, measure=main and not resuming)
     model = kind.distribute(model, lambda m: baseline(m, cfg.batch.micro_batch or 8), log)
     optimizer = build_optimizer(cfg, model)
-    # Planning here leaves a first step's one-time allocations resident (thread pools,
-    # kernels' caches): the run's meter counts them, as a fresh process pays them in its
-    # first window, so a planning run and a rerun of its stored plan measure alike.
-    with Resident(device) as planned:
+    # What planning (when it runs here: FSDP2, a GPU) and the baseline's measurement leave
+    # resident, training sits on (a first forward's one-time allocations: thread pools,
+    # kernels' caches, which a fresh process pays inside its first window): the run's meter
+    # counts it, as the plan's fresh process does.
+    with Resident(device) as before_training:
         micro, checkpointing, sync, eval_micro = planning.micro_batch(
             cfg, folder, saved, kind, model, optimizer, recipe, device, log, data
         )
-    baseline(model, micro)
+        baseline(model, micro)
     if cfg.batch.batch_schedule == "auto" and micro * kind.replicas >= effective and saved is None:
         micro = max(1, math.ceil(effective / kind.replicas / 2))
         log(
@@ -210,7 +211,7 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
         total_samples=total_samples,
         targets=cfg.targets.runtime(),
         guard=guard,
-        carried=planned.grown,
+        carried=before_training.grown,
     )
     if saved is not None:
         run.restore(saved)

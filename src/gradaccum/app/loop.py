@@ -118,7 +118,7 @@ class _Run:
     skips: list[list[int]] = field(default_factory=list)  # [first, end) samples set aside
     retries: int = 0  # rollbacks in a row that did not get past the incident's step
     last_incident: int = 0  # the step of the latest incident
-    carried: int = 0  # resident bytes planning in this process left for training (Resident)
+    carried: int = 0  # resident bytes planning and the baseline left for training (Resident)
     elapsed: float = 0.0  # training seconds over all sessions, as of the last window
     stopped_by: str = "length"
     eval_micro_batch: int | None = None  # the plan's own for evaluation, else micro_batch
