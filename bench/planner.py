@@ -213,17 +213,22 @@ NOTES = [
     "process and the run inherit): every freed block of 64 KiB or more leaves the resident "
     "set at once, so it follows the tensors in use, as CUDA's allocator counters do on a "
     "GPU, and the same run measures the same from one process to the next. It costs CPU "
-    "time (a page fault for every large tensor): the ratio above.",
+    "time (a page fault for every large tensor; the default pass measures the ratio).",
     "- glibc as it comes keeps freed blocks below a threshold that moves with the "
     "allocations: the same run peaks tens of MiB apart from one process to the next, "
     "and a window after an evaluation sits on the evaluation's freed blocks. The plan "
     "measures what a fresh process reaches (its verification runs the run in miniature), "
-    "so the last tables' errors are that spread, not the plan's; the 15% margin is kept "
+    "so the default pass's errors are that spread, not the plan's; the 15% margin is kept "
     "free for it.",
-    "- *Planning run* against *rerun*: a planning run's meter counts what the planning left "
-    "resident in the process (a first step's one-time allocations, which a fresh process "
-    "pays in its first window, and whatever else stayed); a rerun starts from the stored "
-    "plan, as a resume does.",
+    "- *Planning run* against *rerun*: the planning run plans in a process of its own "
+    "(`python -m gradaccum.app.plan_process`) and trains in one that only read its answer; "
+    "the rerun reads the stored plan, as a resume does. Both meters count what the "
+    "baseline's measurement before the first step left resident (minilm's linear probe, a "
+    "first forward pass: memory.json's `carried`).",
+    "- A phase's prediction is measured in the planning process after its windows, where "
+    "a fresh process's one-time allocations are already paid: it reads below the run's "
+    "phase when the phase is small beside training (digits' evaluation). The plan's "
+    "whole-run peak comes from the fresh process's run in miniature, which pays them.",
 ]
 
 
@@ -244,8 +249,8 @@ def write(rows: list[dict]) -> None:
         "run's adapter and merged model), run twice: the first plans (and stores the plan), "
         "the second starts from the stored plan, as a rerun or a resume does. Meter: the "
         "parameters' and buffers' bytes plus the resident set's rise above the moment before "
-        "the first step (and, in a planning run, what planning left resident), in the plan as "
-        "in the run (`TrainingMemory`). *Predicted*: the plan's measurement of each part "
+        "the first step (and what the baseline's measurement left resident before it), in the "
+        "plan as in the run (`TrainingMemory`). *Predicted*: the plan's measurement of each part "
         "(plan.json; training includes the window's input batch); *measured*: the run's peak "
         "in that part (memory.json). Error: (predicted - measured) / measured. Every case "
         "runs twice over: with glibc's mmap threshold fixed (the precise meter) and with "
@@ -314,7 +319,16 @@ def write(rows: list[dict]) -> None:
     whole("default", "## The whole run's peak with glibc as it comes")
     phases("default", "## Phase by phase with glibc as it comes (MiB, as above)")
     timed = [r for r in rows if r["allocator"] == "default"]
-    lines += [
+    if not timed:
+        lines += [
+            "## Planning time, and glibc as it comes",
+            "",
+            "Not measured at this commit: the default pass (`PLANNER_PASSES=default`, which "
+            "times planning on a quiet machine) has not run since the plan moved into a "
+            "process of its own; its last numbers are in this file's history.",
+            "",
+        ]
+    lines += [] if not timed else [
         "## Planning time, and the rerun from the plan cache",
         "",
         "With glibc as it comes (as users run): the plan's own seconds (probes, the "

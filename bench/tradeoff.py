@@ -15,8 +15,9 @@ Each run is `gradaccum train` (AdamW, warm-up over the same samples whatever the
 cosine decay over a horizon of samples the same for every batch) stopped when its held-out
 loss reaches the task's target (`--target-loss`), evaluated every 16 sequences or 32
 images (every step from those batches up), so the crossing is placed to within a few steps
-(linear interpolation between the two evaluations around it). Learning rates: a sweep of three on seed 0 around the square-root rule, extended while
-the best (fewest steps to the target) is at an edge; the best then runs on further seeds.
+(linear interpolation between the two evaluations around it). Learning rates: a sweep of
+three on seed 0 around the square-root rule, extended while the best (fewest steps to the
+target) is at an edge; the best then runs on further seeds.
 
 The fit: S = S_min (1 + B_crit / B), i.e. S = S_min + E_min / B, a straight line in 1/B
 (least squares on relative error); B_crit = E_min / S_min, its interval from resampling the
