@@ -328,17 +328,21 @@ def write(rows: list[dict]) -> None:
             "process of its own; its last numbers are in this file's history.",
             "",
         ]
-    lines += [] if not timed else [
-        "## Planning time, and the rerun from the plan cache",
-        "",
-        "With glibc as it comes (as users run): the plan's own seconds (probes, the "
-        "fresh-process verification, the phases), and the seconds from the command's start to "
-        "its first step: planning, and with the stored plan.",
-        "",
-        "| case | budget | planning (plan.json) | start to first step | with the cached plan | "
-        "the cached plan read in |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    lines += (
+        []
+        if not timed
+        else [
+            "## Planning time, and the rerun from the plan cache",
+            "",
+            "With glibc as it comes (as users run): the plan's own seconds (probes, the "
+            "fresh-process verification, the phases), and the seconds from the command's start to "
+            "its first step: planning, and with the stored plan.",
+            "",
+            "| case | budget | planning (plan.json) | start to first step | with the cached plan | "
+            "the cached plan read in |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+    )
     for r in timed:
         a, b = r["setup"]
         read = "-" if r["read"] is None else f"{r['read']:.2f} s"
