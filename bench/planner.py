@@ -258,21 +258,15 @@ def write(rows: list[dict]) -> None:
         "",
     ]
 
-    def whole(allocator: str, title: str) -> None:
-        chosen = [r for r in rows if r["allocator"] == allocator]
-        if not chosen:
-            return
-        nonlocal lines
-        lines += [
-            title,
-            "",
+    def whole(chosen: list[dict]) -> list[str]:
+        out = [
             "| case | budget | micro-batch (evaluation's) | predicted | planning run | error | "
             "rerun | error | largest / budget |",
             "|---|---:|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in chosen:
             a, b = (m["peak"] for m in r["runs"])
-            lines.append(
+            out.append(
                 f"| {r['case']} | {format_bytes(r['budget'])} | {r['micro']} "
                 f"({r['eval_micro']}) | {format_bytes(r['whole_predicted'])} | "
                 f"{format_bytes(a)} | {err(r['whole_predicted'], a)} | {format_bytes(b)} | "
@@ -283,21 +277,16 @@ def write(rows: list[dict]) -> None:
         ]
         within = sum(e <= 0.10 for e in errors)
         over = [r["case"] for r in chosen if any(m["peak"] > r["budget"] for m in r["runs"])]
-        lines += [
+        return [
+            *out,
             "",
             f"Within 10% of the measured peak: {within} of {len(errors)} runs; worst "
             f"{max(errors):.1%}. Runs above their budget: {', '.join(over) if over else 'none'}.",
             "",
         ]
 
-    def phases(allocator: str, title: str) -> None:
-        chosen = [r for r in rows if r["allocator"] == allocator]
-        if not chosen:
-            return
-        nonlocal lines
-        lines += [
-            title,
-            "",
+    def phases(chosen: list[dict]) -> list[str]:
+        out = [
             "| case | budget | " + " | ".join(PHASES) + " |",
             "|---|---:|" + "---:|" * len(PHASES),
         ]
@@ -309,15 +298,23 @@ def write(rows: list[dict]) -> None:
                     cells.append("")
                     continue
                 cells.append(" / ".join(mib(x) for x in (r["predicted"].get(p), *got)))
-            lines.append(
-                f"| {r['case']} | {format_bytes(r['budget'])} | " + " | ".join(cells) + " |"
-            )
-        lines.append("")
+            out.append(f"| {r['case']} | {format_bytes(r['budget'])} | " + " | ".join(cells) + " |")
+        return [*out, ""]
 
-    whole("fixed", "## The whole run's peak (glibc's mmap threshold fixed)")
-    phases("fixed", "## Phase by phase (MiB: predicted / planning run / rerun; threshold fixed)")
-    whole("default", "## The whole run's peak with glibc as it comes")
-    phases("default", "## Phase by phase with glibc as it comes (MiB, as above)")
+    sections = [
+        ("fixed", whole, "## The whole run's peak (glibc's mmap threshold fixed)"),
+        (
+            "fixed",
+            phases,
+            "## Phase by phase (MiB: predicted / planning run / rerun; threshold fixed)",
+        ),
+        ("default", whole, "## The whole run's peak with glibc as it comes"),
+        ("default", phases, "## Phase by phase with glibc as it comes (MiB, as above)"),
+    ]
+    for allocator, table, title in sections:
+        chosen = [r for r in rows if r["allocator"] == allocator]
+        if chosen:
+            lines += [title, "", *table(chosen)]
     timed = [r for r in rows if r["allocator"] == "default"]
     if not timed:
         lines += [
