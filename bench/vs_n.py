@@ -168,15 +168,16 @@ def planned(recipe_name: str) -> ga.Plan:
     defaults = recipe.defaults
     torch.manual_seed(0)
     model = recipe.build_model()
-    return ga.plan(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=defaults["lr"]),
-        recipe.sample_batch(8),
-        recipe.loss_fn,
-        effective_batch=defaults["effective_batch"],
-        budget=defaults["budget"],
-        verify=fresh_process_verifier(recipe_name),
-    )
+    with fresh_process_verifier(recipe_name) as verify:
+        return ga.plan(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=defaults["lr"]),
+            recipe.sample_batch(8),
+            recipe.loss_fn,
+            effective_batch=defaults["effective_batch"],
+            budget=defaults["budget"],
+            verify=verify,
+        )
 
 
 def plan_lines(plan: ga.Plan) -> list[str]:

@@ -100,7 +100,9 @@ class Probe:
     peak_bytes: int  # peak above the memory in use when the probe started
     activation_bytes: int  # saved for backward; storages once, parameters excluded
     predicted_bytes: float  # the peak fit at this size
-    kind: str = "fit"  # "fit": a point of the line; "verify": the planned size, measured
+    # "fit": a point of the line; "verify": the planned size, measured; "from the fresh
+    # process's N, the line scaled": the line through a measurement over the budget
+    kind: str = "fit"
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,7 @@ class Plan:
         )
         measured = self.probes[-1] if self.probes else None
         how = f" ({measured.kind})" if measured is not None else ""
+        stepped = measured is not None and measured.kind.startswith("from")
         lines = [
             f"effective batch {self.effective_batch}: {shape} = {sum(sizes)} samples{per_rank}",
             f"micro-batch {self.micro_size} (largest that fits: {self.largest_fitting}), "
@@ -230,7 +233,8 @@ class Plan:
             ),
             # predicted_peak is what the planned size peaked at, measured: the fit only
             # chose the size to measure
-            f"peak {format_bytes(self.predicted_peak)} measured at micro-batch "
+            f"peak {format_bytes(self.predicted_peak)} {stepped and 'predicted' or 'measured'} "
+            f"at micro-batch "
             f"{self.micro_size}{how}, the fit's prediction "
             f"{format_bytes(self.predict(self.micro_size))}; budget "
             f"{format_bytes(self.budget)} ({self.margin:.0%} margin kept free) on {self.device}",
@@ -453,8 +457,8 @@ def plan(
                 need, measured = m.need(1), False
                 if need <= usable:
                     largest = min(per_rank, int((usable - m.need(0)) // max(m.peak_fit.slope, 1.0)))
-                    largest, micro, verified = _verify(prober, m, per_rank, largest, usable, verify)
-                    need, measured = m.base + verified.peak_bytes, True
+                    largest, micro, checked = _verify(prober, m, per_rank, largest, usable, verify)
+                    need, measured = m.base + checked[-1].peak_bytes, True
                     if need <= usable:
                         measured_phases = _measure_phases(
                             phases or {}, memory, m, micro, usable, budget_bytes, margin
@@ -498,7 +502,7 @@ def plan(
         bytes_per_sample=m.peak_fit.slope,
         peak_fit=m.peak_fit,
         activation_fit=m.activation_fit,
-        probes=m.probes + (verified,),
+        probes=m.probes + checked,
         checkpointing=bool(m.blocks),
         checkpointed_blocks=m.blocks,
         device=str(device),
@@ -591,7 +595,10 @@ def _verify(
     micro-batches is measured whatever the plan's count: from the second on, a window holds
     the first's summed gradient and nothing more (bench/results/memory_vs_n.md). When the
     measured peak is over, the line is scaled through it and the largest size that fits by
-    the scaled line is measured next."""
+    the scaled line is measured next; in a fresh process, planned by the scaled line, so a
+    plan starts one process at most. Returns the sizes' probes, the deciding one last.
+    """
+    checked: list[Probe] = []
     for _ in range(8):
         micro = math.ceil(per_rank / math.ceil(per_rank / largest))  # balanced window
         n = min(math.ceil(per_rank / micro), 2)
@@ -605,13 +612,29 @@ def _verify(
             peak, act = max(prober.window(micro, micro_batches=n)[:2] for _ in range(2))
             kind = "verify"
         verified = Probe(micro, peak, act, m.peak_fit(micro), kind=kind)
+        checked.append(verified)
         if m.base + peak <= usable or micro == 1:
-            return largest, micro, verified
+            return largest, micro, tuple(checked)
         # the line scaled to pass through this measurement (never below it)
         scale = max(1.0, peak / max(m.peak_fit(micro), 1.0))
         fits = [s for s in range(1, micro) if m.base + scale * m.peak_fit(s) <= usable]
         largest = fits[-1] if fits else 1
-    return largest, micro, verified
+        if verify is not None and fits:
+            # A fresh process sits above the probes' line by what a process pays once (its
+            # allocator's first blocks, the evaluation's) and, with glibc as it comes, by a
+            # steeper slope: the scaled line reads the measured size exactly and the sizes
+            # below it within a few percent either way (bench/results/planner.md), so the
+            # size it fits is planned without a second process.
+            micro = math.ceil(per_rank / math.ceil(per_rank / largest))
+            stepped = Probe(
+                micro,
+                int(scale * m.peak_fit(micro)),
+                int(m.activation_fit(micro)),
+                m.peak_fit(micro),
+                kind=f"from the fresh process's {verified.micro_size}, the line scaled",
+            )
+            return largest, micro, (*checked, stepped)
+    return largest, micro, tuple(checked)
 
 
 def _measure_phases(

@@ -244,3 +244,22 @@ def test_plan_reads_its_cached_plan_on_a_rerun_and_replan_measures_again(tmp_pat
     other = cli(*args[:-2], "400MB", "--json")
     assert "probing micro-batch sizes" in other.stderr
     assert len(list((tmp_path / "plans").glob("*.json"))) == 2
+
+
+def test_the_verifying_process_waits_built_measures_the_asked_size_and_ends_unasked():
+    """The plan's fresh process starts ahead: it measures the size it is then asked (a
+    window of 8 digits images holds more than one of 1, each above the model's own bytes),
+    and one never asked is ended by leaving the block, at once, while it builds."""
+    from gradaccum.app.measure import fresh_process_verifier
+    from gradaccum.app.recipes import get_recipe
+
+    model = get_recipe("digits").build_model()
+    own = sum(p.numel() * p.element_size() for p in model.parameters())
+    peaks = []
+    for micro in (1, 64):
+        with fresh_process_verifier("digits") as verify:
+            peaks.append(verify(micro, 2, False))
+    assert own < peaks[0] < peaks[1]
+    with fresh_process_verifier("digits") as unasked:
+        proc = unasked._next[0]
+    assert proc.returncode is not None and proc.returncode != 0  # ended, not finished

@@ -336,9 +336,9 @@ def test_probes_stop_where_the_line_puts_the_next_size_over_the_budget():
 
 
 def test_a_verification_over_the_budget_steps_down_along_the_line_scaled_through_it():
-    """The planned size measured where training runs peaks at twice the line: the next
-    size measured is the largest the line, scaled through that measurement, fits, and it
-    is the plan (one step down, not one sample at a time)."""
+    """The planned size measured where training runs peaks at twice the line: the plan is
+    the largest size the line, scaled through that measurement, fits (one step down, not
+    one sample at a time), predicted by the scaled line, with no second process."""
     model, batch, loss_fn = cnn_setup()
     optimizer = torch.optim.AdamW(model.parameters())
     kw = dict(effective_batch=16, probe_sizes=[1, 2, 4], meter="tensors")
@@ -362,10 +362,13 @@ def test_a_verification_over_the_budget_steps_down_along_the_line_scaled_through
     # an independent reading of the scaled line: the largest size whose 2x need fits
     expected = max(s for s in range(1, 9) if base + 2.0 * free.peak_fit(s) <= usable)
     balanced = -(-16 // -(-16 // expected))  # the balanced window's size at that limit
-    assert asked[0] == (8, 2)  # 16 over a limit of 8: two micro-batches of 8
-    assert len(asked) == 2 and asked[1][0] == balanced
-    assert all(n == 2 for _, n in asked)  # a window of two micro-batches, whatever N is
-    assert result.micro_size == balanced and result.predicted_peak <= usable
+    assert asked == [(8, 2)]  # 16 over a limit of 8: two micro-batches of 8, measured once
+    assert result.micro_size == balanced and result.largest_fitting == expected
+    assert result.predicted_peak == pytest.approx(base + 2.0 * free.peak_fit(balanced), abs=2)
+    assert result.predicted_peak <= usable
+    kinds = [p.kind for p in result.probes if p.kind != "fit"]
+    assert kinds == ["verify, fresh process", "from the fresh process's 8, the line scaled"]
+    assert "predicted at micro-batch" in result.summary()
 
 
 def test_the_runs_other_phases_are_measured_and_one_too_big_gets_its_own_micro_batch(tmp_path):

@@ -51,42 +51,74 @@ def measure(
     lora: dict | None = None,
     sample: str | None = None,
 ) -> int:
-    recipe = hf_recipe(hf_model) if hf_model else get_recipe(recipe_name)
-    if sample is not None:
-        batch = take(torch.load(sample, weights_only=True), micro * micro_batches)
-    else:
-        batch = recipe.sample_batch(micro * micro_batches)
-    torch.manual_seed(seed)
-    model = recipe.build_model()
-    if lora is not None:
-        from gradaccum.integrations.peft import apply_lora
+    built = _Built(recipe_name, seed, hf_model=hf_model, lora=lora)
+    return built.measure(micro, micro_batches, windows, precision, checkpointing, meter, sample)
 
-        model = apply_lora(model, **lora)
-    if torch.cuda.is_available():
-        model = model.cuda()
-        batch = to_device(batch, torch.device("cuda"))
-    if checkpointing:
-        enable_checkpointing(model)
-    evaluate = _evaluation(recipe, seed, batch, micro)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
-    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
-    acc = Accumulator(model, optimizer, precision=precision)
-    memory = TrainingMemory(model, next(model.parameters()).device, meter)
-    for _ in range(windows):
-        acc.step(split(batch, micro), recipe.loss_fn)
-        memory.window_done()  # as the run's loop does between windows
-    # The run in miniature: an evaluation and a checkpoint between windows, then windows
-    # again. Training after an evaluation peaks higher than before it (freed blocks of
-    # other sizes, kernels' caches for other shapes), which windows alone never show.
-    evaluate(model)
-    with tempfile.TemporaryDirectory(prefix="gradaccum-measure-") as tmp:
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-        torch.save(sealed(state), Path(tmp) / "checkpoint.pt")  # as the run writes one
-        del state
-    for _ in range(windows):
-        acc.step(split(batch, micro), recipe.loss_fn)
-        memory.window_done()
-    return memory.peak()
+
+class _Built:
+    """What a measurement needs before it knows the micro-batch: torch imported, the recipe,
+    its model (seeded, with LoRA as the run applies it) on the device. A waiting process
+    builds this while the planner probes, so a verification pays only for its windows."""
+
+    def __init__(
+        self,
+        recipe_name: str | None,
+        seed: int,
+        *,
+        hf_model: str | None = None,
+        lora: dict | None = None,
+    ) -> None:
+        self.recipe = hf_recipe(hf_model) if hf_model else get_recipe(recipe_name)
+        self.seed = seed
+        torch.manual_seed(seed)
+        model = self.recipe.build_model()
+        if lora is not None:
+            from gradaccum.integrations.peft import apply_lora
+
+            model = apply_lora(model, **lora)
+        if torch.cuda.is_available():
+            model = model.cuda()
+        self.model = model
+
+    def measure(
+        self,
+        micro: int,
+        micro_batches: int,
+        windows: int,
+        precision: str,
+        checkpointing: bool,
+        meter: str = "auto",
+        sample: str | None = None,
+    ) -> int:
+        recipe, model = self.recipe, self.model
+        if sample is not None:
+            batch = take(torch.load(sample, weights_only=True), micro * micro_batches)
+        else:
+            batch = recipe.sample_batch(micro * micro_batches)
+        if torch.cuda.is_available():
+            batch = to_device(batch, torch.device("cuda"))
+        if checkpointing:
+            enable_checkpointing(model)
+        evaluate = _evaluation(recipe, self.seed, batch, micro)
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+        optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+        acc = Accumulator(model, optimizer, precision=precision)
+        memory = TrainingMemory(model, next(model.parameters()).device, meter)
+        for _ in range(windows):
+            acc.step(split(batch, micro), recipe.loss_fn)
+            memory.window_done()  # as the run's loop does between windows
+        # The run in miniature: an evaluation and a checkpoint between windows, then windows
+        # again. Training after an evaluation peaks higher than before it (freed blocks of
+        # other sizes, kernels' caches for other shapes), which windows alone never show.
+        evaluate(model)
+        with tempfile.TemporaryDirectory(prefix="gradaccum-measure-") as tmp:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            torch.save(sealed(state), Path(tmp) / "checkpoint.pt")  # as the run writes one
+            del state
+        for _ in range(windows):
+            acc.step(split(batch, micro), recipe.loss_fn)
+            memory.window_done()
+        return memory.peak()
 
 
 def _evaluation(recipe: Any, seed: int, batch: Any, micro: int):
@@ -117,20 +149,42 @@ def fresh_process_verifier(
     hf_model: str | None = None,
     lora: dict | None = None,
     sample: str | None = None,
-):
+) -> FreshProcessVerifier:
     """A ``verify`` for ``plan()``: measure a planned size where training will run, in a new
     process from its first step, with the plan's activation checkpointing. ``hf_model``
     (and ``lora``, apply_lora's arguments) instead of ``recipe``; ``sample``: a saved batch
-    to train on instead of the recipe's. Each child gets the read end of a pipe whose write
-    end only this process holds: if this process dies (SIGTERM, SIGKILL, a crash), the child
-    reads end-of-file and exits instead of running on alone."""
+    to train on instead of the recipe's (settable later, as ``.sample``, before the first
+    measurement). Use it in a ``with`` block: its first process starts at once and waits,
+    built, for the size to measure; leaving the block ends a process that was never asked."""
     source = ["--hf-model", hf_model] if hf_model else ["--recipe", str(recipe)]
     if lora is not None:
         source += ["--lora-settings", json.dumps(lora)]
-    if sample is not None:
-        source += ["--sample", sample]
+    source += ["--precision", precision, "--seed", str(seed), "--meter", meter]
+    return FreshProcessVerifier(source, sample)
 
-    def verify(micro: int, micro_batches: int, checkpointing: bool) -> int:
+
+class FreshProcessVerifier:
+    """Fresh processes that each measure one planned size. The first is started ahead and
+    builds its model while the planner probes (importing torch and building the model are
+    most of a small recipe's verification), then reads the size from its stdin: a process
+    that has measured nothing is as fresh as one started for the size. (Starting the next
+    one while one measures gained nothing on 2 cores: the two compete for them.) Its stdin is a pipe
+    only this process writes: if this process dies, the child reads end-of-file and exits
+    instead of running on alone."""
+
+    def __init__(self, source: list[str], sample: str | None = None) -> None:
+        self._source, self.sample = source, sample
+        self._next: tuple[subprocess.Popen, Any] | None = self._start()
+
+    def _start(self) -> tuple[subprocess.Popen, Any]:
+        errors = tempfile.TemporaryFile(mode="w+")  # a model's loading bars; read on failure
+        cmd = [sys.executable, "-m", "gradaccum.app.measure", *self._source, "--wait"]
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True
+        )
+        return proc, errors
+
+    def __call__(self, micro: int, micro_batches: int, checkpointing: bool) -> int:
         # One fresh process: resident memory varies by a few percent from one process to
         # the next (glibc's heap layout), which the plan's margin keeps free.
         with_ckpt = " with activation checkpointing" if checkpointing else ""
@@ -139,42 +193,54 @@ def fresh_process_verifier(
             f"{with_ckpt} in a fresh process",
             file=sys.stderr,
         )
-        return _measure_once(micro, micro_batches, checkpointing)
-
-    def _measure_once(micro: int, micro_batches: int, checkpointing: bool) -> int:
-        read, write = os.pipe()
-        cmd = [
-            sys.executable,
-            "-m",
-            "gradaccum.app.measure",
-            *source,
-            "--micro",
-            str(micro),
-            "--micro-batches",
-            str(micro_batches),
-            "--precision",
-            precision,
-            "--seed",
-            str(seed),
-            "--parent-pipe",
-            str(read),
-            "--meter",
-            meter,
-        ]
-        if checkpointing:
-            cmd.append("--checkpointing")
+        proc, errors = self._next or self._start()
+        self._next = None
         try:
-            proc = subprocess.run(
-                cmd, capture_output=True, text=True, check=False, pass_fds=(read,)
-            )
+            request = {
+                "micro": micro,
+                "micro_batches": micro_batches,
+                "ckpt": checkpointing,
+                "sample": self.sample,
+            }
+            try:
+                proc.stdin.write(json.dumps(request) + "\n")
+                proc.stdin.flush()
+            except BrokenPipeError:
+                pass  # it died while building: its stderr says why, below
+            out = proc.stdout.read()
+            proc.wait()
+            if proc.returncode != 0:
+                errors.seek(0)
+                raise RuntimeError(
+                    f"measuring micro-batch {micro} failed:\n{errors.read()[-2000:]}"
+                )
+            return int(json.loads(out.strip().splitlines()[-1])["peak"])
         finally:
-            os.close(read)
-            os.close(write)
-        if proc.returncode != 0:
-            raise RuntimeError(f"measuring micro-batch {micro} failed:\n{proc.stderr[-2000:]}")
-        return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak"])
+            _end(proc, errors)
 
-    return verify
+    def close(self) -> None:
+        """End the waiting process, if no measurement took it (it holds nothing to finish)."""
+        if self._next is not None:
+            proc, errors = self._next
+            self._next = None
+            proc.kill()
+            _end(proc, errors)
+
+    def __enter__(self) -> FreshProcessVerifier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _end(proc: subprocess.Popen, errors: Any) -> None:
+    for stream in (proc.stdin, proc.stdout):
+        try:
+            stream.close()
+        except BrokenPipeError:
+            pass
+    proc.wait()
+    errors.close()
 
 
 def _count(n: int, one: str, many: str) -> str:
@@ -192,6 +258,17 @@ def _exit_with_parent(fd: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def _exit_on_end_of_input() -> None:
+    """Exit as soon as stdin closes (the planner is gone or has no use for this process)."""
+
+    def watch() -> None:
+        while sys.stdin.readline():
+            pass
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gradaccum.app.measure")
     source = ap.add_mutually_exclusive_group(required=True)
@@ -199,31 +276,39 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--hf-model")
     ap.add_argument("--lora-settings", default=None, help="apply_lora's arguments, as JSON")
     ap.add_argument("--sample", default=None)
-    ap.add_argument("--micro", type=int, required=True)
-    ap.add_argument("--micro-batches", type=int, required=True)
+    ap.add_argument("--micro", type=int, default=None)
+    ap.add_argument("--micro-batches", type=int, default=None)
     ap.add_argument("--windows", type=int, default=2)  # RSS settles after the first
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--parent-pipe", type=int, default=None)
     ap.add_argument("--meter", default="auto", choices=METERS)
+    ap.add_argument(
+        "--wait", action="store_true", help="build, then read the size from stdin as JSON"
+    )
     a = ap.parse_args(argv)
-    if a.parent_pipe is not None:
-        _exit_with_parent(a.parent_pipe)
-    peak = measure(
-        a.recipe,
+    if not a.wait and (a.micro is None or a.micro_batches is None):
+        ap.error("--micro and --micro-batches are needed without --wait")
+    lora = None if a.lora_settings is None else json.loads(a.lora_settings)
+    built = _Built(a.recipe, a.seed, hf_model=a.hf_model, lora=lora)
+    micro, micro_batches, checkpointing, sample = (
         a.micro,
         a.micro_batches,
-        a.windows,
-        a.precision,
         a.checkpointing,
-        a.seed,
-        a.meter,
-        hf_model=a.hf_model,
-        lora=None if a.lora_settings is None else json.loads(a.lora_settings),
-        sample=a.sample,
+        a.sample,
     )
-    print(json.dumps({"peak": peak}))
+    if a.wait:
+        line = sys.stdin.readline()
+        if not line:
+            return 0  # never asked: the plan was made without this process
+        request = json.loads(line)
+        micro, micro_batches = request["micro"], request["micro_batches"]
+        checkpointing, sample = request["ckpt"], request["sample"]
+        _exit_on_end_of_input()
+    peak = built.measure(
+        micro, micro_batches, a.windows, a.precision, checkpointing, a.meter, sample
+    )
+    print(json.dumps({"peak": peak}), flush=True)
     return 0
 
 

@@ -12,8 +12,8 @@ import torch
 
 from gradaccum.app.build import build_model, build_optimizer, run_data
 from gradaccum.app.config import TrainConfig
-from gradaccum.app.measure import _exit_with_parent
-from gradaccum.app.planning import as_flags, window_plan
+from gradaccum.app.measure import FreshProcessVerifier, _exit_with_parent
+from gradaccum.app.planning import as_flags, verifier, window_plan
 from gradaccum.app.recipes import get_recipe, hf_recipe
 
 
@@ -34,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
         print(message, flush=True)
 
     cfg = TrainConfig.of(**json.loads(Path(a.config).read_text()))
+    # the fresh process that verifies the plan imports and builds while this one does
+    with verifier(cfg) as started:
+        return _plan(cfg, a, log, started)
+
+
+def _plan(cfg: TrainConfig, a: argparse.Namespace, log, started: FreshProcessVerifier) -> int:
     src = cfg.source
     try:
         recipe = hf_recipe(src.hf_model) if src.hf_model else get_recipe(src.recipe)
@@ -44,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cpu")
         info = window_plan(
             cfg, model, optimizer, recipe, device, 0, 1, log, each_rank=False, data=data,
-            here=True,
+            here=True, started=started,
         )  # fmt: skip
     except ValueError as err:
         Path(a.out).write_text(json.dumps({"error": as_flags(str(err))}))

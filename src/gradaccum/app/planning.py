@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from gradaccum.app import launch, plan_cache
 from gradaccum.app.config import TrainConfig
 from gradaccum.app.exports import write_exports
 from gradaccum.app.folder import PLAN, RunFolder, sealed
-from gradaccum.app.measure import fresh_process_verifier
+from gradaccum.app.measure import FreshProcessVerifier, fresh_process_verifier
 from gradaccum.app.recipes import Recipe
 from gradaccum.app.recipes.userdata import SequenceData
 from gradaccum.checkpoint import preserved_rng
@@ -118,6 +119,7 @@ def window_plan(
     each_rank: bool,
     data: Any = None,
     here: bool = False,
+    started: FreshProcessVerifier | None = None,
 ) -> dict[str, Any]:
     """The micro-batch of an Accumulator's window. One plan for all ranks (same model and
     hardware): rank 0's, broadcast; or, ``each_rank`` (FSDP2), every rank planning its own
@@ -128,7 +130,8 @@ def window_plan(
     On the CPU, one process's plan is made in a process of its own (``_plan_elsewhere``)
     unless ``here``: probing leaves the planning process holding memory a fresh one does not
     (kernels' caches, freed blocks, the phases' imports), which training would then sit
-    on."""
+    on. ``started``: the verifier ``here`` plans with, started before the model was built.
+    """
     per_rank = math.ceil(cfg.batch.effective_batch / world)
     info = None
     if rank == 0 or each_rank:
@@ -168,7 +171,7 @@ def window_plan(
             args = (cfg, model, optimizer, recipe, device, sample, per_rank, log)
             # (FSDP2's evaluation is a collective of every rank: its plan is the window's)
             phases = None if each_rank or data is None else run_phases(cfg, model, optimizer, data)
-            info = _plan_now(*args, each_rank=each_rank, phases=phases)
+            info = _plan_now(*args, each_rank=each_rank, phases=phases, started=started)
             if parts is not None:
                 plan_cache.store(parts, info)
         else:
@@ -216,7 +219,9 @@ def _plan_elsewhere(cfg: TrainConfig, data: Any, log) -> dict[str, Any]:
     raise RuntimeError(f"planning in a fresh process failed (exit status {proc.returncode})")
 
 
-def _plan_now(cfg, model, optimizer, recipe, device, sample, per_rank, log, *, each_rank, phases):
+def _plan_now(
+    cfg, model, optimizer, recipe, device, sample, per_rank, log, *, each_rank, phases, started
+):
     """A new plan, measured (rank 0's, or with ``each_rank`` every rank's together)."""
     log(
         f"planning the micro-batch{' and gradient sync' if each_rank else ''} for an "
@@ -224,29 +229,35 @@ def _plan_now(cfg, model, optimizer, recipe, device, sample, per_rank, log, *, e
         + (", each process measuring its shards" if each_rank else "")
         + f" ({recipe.summary})"
     )
-    with tempfile.TemporaryDirectory(prefix="gradaccum-plan-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="gradaccum-plan-") as tmp, ExitStack() as stack:
         verify = None
         if not each_rank and device.type == "cpu":
             # On CPU the planned size is measured in a fresh process, where training will
             # run: this one's heap is shaped by the probes (CUDA's allocator is precise here).
-            verify = _verifier(cfg, sample, Path(tmp))
+            verify = stack.enter_context(_verifier(cfg, sample, Path(tmp), started))
         planned = _plan(cfg, model, optimizer, recipe, sample, per_rank, verify, each_rank, phases)
     log(planned.summary())
     return {**planned.to_dict(), "source": "planned"}
 
 
-def _verifier(cfg: TrainConfig, sample: Any, tmp: Path):
+def verifier(cfg: TrainConfig) -> FreshProcessVerifier:
     """The fresh-process verification of this run's model: a recipe's, or --hf-model's with
-    its LoRA adapters; with --data or a Hugging Face model, trained on the sample batch."""
-    src, own = cfg.source, cfg.source.hf_model or cfg.source.data
-    saved = None
-    if own:
-        saved = str(tmp / "sample.pt")
-        torch.save(sample, saved)
+    its LoRA adapters. Its first process starts now and builds while the caller goes on."""
+    src = cfg.source
     return fresh_process_verifier(
         src.recipe, cfg.numerics.precision, src.seed, cfg.memory.meter,
-        hf_model=src.hf_model, lora=cfg.model.lora_arguments(), sample=saved,
+        hf_model=src.hf_model, lora=cfg.model.lora_arguments(),
     )  # fmt: skip
+
+
+def _verifier(cfg: TrainConfig, sample: Any, tmp: Path, started: FreshProcessVerifier | None):
+    """``started`` (or a new verifier), trained on the sample batch where the run trains on
+    --data or a Hugging Face model's data."""
+    verify = started if started is not None else verifier(cfg)
+    if cfg.source.hf_model or cfg.source.data:
+        verify.sample = str(tmp / "sample.pt")
+        torch.save(sample, verify.sample)
+    return verify
 
 
 def _plan(cfg, model, optimizer, recipe, sample, per_rank, verify, each_rank, phases):

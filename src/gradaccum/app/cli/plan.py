@@ -12,7 +12,7 @@ import torch
 from gradaccum.app import plan_cache
 from gradaccum.app.cli import options, out
 from gradaccum.app.config import PlanConfig
-from gradaccum.app.measure import fresh_process_verifier
+from gradaccum.app.measure import FreshProcessVerifier, fresh_process_verifier
 from gradaccum.app.recipes import get_recipe
 from gradaccum.batching import to_device
 from gradaccum.memory import parse_bytes
@@ -38,6 +38,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(invalid_configuration(problems))
     if cfg.plot and not Path(cfg.plot).resolve().parent.is_dir():
         raise ValueError(f"--plot {cfg.plot}: folder {Path(cfg.plot).parent} does not exist")
+    # the fresh process that verifies a new plan imports and builds while this one does (a
+    # cached plan ends it unasked)
+    with fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed, cfg.meter) as verify:
+        return _run(cfg, verify)
+
+
+def _run(cfg: PlanConfig, verify: FreshProcessVerifier) -> int:
     recipe = get_recipe(cfg.recipe)
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -73,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             checkpointing=cfg.checkpointing,
             precision=cfg.precision,
             meter=cfg.meter,
-            verify=fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed, cfg.meter),
+            verify=verify,
         )
         plan_cache.store(parts, result.to_dict())
     try:
