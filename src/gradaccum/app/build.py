@@ -121,6 +121,27 @@ def run_data(cfg: TrainConfig, recipe: Recipe, loaded: dict[str, Any] | None):
     return dataclasses.replace(recipe, sample_batch=data.sample, summary=summary), data
 
 
+def compiled(recipe: Recipe, model: torch.nn.Module, kind: RunKind, log) -> Recipe:
+    """The recipe with its training loss on ``torch.compile(model)``: the compiled module
+    shares the model's parameters, so the Accumulator, checkpoints (the model's own keys),
+    evaluation and the plan (measured eagerly) see the model itself. ``dynamic=None``:
+    torch compiles the first shape statically and, on a second (a ragged last window, a
+    new sequence length), once more with that dimension dynamic, then no more."""
+    if kind.world > 1:
+        raise ValueError(
+            f"--compile runs on one process (this run has {kind.world}): a compiled forward "
+            "under DDP is not tested here; drop --compile or run one process"
+        )
+    forward = torch.compile(model, dynamic=None)
+    log("--compile: the training forward compiles on the first window (torch.compile)")
+    loss_fn = recipe.loss_fn
+
+    def compiled_loss(_model: torch.nn.Module, batch: Any):
+        return loss_fn(forward, batch)
+
+    return dataclasses.replace(recipe, loss_fn=compiled_loss)
+
+
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     return torch.optim.AdamW(trainable, lr=cfg.schedule.lr, weight_decay=cfg.schedule.weight_decay)
@@ -189,6 +210,8 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
         maximum=cfg.batch.max_effective_batch,
     )
     acc = kind.window(cfg, model, optimizer, micro, sync, device, log)
+    if cfg.numerics.compile:
+        recipe = compiled(recipe, model, kind, log)
     # With clipping, a gradient spike's step is already bounded: the loss tells damage.
     guard = IncidentGuard(gradient=not cfg.numerics.max_grad_norm) if cfg.incidents.guard else None
     run = _Run(

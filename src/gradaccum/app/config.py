@@ -339,6 +339,13 @@ class Numerics:
         "clip the window's gradient to this global norm (0 turns clipping off)",
         check=_non_negative,
     )()
+    compile: bool = Opt(
+        False,
+        "torch.compile the model's training forward (docs/compile.md): the first window "
+        "compiles (a minute or more on a few cores), a ragged last window once more; one "
+        "process only",
+        resumable=True,  # the same arithmetic either way: a resume may turn it on or off
+    )()
 
 
 @dataclass(kw_only=True)
@@ -693,6 +700,11 @@ class TrainConfig:
                 )
         if dist.pipeline_stages > 1:
             out += self._pipeline_problems()
+        if num.compile and (dist.pipeline_stages > 1 or dist.shard == "fsdp"):
+            out.append(
+                "compile with pipeline_stages or shard fsdp: a compiled forward is tested on "
+                "one process; drop --compile"
+            )
         return out
 
     def _pipeline_problems(self) -> list[str]:
