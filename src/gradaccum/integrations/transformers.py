@@ -254,6 +254,9 @@ class ExactAccumulationMixin:
                 f"{sorted(inputs)}"
             )
         unwrapped = self.accelerator.unwrap_model(model)
+        # torch_compile=True: accelerate keeps torch.compile's module, whose class is not the
+        # model's (its loss then counted labels before the shift: 8.5e-3 off)
+        unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
         config = getattr(base, "config", None)
         causal = type(base).__name__ in _CAUSAL_LM_CLASSES and not getattr(
