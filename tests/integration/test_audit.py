@@ -61,6 +61,54 @@ def test_gradaccums_trainer_passes(tmp_path):
     assert result.ratio == pytest.approx(1.0, abs=1e-5) and "PASS" in result.summary
 
 
+def lightning_trainer(exact: bool):
+    """A Lightning Trainer as its docs configure accumulation (4 micro-batches per step)
+    over the tiny GPT-2, with gradaccum's callback or without."""
+    lightning = pytest.importorskip("lightning")
+    from test_lightning_callback import LM
+
+    from gradaccum.integrations.lightning import ExactAccumulation
+
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=4,
+        callbacks=[ExactAccumulation()] if exact else [], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    return trainer, LM(tiny_gpt2(), exact=exact)
+
+
+def padded_loader():
+    from frameworks import stack
+
+    return torch.utils.data.DataLoader(padded_sequences(16), batch_size=4, collate_fn=stack)
+
+
+def test_stock_lightning_on_a_padded_batch_is_measured_and_its_cause_named():
+    """Lightning's recipe (each micro-batch's token mean, accumulate_grad_batches=4) on
+    padded sequences of 4..64 tokens: micro-batches weighted equally whatever their token
+    counts; the weights as they were."""
+    trainer, module = lightning_trainer(exact=False)
+    before = copy.deepcopy(module.state_dict())
+    result = ga.audit(trainer, module=module, data=padded_loader())
+    print(result.summary)
+    assert not result.passed and 0.05 < result.relative_error < 1.0
+    assert result.micro_batches == 4 and "weighted equally" in result.cause
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
+
+
+def test_lightning_with_gradaccums_callback_passes():
+    trainer, module = lightning_trainer(exact=True)
+    result = ga.audit(trainer, module=module, data=padded_loader())
+    print(result.summary)
+    assert result.passed and result.relative_error <= 1e-6 and result.micro_batches == 4
+
+
+def test_a_lightning_audit_without_its_module_and_data_is_refused_in_one_line():
+    trainer, _ = lightning_trainer(exact=False)
+    with pytest.raises(TypeError, match="needs module=.*data="):
+        ga.audit(trainer)
+
+
 def test_plain_loops_are_audited_too():
     batch = padded_lm_batch(seed=3)
     micro_batches = split_sizes(batch, [1, 5, 3, 4])
@@ -128,3 +176,39 @@ def test_the_command_audits_a_trainer_from_a_file_and_exits_1_on_failure(tmp_pat
     proc = cli("audit", tmp_path / "broken.py:make", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "broken.py failed to load: ModuleNotFoundError" in proc.stderr
+
+
+LIGHTNING_FILE = """
+import sys
+
+sys.path.insert(0, {tests!r})  # the tests' tiny GPT-2, data and LightningModule
+sys.path.insert(0, {integration!r})
+
+import lightning
+import torch
+from frameworks import padded_sequences, stack, tiny_gpt2
+from test_lightning_callback import LM
+
+
+def make():
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=4, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    data = torch.utils.data.DataLoader(padded_sequences(16), batch_size=4, collate_fn=stack)
+    return trainer, LM(tiny_gpt2(), exact=False), data
+"""
+
+
+@pytest.mark.slow  # a fresh process that imports Lightning and transformers
+def test_the_command_audits_a_lightning_trainer_from_a_file(tmp_path):
+    from pathlib import Path
+
+    from helpers import cli
+
+    here = Path(__file__).resolve()
+    text = LIGHTNING_FILE.format(tests=str(here.parents[1]), integration=str(here.parent))
+    (tmp_path / "fit.py").write_text(text)
+    proc = cli("audit", tmp_path / "fit.py:make", cwd=tmp_path, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "FAIL; micro-batches are weighted equally" in proc.stdout

@@ -8,6 +8,14 @@ optimizer would be handed, and compares it with the gradient of the same samples
 batch under the trainer's own loss. Dropout is off for both (every ``nn.Dropout`` set to 0
 while it runs), no optimizer steps, and the model's parameters are left as they were.
 
+``ga.audit(lightning_trainer, module=..., data=...)`` does it for a Lightning ``Trainer``
+with ``accumulate_grad_batches``: it runs the trainer's own ``fit`` on the module and data up
+to its first optimizer step (the module's ``training_step`` and the trainer's loop and
+callbacks, as configured) and stops it there, before the step; the large batch is the
+window's micro-batches joined, through ``training_step`` (its loss, or ``loss / count``
+where it returns gradaccum's ``exact_output``). The trainer has then run (and stopped) a
+fit: build a new one to train.
+
 ``ga.audit(step=..., loss=..., model=..., micro_batches=...)`` does the same for a plain
 loop: ``step(model, micro_batches)`` accumulates the window's gradient as the user's loop
 does (without stepping), ``loss(model, batch)`` is the large batch's mean loss.
@@ -68,20 +76,31 @@ class AuditResult:
 def audit(
     trainer: Any = None,
     *,
+    module: nn.Module | None = None,
+    data: Any = None,
     step: Callable[[nn.Module, list[Any]], None] | None = None,
     loss: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     model: nn.Module | None = None,
     micro_batches: list[Any] | None = None,
     tolerance: float = TOLERANCE,
 ) -> AuditResult:
-    """Audit ``trainer`` (a ``transformers.Trainer`` or subclass), or a plain loop given as
-    ``step``, ``loss``, ``model`` and ``micro_batches`` (see the module's docstring)."""
+    """Audit ``trainer`` (a ``transformers.Trainer`` or subclass; a Lightning ``Trainer``
+    with its ``module`` and ``data``, a DataLoader or a LightningDataModule), or a plain
+    loop given as ``step``, ``loss``, ``model`` and ``micro_batches`` (see the module's
+    docstring)."""
     if trainer is not None:
+        if hasattr(trainer, "accumulate_grad_batches") and hasattr(trainer, "fit"):
+            if module is None or data is None:
+                raise TypeError(
+                    "audit of a Lightning Trainer needs module= (the LightningModule) and "
+                    "data= (its training DataLoader or LightningDataModule)"
+                )
+            return _audit_lightning(trainer, module, data, tolerance)
         if not (hasattr(trainer, "training_step") and hasattr(trainer, "get_batch_samples")):
             raise TypeError(
-                f"audit takes a transformers.Trainer (or a subclass), got "
-                f"{type(trainer).__name__}; for a plain loop give step=, loss=, model= and "
-                "micro_batches="
+                f"audit takes a transformers.Trainer (or a subclass) or a Lightning Trainer, "
+                f"got {type(trainer).__name__}; for a plain loop give step=, loss=, model= "
+                "and micro_batches="
             )
         return _audit_trainer(trainer, tolerance)
     missing = [
@@ -145,6 +164,63 @@ def _audit_trainer(trainer: Any, tolerance: float) -> AuditResult:
             noise.load_state_dict(saved)
 
 
+class _WindowDone(Exception):
+    """Raised by the audit's callback at the first optimizer step, to stop the fit there."""
+
+
+def _audit_lightning(trainer: Any, module: nn.Module, data: Any, tolerance: float) -> AuditResult:
+    """One window of the trainer's own fit, stopped before its optimizer step; the window's
+    micro-batches, recorded as the loop hands them over, joined for the large batch."""
+    if type(trainer).__module__.startswith("pytorch_lightning"):
+        from pytorch_lightning import Callback, LightningDataModule
+    else:
+        from lightning.pytorch import Callback, LightningDataModule
+    seen: list[Any] = []
+    stopped = []
+
+    class Capture(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(batch)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            stopped.append(len(seen))  # the window's gradient is whole here: stop the fit
+            raise _WindowDone
+
+    def window() -> None:
+        capture = Capture()
+        trainer.callbacks.append(capture)  # last: after any callback that finishes the window
+        try:
+            if isinstance(data, LightningDataModule):
+                trainer.fit(module, datamodule=data)
+            else:
+                trainer.fit(module, train_dataloaders=data)
+        except _WindowDone:
+            pass
+        finally:
+            trainer.callbacks.remove(capture)
+        if not stopped:
+            raise ValueError(
+                f"the Lightning fit ended after {len(seen)} micro-batches without an optimizer "
+                "step; give it at least accumulate_grad_batches batches"
+            )
+
+    def mean_loss(batch: Any) -> torch.Tensor:
+        out = module.training_step(batch, 0)
+        if isinstance(out, dict):
+            loss = out["loss"]
+            return loss / out["count"] if "count" in out else loss
+        return out
+
+    def big() -> torch.Tensor:
+        return mean_loss(_concat(seen, {"labels": -100, "attention_mask": 0}))
+
+    def equal() -> torch.Tensor:
+        return sum(mean_loss(mb) for mb in seen) / len(seen)
+
+    # the window's length is known once it has run
+    return _compare(module, window, big, equal, lambda: stopped[0], tolerance)
+
+
 def _reference_compute_loss(trainer: Any) -> Callable[..., Any]:
     """The trainer's own loss, as a mean over a batch: the first ``compute_loss`` in its
     class's order that is not gradaccum's (whose training loss is a sum)."""
@@ -159,9 +235,10 @@ def _compare(
     window: Callable[[], None],
     big: Callable[[], torch.Tensor],
     equal: Callable[[], torch.Tensor],
-    n: int,
+    n: int | Callable[[], int],
     tolerance: float,
 ) -> AuditResult:
+    """``n``: the window's micro-batches, or a function that tells them after the window."""
     params = [p for p in model.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     was_training = model.training
@@ -183,6 +260,7 @@ def _compare(
         with torch.no_grad():
             for p, b in zip(params, before, strict=True):
                 p.copy_(b)
+    n = n() if callable(n) else n
     err = _rel(got, want)
     dot = sum(float((g.double() * w.double()).sum()) for g, w in zip(got, want, strict=True))
     norm = sum(float(w.double().square().sum()) for w in want)

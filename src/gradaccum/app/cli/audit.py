@@ -17,7 +17,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="audit your own trainer: one accumulated window against the same samples as one batch",
         description="Build your trainer with FUNCTION from FILE (a function of no arguments "
         "returning a transformers.Trainer or a subclass, TRL's included, configured as you "
-        "train), run one accumulated window its way and the same samples as one batch, and "
+        "train; or a Lightning Trainer with its module and data, as the tuple (trainer, "
+        "module, dataloader)), run one accumulated window its way and the same samples as "
+        "one batch, and "
         "report the relative error, the ratio to the large batch's gradient and the likely "
         "cause. No optimizer steps; the weights are left as they were. Exit status 1 when "
         "the window is not the large batch's.",
@@ -37,7 +39,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.tolerance > 0:
         raise ValueError(f"--tolerance must be positive, got {args.tolerance:g}")
     try:
-        result = audit(trainer, tolerance=args.tolerance)
+        if isinstance(trainer, tuple) and len(trainer) == 3:  # Lightning's three parts
+            trainer, module, data = trainer
+            result = audit(trainer, module=module, data=data, tolerance=args.tolerance)
+        else:
+            result = audit(trainer, tolerance=args.tolerance)
     except TypeError as err:  # not a trainer the audit knows
         raise ValueError(str(err)) from None
     out(result.summary)
