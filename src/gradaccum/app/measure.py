@@ -37,24 +37,6 @@ from gradaccum.memory import METERS, TrainingMemory
 from gradaccum.recompute import enable_checkpointing
 
 
-def measure(
-    recipe_name: str | None,
-    micro: int,
-    micro_batches: int,
-    windows: int,
-    precision: str,
-    checkpointing: bool,
-    seed: int,
-    meter: str = "auto",
-    *,
-    hf_model: str | None = None,
-    lora: dict | None = None,
-    sample: str | None = None,
-) -> int:
-    built = _Built(recipe_name, seed, hf_model=hf_model, lora=lora)
-    return built.measure(micro, micro_batches, windows, precision, checkpointing, meter, sample)
-
-
 class _Built:
     """What a measurement needs before it knows the micro-batch: torch imported, the recipe,
     its model (seeded, with LoRA as the run applies it) on the device. A waiting process
