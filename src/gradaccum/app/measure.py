@@ -4,7 +4,11 @@
 training will see it: in a new process, from the first step. A module, not a command:
 
     python -m gradaccum.app.measure --recipe gpt --micro 20 --micro-batches 8
-    python -m gradaccum.app.measure --hf-model DIR --lora 8 --sample BATCH.pt --micro 4 ...
+    python -m gradaccum.app.measure --hf-model DIR --lora-settings JSON --sample BATCH.pt ...
+    python -m gradaccum.app.measure --recipe gpt --wait   # then {"micro": ...} on stdin
+
+With ``--wait`` (how the planner runs it: ``FreshProcessVerifier``) it builds the model
+first and then reads the size to measure, and the sample's path, as one JSON line.
 
 A Hugging Face model (``--hf-model``, with ``--lora`` as the run applies it) or a recipe
 trained on your own data trains on ``--sample``: a batch of the largest shape the data
