@@ -131,3 +131,92 @@ def test_the_mixin_over_sft_trainer_gives_the_full_batch_gradient(tmp_path):
     shipped = rel_err(*window_and_reference(trl.SFTTrainer, tmp_path / "shipped"))
     print(f"TRL's SFTTrainer in fp32: with the mixin {ours:.1e}, as shipped {shipped:.1e}")
     assert ours <= 1e-6
+
+
+def preference_pairs(n: int = 14):
+    """Prompts of 2-9 words, chosen and rejected completions of 1-14: 14 pairs in micro-
+    batches of 4 make one window of 4, 4, 4 and 2 pairs."""
+    g = torch.Generator().manual_seed(1)
+
+    def words(low, high):
+        k = int(torch.randint(low, high, (1,), generator=g))
+        return " ".join(f"w{int(t)}" for t in torch.randint(0, 250, (k,), generator=g))
+
+    rows = [
+        {"prompt": words(2, 10), "chosen": " " + words(1, 15), "rejected": " " + words(1, 15)}
+        for _ in range(n)
+    ]
+    return datasets.Dataset.from_list(rows)
+
+
+class ExactDPO(ExactAccumulationMixin, trl.DPOTrainer):
+    pass
+
+
+def completion_logps(model, batch) -> torch.Tensor:
+    """Each row's summed log-probability of its completion tokens, with torch alone."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    taken = logp.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    return (taken * batch["completion_mask"][:, 1:]).sum(dim=1)
+
+
+def dpo_window_and_reference(trainer_class, folder, **overrides) -> tuple[dict, dict]:
+    """One window of 14 pairs (4, 4, 4, 2) through ``trainer_class``, and one backward of
+    the same pairs' mean DPO loss (sigmoid, beta 0.1: -log sigmoid(beta * (chosen's log
+    ratio - rejected's))) written with torch alone."""
+    model, reference, frozen = tiny_gpt2(), tiny_gpt2(), tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = capture_step_grads(optimizer, model)
+    args = trl.DPOConfig(
+        output_dir=str(folder),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        num_train_epochs=1,
+        max_grad_norm=0.0,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        max_length=64,
+        bf16=False,
+        disable_tqdm=True,
+        **overrides,
+    )
+    trainer = trainer_class(
+        model=model,
+        ref_model=tiny_gpt2(),
+        args=args,
+        train_dataset=preference_pairs(),
+        processing_class=tokenizer(),
+        optimizers=(optimizer, None),
+    )
+    batches = list(trainer.get_train_dataloader())
+    trainer.train()
+    assert len(seen) == 1 and [len(b["input_ids"]) // 2 for b in batches] == [4, 4, 4, 2]
+    margins = []
+    for b in batches:
+        with torch.no_grad():
+            ref_chosen, ref_rejected = completion_logps(frozen, b).chunk(2)
+        chosen, rejected = completion_logps(reference, b).chunk(2)
+        margins.append((chosen - ref_chosen) - (rejected - ref_rejected))
+    (-F.logsigmoid(0.1 * torch.cat(margins))).mean().backward()
+    want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    return seen[0], want
+
+
+def test_the_mixin_over_dpo_trainer_gives_the_full_batch_gradient(tmp_path):
+    """DPO's loss is a mean over a micro-batch's preference pairs: the mixin takes it times
+    the pairs (found by itself for DPOTrainer). As shipped, the Trainer averages the four
+    micro-batches' means, weighting the last window's 2 pairs as much as 4."""
+    ours = rel_err(*dpo_window_and_reference(ExactDPO, tmp_path / "ours"))
+    shipped = rel_err(*dpo_window_and_reference(trl.DPOTrainer, tmp_path / "shipped"))
+    print(f"TRL DPOTrainer, 14 pairs as 4+4+4+2: mixin {ours:.1e}, as shipped {shipped:.1e}")
+    assert ours <= 1e-6
+    assert shipped > 1e-3  # the reference can tell the two apart
+
+
+def test_the_mixin_refuses_a_dpo_loss_that_is_not_per_pair(tmp_path):
+    with pytest.raises(ValueError, match="loss_type sft is not one value per preference pair"):
+        dpo_window_and_reference(
+            ExactDPO, tmp_path, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0]
+        )

@@ -22,6 +22,9 @@ The loss of a micro-batch, as ``(loss_sum, count)``:
   collator when given), counted after the shift.
 - any other model with ``labels``: its own loss, a mean over the labels other than -100,
   times that count.
+- ``items(inputs)`` when given: the trainer's own training loss (its ``compute_loss``), a
+  mean over the micro-batch's items, times their count. TRL's ``DPOTrainer`` takes this
+  route by itself, its items being the preference pairs (its per-pair losses only).
 
 The gradient noise scale (B_simple, see ``gradaccum.noise``) is estimated from each window's
 micro-batch prefixes and added as ``b_simple`` to the Trainer's training logs, so it lands
@@ -48,7 +51,7 @@ from gradaccum.integrations.window import FrameworkWindow, noise_option
 from gradaccum.loss import causal_lm_loss, token_cross_entropy, unpack, window_counts
 from gradaccum.noise import NoiseScale
 
-__all__ = ["ExactAccumulationMixin", "Trainer"]
+__all__ = ["ExactAccumulationMixin", "Trainer", "preference_pairs"]
 
 _CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
@@ -68,6 +71,11 @@ class ExactAccumulationMixin:
             Trainer fetches a window's micro-batches up front, so each term's count over the
             window (and the ranks) is known before its first backward. Each term's mean is
             logged as ``loss_<name>``.
+        items: ``items(inputs) -> int`` when the trainer's own ``compute_loss`` is a mean
+            over that many items of the micro-batch (one value per example, averaged): the
+            mixin takes that mean times the count. None: TRL's ``DPOTrainer`` counts its
+            preference pairs (its batch is the chosen rows, then the rejected); any other
+            trainer uses the model's loss (above).
         noise: a ``NoiseScale`` for the gradient noise scale logged as ``b_simple``; True
             (the default) for ``NoiseScale()``, False for none.
     """
@@ -79,6 +87,7 @@ class ExactAccumulationMixin:
         *args: Any,
         loss_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
         counts: Callable[[Any], Any] | None = None,
+        items: Callable[[Any], int] | None = None,
         noise: NoiseScale | bool = True,
         **kwargs: Any,
     ) -> None:
@@ -90,9 +99,18 @@ class ExactAccumulationMixin:
                 "given with a loss_fn that returns those terms"
                 f" (got counts={type(counts).__name__}, loss_fn={type(loss_fn).__name__})"
             )
+        if items is not None and (not callable(items) or loss_fn is not None):
+            raise TypeError(
+                "items must be a function of a micro-batch returning how many items the "
+                "trainer's own loss averages over, without loss_fn"
+                f" (got items={type(items).__name__}, loss_fn={type(loss_fn).__name__})"
+            )
         self.noise = noise_option(noise)
         super().__init__(*args, **kwargs)
         self.loss_fn, self.counts = loss_fn, counts
+        self.items = items
+        if items is None and loss_fn is None and _preference_trainer(self):
+            self.items = preference_pairs
         self._window: FrameworkWindow | None = None
         self._window_size = 0
         self._window_counts: dict[str, Any] | None = None  # the next window's, with counts=
@@ -163,6 +181,11 @@ class ExactAccumulationMixin:
         outputs = None
         if self.loss_fn is not None:
             loss_sum, count = unpack(self.loss_fn(model, inputs), index)
+        elif self.items is not None:  # the trainer's own loss, a mean over the items
+            mean = super().compute_loss(model, inputs, return_outputs)
+            mean, outputs = mean if return_outputs else (mean, None)
+            count = self.items(inputs)
+            loss_sum = mean * count
         else:
             loss_sum, count, outputs = self._model_loss(model, inputs)
         loss_sum, count = self._window.record(loss_sum, count)
@@ -213,6 +236,8 @@ class ExactAccumulationMixin:
                 "label_smoothing_factor smooths the model's own loss; with loss_fn= given, "
                 "smooth inside it (ga.token_cross_entropy(..., label_smoothing=...))"
             )
+        if self.items is preference_pairs:
+            problems.extend(_preference_problems(self))
         if type(self).loss_is_scaled_for_ga is not True or not hasattr(
             transformers.Trainer, "loss_is_scaled_for_ga"
         ):
@@ -298,6 +323,49 @@ class ExactAccumulationMixin:
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
             return logits.sum() * 0.0, 0, outputs
         return loss * count, count, outputs
+
+
+# TRL's DPOTrainer: losses that are one value per preference pair, with no state between
+# micro-batches ("bco_pair" keeps a running mean of rewards, "aot" sorts across the batch,
+# "sft" is a mean over tokens)
+_PER_PAIR_LOSSES = frozenset(
+    {"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "sppo_hard", "apo_zero"}
+    | {"apo_down", "discopop", "sigmoid_norm"}
+)
+
+
+def _preference_trainer(trainer: Any) -> bool:
+    """TRL's DPOTrainer (or a subclass of it), found without importing TRL."""
+    return any(
+        c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.")
+        for c in type(trainer).__mro__
+    )
+
+
+def preference_pairs(inputs: dict[str, Any]) -> int:
+    """The preference pairs of a TRL DPOTrainer micro-batch: its rows are the chosen
+    completions, then the rejected ones."""
+    return len(inputs["input_ids"]) // 2
+
+
+def _preference_problems(trainer: Any) -> list[str]:
+    """Why a DPOTrainer's own loss is not a mean over its pairs, if it is not."""
+    problems = []
+    other = [t for t in getattr(trainer, "loss_types", []) if t not in _PER_PAIR_LOSSES]
+    if other:
+        problems.append(
+            f"DPO loss_type {', '.join(other)} is not one value per preference pair (a "
+            "mean over tokens, a running mean or a sort across the batch), so no sum over "
+            "pairs gives the large batch's; use "
+            + ", ".join(sorted(_PER_PAIR_LOSSES))
+            + ", or loss_fn=(model, inputs) -> (loss_sum, count)"
+        )
+    if getattr(trainer, "aux_loss_enabled", False):
+        problems.append(
+            "the router's auxiliary loss (use_router_aux_loss / output_router_logits) is added "
+            "once per micro-batch, not per pair; give loss_fn= with it as a named term"
+        )
+    return problems
 
 
 class _NoiseCheckpoint(transformers.TrainerCallback):
