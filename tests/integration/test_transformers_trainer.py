@@ -289,3 +289,58 @@ def test_the_mixin_makes_a_trainer_subclass_exact(tmp_path):
     ours = window_errors(tmp_path / "ours", Exact, 16)
     print(f"a subclass's per-micro-batch mean: alone {plain[0]:.2e}, with the mixin {ours[0]:.1e}")
     assert plain[0] > 1e-2 and ours[0] <= 1e-6
+
+
+def run_with_fault(tmp_path, fault=None, oom=None) -> tuple[list[dict], dict, list[dict]]:
+    """Three windows of 16 padded sequences (4 micro-batches of 4) at SGD 0.1: the gradient
+    of each step, the final weights and the Trainer's logs. ``fault(model)`` makes the
+    device run out of memory partway through."""
+    model = tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = capture_step_grads(optimizer, model)
+    if fault is not None:
+        fault(model)
+    trainer = Trainer(
+        model=model,
+        args=arguments(tmp_path),
+        train_dataset=padded_sequences(48),
+        optimizers=(optimizer, None),
+        oom=oom,
+    )
+    trainer.train()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return seen, weights, trainer.state.log_history
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_out_of_memory_mid_window_replays_it_to_the_same_step(tmp_path, phase, caplog):
+    """The device holds 2 sequences from the 7th micro-batch on (the second window's third):
+    its forward (or backward) runs out of memory; the window is replayed at 2 from its first
+    micro-batch, the rest of the run at 2. Every step as without the fault."""
+    from support.faults import oom_after
+
+    import gradaccum as ga
+
+    clean, clean_weights, _ = run_with_fault(tmp_path / "clean")
+    faults = []
+
+    def fault(model):
+        faults.append(oom_after(model.transformer.h[0], 6, 2, phase=phase))
+
+    with caplog.at_level("WARNING", logger="gradaccum"):
+        seen, weights, logs = run_with_fault(tmp_path / "fault", fault, ga.OOMReplay())
+    assert faults[0].faults == 1
+    assert len(seen) == len(clean) == 3
+    errors = [rel_err(a, b) for a, b in zip(seen, clean, strict=True)]
+    drift = rel_err(weights, clean_weights)
+    print(f"out of memory in the {phase} mid-window: steps {errors}, weights {drift:.1e}")
+    assert max(errors) <= 1e-6 and drift <= 1e-6
+    assert "out of memory at micro-batch size 4; replaying the window at 2" in caplog.text
+    assert [x.get("oom_replays", 0) for x in logs if "loss" in x] == [0, 1, 1]
+
+
+def test_out_of_memory_without_replay_ends_training(tmp_path):
+    from support.faults import oom_after
+
+    with pytest.raises(torch.OutOfMemoryError):
+        run_with_fault(tmp_path, lambda m: oom_after(m.transformer.h[0], 6, 2))

@@ -12,7 +12,7 @@ import torch
 
 from gradaccum.batching import batch_size
 
-__all__ = ["corrupt_samples", "inject_oom", "train_with_faults"]
+__all__ = ["corrupt_samples", "inject_oom", "oom_after", "train_with_faults"]
 
 
 def inject_oom(loss_fn: Callable[..., Any], max_fitting_size: int) -> Callable[..., Any]:
@@ -30,6 +30,47 @@ def inject_oom(loss_fn: Callable[..., Any], max_fitting_size: int) -> Callable[.
         return loss_fn(model, micro_batch)
 
     return wrapped
+
+
+class oom_after:
+    """A device that runs out of memory partway through training, inside a framework's own
+    loop: once ``module`` has run ``calls`` training forwards, a forward (or, with
+    ``phase="backward"``, the backward through its output) over more than
+    ``max_fitting_size`` samples (the first dimension of its first input) raises
+    ``torch.OutOfMemoryError``, as such a device would. ``faults`` counts the errors raised;
+    ``remove()`` takes the fault away."""
+
+    def __init__(
+        self, module: torch.nn.Module, calls: int, max_fitting_size: int, phase: str = "forward"
+    ) -> None:
+        if phase not in ("forward", "backward"):
+            raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
+        self.calls, self.limit, self.phase = calls, max_fitting_size, phase
+        self.seen = 0  # training forwards so far
+        self.faults = 0
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        if not module.training:
+            return output
+        self.seen += 1
+        size = len(args[0])
+        if self.seen <= self.calls or size <= self.limit:
+            return output
+        if self.phase == "forward":
+            self.faults += 1
+            raise torch.OutOfMemoryError(f"injected: forward of {size} exceeds {self.limit}")
+        tensor = output if isinstance(output, torch.Tensor) else output[0]
+
+        def fail(grad: torch.Tensor) -> torch.Tensor:
+            self.faults += 1
+            raise torch.OutOfMemoryError(f"injected: backward of {size} exceeds {self.limit}")
+
+        tensor.register_hook(fail)
+        return output
+
+    def remove(self) -> None:
+        self.handle.remove()
 
 
 def corrupt_samples(

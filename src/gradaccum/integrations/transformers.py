@@ -26,6 +26,12 @@ The loss of a micro-batch, as ``(loss_sum, count)``:
   mean over the micro-batch's items, times their count. TRL's ``DPOTrainer`` takes this
   route by itself, its items being the preference pairs (its per-pair losses only).
 
+With ``oom=OOMReplay()``, a micro-batch that runs out of memory (forward or backward) drops
+the window's gradient and replays the window's micro-batches so far at half the size (the
+Trainer fetched them up front), then splits the rest of the window the same way: every sample
+once, the same step. One process only (under torchrun the ranks would have to replay
+together inside the Trainer's synchronized backward).
+
 The gradient noise scale (B_simple, see ``gradaccum.noise``) is estimated from each window's
 micro-batch prefixes and added as ``b_simple`` to the Trainer's training logs, so it lands
 wherever ``report_to`` sends them.
@@ -39,6 +45,7 @@ loss (refused with ``loss_fn=``).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,9 +54,11 @@ import torch
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from gradaccum.batching import batch_size
 from gradaccum.integrations.window import FrameworkWindow, noise_option
 from gradaccum.loss import causal_lm_loss, token_cross_entropy, unpack, window_counts
 from gradaccum.noise import NoiseScale
+from gradaccum.oom import OOMReplay
 
 __all__ = ["ExactAccumulationMixin", "Trainer", "preference_pairs"]
 
@@ -78,6 +87,9 @@ class ExactAccumulationMixin:
             trainer uses the model's loss (above).
         noise: a ``NoiseScale`` for the gradient noise scale logged as ``b_simple``; True
             (the default) for ``NoiseScale()``, False for none.
+        oom: an ``OOMReplay`` to replay a window at a smaller micro-batch size when one
+            runs out of memory (every sample once, the same step; ``oom_replays`` joins the
+            logs), or None (the default) to let the error end training.
     """
 
     loss_is_scaled_for_ga = True  # compute_loss returns a sum; the window divides it once
@@ -89,6 +101,7 @@ class ExactAccumulationMixin:
         counts: Callable[[Any], Any] | None = None,
         items: Callable[[Any], int] | None = None,
         noise: NoiseScale | bool = True,
+        oom: OOMReplay | None = None,
         **kwargs: Any,
     ) -> None:
         if loss_fn is not None and not callable(loss_fn):
@@ -105,8 +118,16 @@ class ExactAccumulationMixin:
                 "trainer's own loss averages over, without loss_fn"
                 f" (got items={type(items).__name__}, loss_fn={type(loss_fn).__name__})"
             )
+        if oom is not None and not isinstance(oom, OOMReplay):
+            raise TypeError(f"oom must be a gradaccum.OOMReplay or None, got {type(oom).__name__}")
         self.noise = noise_option(noise)
         super().__init__(*args, **kwargs)
+        self.oom = oom
+        self._window_batches: list[Any] = []  # the window's micro-batches, as fetched
+        self._calls = 0  # the Trainer's training_step calls in the window so far
+        self._counts_now: dict[str, Any] | None = None  # the open window's counts
+        self._replayed = False  # this window replayed after an out-of-memory error
+        self.oom_replays = 0  # windows replayed, in all
         self.loss_fn, self.counts = loss_fn, counts
         self.items = items
         if items is None and loss_fn is None and _preference_trainer(self):
@@ -137,6 +158,7 @@ class ExactAccumulationMixin:
         window's size. Its own item count (``num_items_in_batch``) is not used."""
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._window_size = len(batch_samples)
+        self._window_batches, self._calls = batch_samples, 0
         if self.counts is not None:  # named terms: each term's count, before any backward
             self._window_counts = window_counts(self.counts, batch_samples)
         return batch_samples, None
@@ -150,9 +172,28 @@ class ExactAccumulationMixin:
             self._window = self._open(model)
             self._restore_noise()
         window = self._window
-        if window.micro_batches == 0 and self._window_counts is not None:
-            window.begin(self._window_counts)
-            self._window_counts = None
+        if self._calls == 0:
+            self._counts_now, self._window_counts = self._window_counts, None
+            self._replayed = False
+            if self._counts_now is not None:
+                window.begin(self._counts_now)
+        self._calls += 1
+        if self.oom is None:
+            loss = self._micro_step(model, inputs)
+        else:
+            loss = self._replaying(model, inputs)
+        if self._calls < self._window_size:
+            return torch.zeros_like(loss)
+        end = window.end(self._grads(), scale=self._loss_scale())
+        if self.oom is not None and not self._replayed:
+            self.oom.window_done(self._window_batches, self.state.global_step)
+        self._last_b_simple = end.b_simple
+        self._last_terms = end.terms
+        return torch.full_like(loss, end.loss if end.loss is not None else 0.0)
+
+    def _micro_step(self, model, inputs) -> torch.Tensor:
+        """The Trainer's own training_step (forward and backward) of one micro-batch, its
+        count recorded in the window."""
         loss = super().training_step(model, inputs, None)
         if self._micro is None:
             raise RuntimeError(
@@ -161,15 +202,44 @@ class ExactAccumulationMixin:
             )
         (count,) = self._micro
         self._micro = None
-        last = window.micro_batches >= self._window_size
         if self.noise is not None:
-            window.after_backward(count, self._grads(), self._loss_scale())
-        if not last:
-            return torch.zeros_like(loss)
-        end = window.end(self._grads(), scale=self._loss_scale())
-        self._last_b_simple = end.b_simple
-        self._last_terms = end.terms
-        return torch.full_like(loss, end.loss if end.loss is not None else 0.0)
+            self._window.after_backward(count, self._grads(), self._loss_scale())
+        return loss
+
+    def _replaying(self, model, inputs) -> torch.Tensor:
+        """``_micro_step`` over ``inputs`` split to the replay's cap; on out-of-memory, the
+        window's gradient dropped and its micro-batches so far run again, smaller."""
+        todo = [inputs]
+        while True:
+            error, size = None, None
+            try:
+                for piece in self.oom.arrange(todo):
+                    size = batch_size(piece)
+                    loss = self._micro_step(model, piece)
+            except torch.OutOfMemoryError as err:
+                error = err  # its traceback holds the failed pass's tensors: let go below
+            if error is None:
+                return loss
+            self._drop_window()
+            if self.oom.shrink(size, self.state.global_step + 1) is None:
+                raise error
+            error = None
+            self.oom_replays += 1
+            self._replayed = True
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            todo = self._window_batches[: self._calls]
+
+    def _drop_window(self) -> None:
+        """Forget the open window: its gradient, counts and noise prefixes (parameters and
+        the optimizer are untouched until the window's end)."""
+        self._micro = None
+        for p in self.model.parameters():
+            p.grad = None
+        self._window.drop()
+        if self._counts_now is not None:
+            self._window.begin(self._counts_now)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """In training: the micro-batch's summed loss (recorded in the window with its count),
@@ -197,6 +267,8 @@ class ExactAccumulationMixin:
         term's mean over the last window (``loss_<name>``)."""
         if "loss" in logs and self._last_b_simple is not None:
             logs = {**logs, "b_simple": self._last_b_simple}
+        if "loss" in logs and self.oom_replays:
+            logs = {**logs, "oom_replays": self.oom_replays}
         if "loss" in logs and self._last_terms:
             logs = {
                 **logs,
@@ -238,6 +310,18 @@ class ExactAccumulationMixin:
             )
         if self.items is preference_pairs:
             problems.extend(_preference_problems(self))
+        window = FrameworkWindow(model, self.noise)
+        if self.oom is not None and window.sync.distributed:
+            problems.append(
+                "oom= replays a window in one process; under torchrun the ranks would have to "
+                "replay together inside the Trainer's synchronized backward (gradaccum's "
+                "Accumulator does that: Accumulator(..., oom=OOMReplay()))"
+            )
+        if self.oom is not None and self.items is preference_pairs:
+            problems.append(
+                "oom= splits a micro-batch by rows, and a DPOTrainer's rows are its chosen "
+                "completions, then its rejected ones; lower per_device_train_batch_size instead"
+            )
         if type(self).loss_is_scaled_for_ga is not True or not hasattr(
             transformers.Trainer, "loss_is_scaled_for_ga"
         ):
@@ -249,7 +333,7 @@ class ExactAccumulationMixin:
             raise ValueError(
                 "gradaccum's Trainer cannot run exactly here:\n  - " + "\n  - ".join(problems)
             )
-        return FrameworkWindow(model, self.noise)
+        return window
 
     def _noise_file(self, folder: str) -> Path:
         return Path(folder) / f"gradaccum_noise_{self.args.process_index}.pt"

@@ -103,6 +103,14 @@ class FrameworkWindow:
         _, count = self.record(loss_sum, count)
         self.after_backward(count, grads, multiplier)
 
+    def drop(self) -> None:
+        """Forget the window so far (its counts, losses and noise prefixes), as when it is
+        replayed after an out-of-memory error; the caller drops its gradient."""
+        self.tally = Tally()
+        self._prefix = None
+        if self.noise is not None:
+            self.noise.drop_window()
+
     @property
     def micro_batches(self) -> int:
         """Micro-batches recorded in the window so far."""
