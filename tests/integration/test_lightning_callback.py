@@ -156,3 +156,54 @@ def test_named_terms_are_refused_in_one_line_with_where_they_work():
     loss = torch.zeros((), requires_grad=True)
     with pytest.raises(TypeError, match=r"named terms .*Accumulator \(step\(\.\.\., counts=fn\)\)"):
         exact_output(None, {"ce": (loss, 1), "aux": (loss, 1, 0.1)}, None)
+
+
+def run_with_fault(fault=None, oom=None):
+    """Three windows of 16 padded sequences (4 micro-batches of 4) at SGD 0.1, with the
+    callback: each step's gradient, the final weights and the trainer's last logged values.
+    ``fault(model)`` makes the device run out of memory partway through."""
+    model = tiny_gpt2()
+    if fault is not None:
+        fault(model)
+    module = LM(model, exact=True, lr=0.1)
+    trainer = fit(module, padded_sequences(48), [ExactAccumulation(oom=oom)])
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return module.optimizer.seen, weights, trainer.callback_metrics
+
+
+@pytest.mark.parametrize(("phase", "calls"), [("forward", 6), ("backward", 6), ("forward", 4)])
+def test_out_of_memory_mid_window_replays_it_to_the_same_step(phase, calls, caplog):
+    """The device holds 2 sequences after ``calls`` micro-batches (6: from the second window's
+    third; 4: from its first, where Lightning zeroes the gradient between the training step
+    and its backward): the forward (or backward) runs out of memory; the callback replays the
+    window at 2 from its first micro-batch, the rest of the run at 2. Every step as without
+    the fault."""
+    from support.faults import oom_after
+
+    import gradaccum as ga
+
+    clean, clean_weights, _ = run_with_fault()
+    faults = []
+
+    def fault(model):
+        faults.append(oom_after(model.transformer.h[0], calls, 2, phase=phase))
+
+    with caplog.at_level("WARNING", logger="gradaccum"):
+        seen, weights, logged = run_with_fault(fault, ga.OOMReplay())
+    assert faults[0].faults == 1
+    assert len(seen) == len(clean) == 3
+    errors = [rel_err(a, b) for a, b in zip(seen, clean, strict=True)]
+    drift = rel_err(weights, clean_weights)
+    print(
+        f"Lightning, out of memory in the {phase} mid-window: steps {errors}, weights {drift:.1e}"
+    )
+    assert max(errors) <= 1e-6 and drift <= 1e-6
+    assert "out of memory at micro-batch size 4; replaying the window at 2" in caplog.text
+    assert float(logged["oom_replays"]) == 1.0
+
+
+def test_out_of_memory_without_replay_ends_training():
+    from support.faults import oom_after
+
+    with pytest.raises(torch.OutOfMemoryError):
+        run_with_fault(lambda m: oom_after(m.transformer.h[0], 6, 2))

@@ -82,3 +82,29 @@ def test_a_bad_count_names_the_micro_batch():
     window.add(model(x).sum(), 3)
     with pytest.raises(ValueError, match="got -1 from micro-batch 1"):
         window.add(model(x).sum(), -1)
+
+
+def test_a_dropped_window_forgets_its_counts_and_noise_prefixes():
+    """What a replay after out-of-memory does: the micro-batches before the drop count for
+    nothing, those after make the whole window's gradient and the same noise reading."""
+    batch = regression_batch(seed=5)
+    want = reference_grads(make_model(MLP), batch, mlp_reference)
+    clean_noise = ga.NoiseScale()
+    framework_loop(make_model(MLP), split_sizes(batch, UNEVEN_SIZES[4]), noise=clean_noise)
+    model, noise = make_model(MLP), ga.NoiseScale()
+    window = FrameworkWindow(model, noise)
+    for mb in split_sizes(batch, UNEVEN_SIZES[4])[:2]:  # the attempt that ran out of memory
+        loss_sum, count = mlp_loss(model, mb)
+        loss_sum.backward()
+        window.add(loss_sum, count, [p.grad for p in model.parameters()])
+    window.drop()
+    for p in model.parameters():
+        p.grad = None
+    for mb in split_sizes(batch, UNEVEN_SIZES[4]):
+        loss_sum, count = mlp_loss(model, mb)
+        loss_sum.backward()
+        window.add(loss_sum, count, [p.grad for p in model.parameters()])
+    end = window.end([p.grad for p in model.parameters()])
+    assert end.count == len(batch[0])
+    assert max_rel_err({n: p.grad for n, p in model.named_parameters()}, want) <= 1e-6
+    assert noise.state_dict() == clean_noise.state_dict()

@@ -25,6 +25,11 @@ before its clipping) the window's gradient is divided once by its global item co
 arithmetic). Under DDP the counts are summed over ranks. B_simple, the gradient noise
 scale, is logged with ``self.log("b_simple", ...)``.
 
+With ``ExactAccumulation(oom=OOMReplay())``, a micro-batch whose forward or backward runs
+out of memory drops the window's gradient, and the window's micro-batches so far (the
+callback keeps them as Lightning fetches them) run again at half the size; later
+micro-batches are split the same way: every sample once, the same step. One process only.
+
 Refused, with the reason: manual optimization, strategies other than single-device and DDP
 (DeepSpeed and FSDP own the reduction and normalization), and a training_step that did not
 return through ``exact_output``.
@@ -32,6 +37,7 @@ return through ``exact_output``.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,8 +45,10 @@ import lightning
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
+from gradaccum.batching import batch_size
 from gradaccum.integrations.window import FrameworkWindow, noise_option
 from gradaccum.noise import NoiseScale
+from gradaccum.oom import OOMReplay
 
 __all__ = ["ExactAccumulation", "exact_output"]
 
@@ -71,13 +79,23 @@ class ExactAccumulation(lightning.Callback):
     Args:
         noise: a ``NoiseScale`` for the gradient noise scale logged as ``b_simple``; True
             (the default) for ``NoiseScale()``, False for none.
+        oom: an ``OOMReplay`` to replay a window at a smaller micro-batch size when one runs
+            out of memory (every sample once, the same step; ``oom_replays`` is logged), or
+            None (the default) to let the error end training.
     """
 
-    def __init__(self, noise: NoiseScale | bool = True) -> None:
+    def __init__(self, noise: NoiseScale | bool = True, oom: OOMReplay | None = None) -> None:
+        if oom is not None and not isinstance(oom, OOMReplay):
+            raise TypeError(f"oom must be a gradaccum.OOMReplay or None, got {type(oom).__name__}")
         self.noise = noise_option(noise)
+        self.oom = oom
         self.window: FrameworkWindow | None = None
         self.last: Any = None  # what the last window did (a WindowEnd)
         self._micro: tuple[Any, Any] | None = None
+        self._batches: list[Any] = []  # the window's micro-batches so far, with oom=
+        self._replayed = False  # this window replayed
+        self.oom_replays = 0  # windows replayed, in all
+        self._windows = 0  # windows ended, for the replay's messages
 
     def _take(self, loss_sum: Any, count: Any) -> None:
         self._micro = (loss_sum, count)  # checked when the window takes them, after backward
@@ -95,11 +113,22 @@ class ExactAccumulation(lightning.Callback):
                 f"strategy {type(strategy).__name__}: only single-device and DDP leave the "
                 "gradient's reduction and normalization to Lightning's loop"
             )
+        self.window = FrameworkWindow(strategy.model, self.noise)
+        if self.oom is not None and self.window.sync.distributed:
+            problems.append(
+                "oom= replays a window in one process; under DDP the ranks would have to "
+                "replay together (gradaccum's Accumulator does that: oom=OOMReplay())"
+            )
         if problems:
             raise ValueError(
                 "ExactAccumulation cannot make this run exact:\n  - " + "\n  - ".join(problems)
             )
-        self.window = FrameworkWindow(strategy.model, self.noise)
+        if self.oom is not None:
+            _Replaying(self, trainer, pl_module).install()
+
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        if self.oom is not None:
+            self._batches.append(batch)
 
     def on_before_backward(self, trainer: lightning.Trainer, pl_module: Any, loss: Any) -> None:
         if self._micro is None:
@@ -123,8 +152,94 @@ class ExactAccumulation(lightning.Callback):
     ) -> None:
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         self.last = self.window.end(grads, carried=1 / trainer.accumulate_grad_batches)
+        self._windows += 1
         if self.last.b_simple is not None:
             pl_module.log("b_simple", self.last.b_simple, on_step=True, on_epoch=False)
+        if self.oom is not None:
+            if not self._replayed:
+                self.oom.window_done(self._batches, self._windows)
+            self._batches, self._replayed = [], False
+            if self.oom_replays:
+                pl_module.log("oom_replays", float(self.oom_replays), on_step=True, on_epoch=False)
+
+
+class _Replaying:
+    """Out-of-memory replay around Lightning's own training step and backward (the strategy's
+    ``training_step`` and ``backward``, which its loop calls by name). Lightning zeroes the
+    gradient between a window's first training step and its backward, so every backward here
+    runs inside Lightning's: a micro-batch above the replay's cap has its first piece run by
+    Lightning and the rest after that piece's backward; on out-of-memory (in a forward, the
+    training step hands Lightning a stand-in loss and the error waits for its backward) the
+    window is dropped and its micro-batches so far run again, split smaller."""
+
+    def __init__(self, callback: ExactAccumulation, trainer: Any, module: Any) -> None:
+        self.callback, self.trainer, self.module = callback, trainer, module
+        strategy = trainer.strategy
+        self.step, self.backward = strategy.training_step, strategy.backward
+        self.pending: list[Any] = []  # the micro-batch's pieces after the first
+        self.args: tuple = ()  # the training step's arguments after the batch
+        self.size = 0  # the size of the piece running now
+        self.failed: BaseException | None = None  # a forward's error, for the backward
+
+    def install(self) -> None:
+        self.trainer.strategy.training_step = self.training_step
+        self.trainer.strategy.backward = self.guarded_backward
+
+    def training_step(self, batch: Any, *args: Any) -> Any:
+        first, *self.pending = self.callback.oom.arrange([batch])
+        self.args, self.size = args, batch_size(first)
+        try:
+            return self.step(first, *args)
+        except torch.OutOfMemoryError as err:
+            self.failed = err
+        # a stand-in for Lightning to hand its backward, with no graph to the parameters
+        return {"loss": torch.zeros((), requires_grad=True, device=self.module.device)}
+
+    def guarded_backward(self, loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        error, self.failed = self.failed, None
+        if error is None:
+            try:
+                self.backward(loss, optimizer, *args, **kwargs)
+                for piece in self.pending:
+                    self.size = batch_size(piece)
+                    self._forward_backward(piece)
+                return
+            except torch.OutOfMemoryError as err:
+                error = err
+            finally:
+                self.pending = []
+        del loss
+        self._replay(error)
+
+    def _forward_backward(self, piece: Any) -> None:
+        output = self.step(piece, *self.args)
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        self.backward(loss / self.trainer.accumulate_grad_batches, self.trainer.optimizers[0])
+
+    def _replay(self, error: BaseException) -> None:
+        """Drop the window and run its micro-batches so far again, smaller, until they fit;
+        the error again when a micro-batch of one does not."""
+        callback = self.callback
+        while True:
+            callback._micro = None
+            for p in self.module.parameters():
+                p.grad = None
+            callback.window.drop()
+            if callback.oom.shrink(self.size, callback._windows + 1) is None:
+                raise error
+            error = None
+            callback.oom_replays += 1
+            callback._replayed = True
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            try:
+                for piece in callback.oom.arrange(callback._batches):
+                    self.size = batch_size(piece)
+                    self._forward_backward(piece)
+                return
+            except torch.OutOfMemoryError as err:
+                error = err
 
 
 def _grads(module: torch.nn.Module) -> list[torch.Tensor]:
