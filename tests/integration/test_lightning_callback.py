@@ -207,3 +207,97 @@ def test_out_of_memory_without_replay_ends_training():
 
     with pytest.raises(torch.OutOfMemoryError):
         run_with_fault(lambda m: oom_after(m.transformer.h[0], 6, 2))
+
+
+def test_a_batch_schedule_runs_the_ramps_windows_each_exact():
+    """A linear ramp from 8 to 32 sequences over the first 64, micro-batches of 4, on 96
+    padded sequences: Lightning steps after each of the ramp's windows (8, 12, 16, 20, 28,
+    then the 12 left: worked out in the Trainer's test, independently of gradaccum), each
+    step's gradient its window's full-batch mean."""
+    from test_transformers_trainer import ramp
+
+    import gradaccum as ga
+
+    model = tiny_gpt2()
+    reference = copy.deepcopy(model)
+    items = padded_sequences(96)
+    module = LM(model, exact=True)
+    schedule = ga.BatchSchedule("linear:64=32", start=8, unit=4)
+    callback = ExactAccumulation(schedule=schedule)
+    fit(module, items, [callback])
+    want = ramp(8, 32, 64, 4, 96)
+    assert len(module.optimizer.seen) == len(want) and schedule.samples == 96
+    edges = [sum(want[:i]) for i in range(len(want) + 1)]
+    errors = []
+    for grads, a, b in zip(module.optimizer.seen, edges[:-1], edges[1:], strict=True):
+        full = full_batch_grads(reference, items[a:b])
+        errors.append(rel_err(grads, full))
+    print(f"Lightning, the ramp's windows {want}: errors {max(errors):.1e} at most")
+    assert max(errors) <= 1e-6
+    assert callback.state_dict()["schedule"]["step"] == len(want)  # for Lightning's checkpoints
+
+
+class RegressionModule(lightning.LightningModule):
+    def __init__(self, problem) -> None:
+        super().__init__()
+        self.problem, self.model = problem, problem.model()
+        self.optimizer = None
+
+    def training_step(self, batch, batch_idx):
+        return exact_output(self, *self.problem.loss(self.model, *batch))
+
+    def configure_optimizers(self):
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self.optimizer = RecordingSGD(self.model.parameters(), names, lr=0.0)
+        return self.optimizer
+
+
+def test_the_auto_schedule_raises_the_batch_as_gradaccums_own_loop_does():
+    """The regression problem with a known B_simple, auto from 8 samples (2 micro-batches of
+    4), at most 64, over 4,096 samples: Lightning's windows are the ones gradaccum's own loop
+    takes on the same samples, the batch rises above 8, every window exact."""
+    from test_transformers_trainer import accumulator_auto_windows
+
+    import gradaccum as ga
+
+    problem = Regression(windows=32)
+    module = RegressionModule(problem)
+    data = list(zip(problem.x, problem.y, strict=True))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    schedule = ga.BatchSchedule("auto", start=8, unit=4, maximum=64)
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        callbacks=[ExactAccumulation(noise=problem.noise(), schedule=schedule)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader)
+    sizes = accumulator_auto_windows(problem, 4096, 4)
+    assert max(sizes) > 8 and schedule.step == len(sizes)
+    edges = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    reference = problem.model()
+    errors = []
+    for grads, a, b in zip(module.optimizer.seen, edges[:-1], edges[1:], strict=True):
+        reference.zero_grad()
+        (0.5 * (reference(problem.x[a:b]).squeeze(1) - problem.y[a:b]) ** 2).mean().backward()
+        errors.append(rel_err(grads, {"weight": reference.weight.grad}))
+    print(
+        f"Lightning, auto: {len(sizes)} windows of {sorted(set(sizes))}, errors {max(errors):.1e}"
+    )
+    assert max(errors) <= 1e-6
+
+
+def test_a_schedule_beside_lightnings_own_accumulation_scheduler_is_refused():
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    import gradaccum as ga
+
+    callbacks = [
+        ExactAccumulation(schedule=ga.BatchSchedule("constant", start=8, unit=4)),
+        GradientAccumulationScheduler({0: 2}),
+    ]
+    with pytest.raises(ValueError, match="GradientAccumulationScheduler sets accumulate_grad"):
+        fit(LM(tiny_gpt2(), exact=True), padded_sequences(16), callbacks, accumulate=1)

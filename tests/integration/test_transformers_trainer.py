@@ -344,3 +344,114 @@ def test_out_of_memory_without_replay_ends_training(tmp_path):
 
     with pytest.raises(torch.OutOfMemoryError):
         run_with_fault(tmp_path, lambda m: oom_after(m.transformer.h[0], 6, 2))
+
+
+def ramp(start: int, target: int, span: int, unit: int, total: int) -> list[int]:
+    """The windows of a linear ramp over ``span`` samples, each batch rounded to whole
+    ``unit``s, the last holding what is left of ``total``: worked out here, not by gradaccum."""
+    sizes, seen = [], 0
+    while seen < total:
+        batch = start if seen == 0 else start + (target - start) * min(seen, span) / span
+        batch = max(unit, round(batch / unit) * unit) if seen else start
+        sizes.append(min(batch, total - seen))
+        seen += sizes[-1]
+    return sizes
+
+
+def test_a_batch_schedule_runs_the_ramps_windows_each_exact(tmp_path):
+    """A linear ramp from 8 to 32 sequences over the first 64, micro-batches of 4, on 96
+    padded sequences: the Trainer steps after each of the ramp's windows (8, 12, 16, 20, 28,
+    then the 12 left), and each step's gradient is its window's full-batch mean."""
+    import gradaccum as ga
+
+    model = tiny_gpt2()
+    reference = copy.deepcopy(model)
+    items = padded_sequences(96)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = capture_step_grads(optimizer, model)
+    trainer = Trainer(
+        model=model,
+        args=arguments(tmp_path),
+        train_dataset=items,
+        optimizers=(optimizer, None),
+        schedule=ga.BatchSchedule("linear:64=32", start=8, unit=4),
+    )
+    trainer.train()
+    want = ramp(8, 32, 64, 4, 96)
+    logged = [x["effective_batch"] for x in trainer.state.log_history if "loss" in x]
+    assert logged == want and len(seen) == len(want)
+    edges = [sum(want[:i]) for i in range(len(want) + 1)]
+    errors = [
+        rel_err(grads, full_batch_grads(reference, items[a:b]))
+        for grads, a, b in zip(seen, edges[:-1], edges[1:], strict=True)
+    ]
+    print(f"the ramp's windows {want}: errors {max(errors):.1e} at most")
+    assert max(errors) <= 1e-6
+
+
+def accumulator_auto_windows(problem, n: int, micro: int) -> list[int]:
+    """gradaccum's own loop with the same auto schedule on the same samples: its windows."""
+    import gradaccum as ga
+
+    model = problem.model()
+    acc = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), noise=problem.noise())
+    schedule = ga.BatchSchedule("auto", start=8, unit=micro, maximum=64)
+    sizes = []
+    while schedule.samples < n:
+        size = min(schedule.size(), n - schedule.samples)
+        a = schedule.samples
+        window = (problem.x[a : a + size], problem.y[a : a + size])
+        result = acc.step(ga.split(window, micro), lambda m, mb: problem.loss(m, *mb))
+        schedule.update(result, size)
+        sizes.append(size)
+    return sizes
+
+
+def test_the_auto_schedule_raises_the_batch_as_gradaccums_own_loop_does(tmp_path):
+    """The regression problem with a known B_simple (about 46 samples): auto from 8 samples
+    (2 micro-batches of 4), at most 64, over 4,096 samples. The Trainer's windows are the
+    ones gradaccum's own loop takes on the same samples (one arithmetic), the batch rises
+    above 8, and every window's gradient is its samples' full-batch mean."""
+    import gradaccum as ga
+
+    problem, n = Regression(windows=32), 4096
+    items = [{"x": xi, "y": yi} for xi, yi in zip(problem.x, problem.y, strict=True)]
+    model = problem.model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = capture_step_grads(optimizer, model)
+    trainer = Trainer(
+        model=model,
+        args=arguments(tmp_path, remove_unused_columns=False),
+        train_dataset=items,
+        optimizers=(optimizer, None),
+        loss_fn=lambda m, inputs: problem.loss(m, inputs["x"], inputs["y"]),
+        noise=problem.noise(),
+        schedule=ga.BatchSchedule("auto", start=8, unit=4, maximum=64),
+    )
+    trainer.train()
+    sizes = [x["effective_batch"] for x in trainer.state.log_history if "loss" in x]
+    assert sizes == accumulator_auto_windows(problem, n, 4)
+    assert sum(sizes) == n and max(sizes) > 8
+    edges = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    reference = problem.model()
+    errors = []
+    for grads, a, b in zip(seen, edges[:-1], edges[1:], strict=True):
+        reference.zero_grad()
+        (0.5 * (reference(problem.x[a:b]).squeeze(1) - problem.y[a:b]) ** 2).mean().backward()
+        errors.append(rel_err(grads, {"weight": reference.weight.grad}))
+    print(f"auto: {len(sizes)} windows of {sorted(set(sizes))}, errors {max(errors):.1e} at most")
+    assert max(errors) <= 1e-6
+
+
+def test_resuming_a_scheduled_run_is_refused_in_one_line(tmp_path):
+    import gradaccum as ga
+
+    trainer = Trainer(
+        model=tiny_gpt2(),
+        args=arguments(tmp_path),
+        train_dataset=padded_sequences(16),
+        schedule=ga.BatchSchedule("linear:64=32", start=8, unit=4),
+    )
+    with pytest.raises(ValueError, match="resuming a run with schedule= is not supported") as err:
+        trainer.train(resume_from_checkpoint=str(tmp_path))
+    assert "\n" not in str(err.value)

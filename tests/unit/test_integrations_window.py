@@ -108,3 +108,38 @@ def test_a_dropped_window_forgets_its_counts_and_noise_prefixes():
     assert end.count == len(batch[0])
     assert max_rel_err({n: p.grad for n, p in model.named_parameters()}, want) <= 1e-6
     assert noise.state_dict() == clean_noise.state_dict()
+
+
+def test_scheduled_windows_step_after_the_schedules_window_whatever_came_before():
+    """N is the epoch's count at the window's end: a framework that steps at multiples of N
+    steps there, and at no multiple before it."""
+    from gradaccum.integrations.window import ScheduledWindows
+
+    windows = ScheduledWindows(ga.BatchSchedule("steps:1=24", start=8, unit=4), micro=4)
+    assert windows.smallest() == 2
+    done = 0
+    for want in (2, 6, 6):
+        n, length = windows.next_window(done)
+        assert length == want and n == done + length
+        assert [k for k in range(done + 1, done + length + 1) if k % n == 0] == [done + length]
+        done += length
+        windows.schedule.update(
+            type("End", (), {"count": 4 * length, "noise_interval": None}), 4 * length
+        )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "micro", "world", "message"),
+    [
+        (ga.BatchSchedule("constant", start=8, unit=2), 4, 1, "unit \\(2\\) must be a multiple"),
+        (ga.BatchSchedule("constant", start=6, unit=4), 4, 1, "start \\(6\\) must be a multiple"),
+        (ga.BatchSchedule("constant", start=8, unit=8), 4, 4, "4 x 4"),
+    ],
+)
+def test_scheduled_windows_refuse_a_batch_that_is_not_whole_micro_batches(
+    schedule, micro, world, message
+):
+    from gradaccum.integrations.window import ScheduledWindows
+
+    with pytest.raises(ValueError, match=message):
+        ScheduledWindows(schedule, micro, world)

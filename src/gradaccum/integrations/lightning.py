@@ -30,6 +30,11 @@ out of memory drops the window's gradient, and the window's micro-batches so far
 callback keeps them as Lightning fetches them) run again at half the size; later
 micro-batches are split the same way: every sample once, the same step. One process only.
 
+With ``ExactAccumulation(schedule=BatchSchedule(...))`` the effective batch follows the
+schedule (a ramp, steps, or ``auto`` from B_simple): at each window's first micro-batch the
+callback sets ``trainer.accumulate_grad_batches`` to the schedule's window in micro-batches
+(``ScheduledWindows``); the schedule's state travels in Lightning's checkpoints.
+
 Refused, with the reason: manual optimization, strategies other than single-device and DDP
 (DeepSpeed and FSDP own the reduction and normalization), and a training_step that did not
 return through ``exact_output``.
@@ -46,9 +51,10 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from gradaccum.batching import batch_size
-from gradaccum.integrations.window import FrameworkWindow, noise_option
+from gradaccum.integrations.window import FrameworkWindow, ScheduledWindows, noise_option
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay
+from gradaccum.schedule import BatchSchedule
 
 __all__ = ["ExactAccumulation", "exact_output"]
 
@@ -82,11 +88,27 @@ class ExactAccumulation(lightning.Callback):
         oom: an ``OOMReplay`` to replay a window at a smaller micro-batch size when one runs
             out of memory (every sample once, the same step; ``oom_replays`` is logged), or
             None (the default) to let the error end training.
+        schedule: a ``BatchSchedule`` of the effective batch (its ``unit`` a multiple of the
+            DataLoader's batch size times the processes); each window's samples are logged
+            as ``effective_batch``. None: ``accumulate_grad_batches`` throughout.
     """
 
-    def __init__(self, noise: NoiseScale | bool = True, oom: OOMReplay | None = None) -> None:
+    def __init__(
+        self,
+        noise: NoiseScale | bool = True,
+        oom: OOMReplay | None = None,
+        schedule: BatchSchedule | None = None,
+    ) -> None:
         if oom is not None and not isinstance(oom, OOMReplay):
             raise TypeError(f"oom must be a gradaccum.OOMReplay or None, got {type(oom).__name__}")
+        if schedule is not None and not isinstance(schedule, BatchSchedule):
+            raise TypeError(
+                f"schedule must be a gradaccum.BatchSchedule or None, got {type(schedule).__name__}"
+            )
+        self.schedule = schedule
+        self._scheduled: ScheduledWindows | None = None
+        self._window_samples = 0  # this window's samples so far
+        self._open = False  # a window has begun and not yet stepped
         self.noise = noise_option(noise)
         self.oom = oom
         self.window: FrameworkWindow | None = None
@@ -119,6 +141,13 @@ class ExactAccumulation(lightning.Callback):
                 "oom= replays a window in one process; under DDP the ranks would have to "
                 "replay together (gradaccum's Accumulator does that: oom=OOMReplay())"
             )
+        if self.schedule is not None and any(
+            type(c).__name__ == "GradientAccumulationScheduler" for c in trainer.callbacks
+        ):
+            problems.append(
+                "GradientAccumulationScheduler sets accumulate_grad_batches per epoch, and "
+                "schedule= sets it per window; give one of them"
+            )
         if problems:
             raise ValueError(
                 "ExactAccumulation cannot make this run exact:\n  - " + "\n  - ".join(problems)
@@ -129,6 +158,17 @@ class ExactAccumulation(lightning.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         if self.oom is not None:
             self._batches.append(batch)
+        if self.schedule is None:
+            return
+        if not self._open:  # the window's first micro-batch: its size, and a clean gradient
+            if self._scheduled is None:  # the first micro-batch is the DataLoader's size
+                world = trainer.world_size
+                self._scheduled = ScheduledWindows(self.schedule, batch_size(batch), world)
+            trainer.accumulate_grad_batches, _ = self._scheduled.next_window(batch_idx)
+            for p in pl_module.parameters():  # Lightning zeroes only at multiples of N
+                p.grad = None
+            self._open, self._window_samples = True, 0
+        self._window_samples += batch_size(batch)
 
     def on_before_backward(self, trainer: lightning.Trainer, pl_module: Any, loss: Any) -> None:
         if self._micro is None:
@@ -155,12 +195,25 @@ class ExactAccumulation(lightning.Callback):
         self._windows += 1
         if self.last.b_simple is not None:
             pl_module.log("b_simple", self.last.b_simple, on_step=True, on_epoch=False)
+        if self._scheduled is not None:
+            self._scheduled.window_done(self.last, self._window_samples)
+            self._open = False
+            batch = float(self._window_samples * trainer.world_size)
+            pl_module.log("effective_batch", batch, on_step=True, on_epoch=False)
         if self.oom is not None:
             if not self._replayed:
                 self.oom.window_done(self._batches, self._windows)
             self._batches, self._replayed = [], False
             if self.oom_replays:
                 pl_module.log("oom_replays", float(self.oom_replays), on_step=True, on_epoch=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Lightning's checkpoints keep the schedule's position and auto's state."""
+        return {} if self.schedule is None else {"schedule": self.schedule.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.schedule is not None and "schedule" in state_dict:
+            self.schedule.load_state_dict(state_dict["schedule"])
 
 
 class _Replaying:

@@ -32,6 +32,12 @@ Trainer fetched them up front), then splits the rest of the window the same way:
 once, the same step. One process only (under torchrun the ranks would have to replay
 together inside the Trainer's synchronized backward).
 
+With ``schedule=BatchSchedule(...)``, the effective batch follows the schedule (a ramp, steps,
+or ``auto`` from B_simple): each window fetches the schedule's number of micro-batches, and
+``gradient_accumulation_steps`` is set to it so the Trainer steps at the window's end
+(``ScheduledWindows``). A resumed run is refused with it: the Trainer skips a resumed epoch's
+micro-batches as if every window held ``gradient_accumulation_steps`` of them.
+
 The gradient noise scale (B_simple, see ``gradaccum.noise``) is estimated from each window's
 micro-batch prefixes and added as ``b_simple`` to the Trainer's training logs, so it lands
 wherever ``report_to`` sends them.
@@ -55,10 +61,11 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from gradaccum.batching import batch_size
-from gradaccum.integrations.window import FrameworkWindow, noise_option
+from gradaccum.integrations.window import FrameworkWindow, ScheduledWindows, noise_option
 from gradaccum.loss import causal_lm_loss, token_cross_entropy, unpack, window_counts
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay
+from gradaccum.schedule import BatchSchedule
 
 __all__ = ["ExactAccumulationMixin", "Trainer", "preference_pairs"]
 
@@ -90,6 +97,9 @@ class ExactAccumulationMixin:
         oom: an ``OOMReplay`` to replay a window at a smaller micro-batch size when one
             runs out of memory (every sample once, the same step; ``oom_replays`` joins the
             logs), or None (the default) to let the error end training.
+        schedule: a ``BatchSchedule`` of the effective batch (its ``unit`` a multiple of
+            ``per_device_train_batch_size`` times the processes); each window's samples are
+            logged as ``effective_batch``. None: ``gradient_accumulation_steps`` throughout.
     """
 
     loss_is_scaled_for_ga = True  # compute_loss returns a sum; the window divides it once
@@ -102,6 +112,7 @@ class ExactAccumulationMixin:
         items: Callable[[Any], int] | None = None,
         noise: NoiseScale | bool = True,
         oom: OOMReplay | None = None,
+        schedule: BatchSchedule | None = None,
         **kwargs: Any,
     ) -> None:
         if loss_fn is not None and not callable(loss_fn):
@@ -123,6 +134,13 @@ class ExactAccumulationMixin:
         self.noise = noise_option(noise)
         super().__init__(*args, **kwargs)
         self.oom = oom
+        self.schedule = None
+        if schedule is not None:
+            world = self.args.world_size
+            self.schedule = ScheduledWindows(schedule, self.args.per_device_train_batch_size, world)
+        self._epoch_iterator: Any = None  # the epoch whose micro-batches are counted
+        self._epoch_done = 0  # micro-batches fetched in this epoch
+        self._last_batch: int | None = None  # the last window's samples, for the logs
         self._window_batches: list[Any] = []  # the window's micro-batches, as fetched
         self._calls = 0  # the Trainer's training_step calls in the window so far
         self._counts_now: dict[str, Any] | None = None  # the open window's counts
@@ -151,12 +169,28 @@ class ExactAccumulationMixin:
 
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
         self._resume_from = resume_from_checkpoint or None
+        if self.schedule is not None:
+            if self._resume_from:
+                raise ValueError(
+                    "resuming a run with schedule= is not supported: the Trainer skips a "
+                    "resumed epoch's micro-batches as if every window held "
+                    "gradient_accumulation_steps of them; train without resuming, or with "
+                    "gradaccum train --batch-schedule, which resumes by samples"
+                )
+            # enough optimizer steps per epoch for the smallest window the schedule runs
+            self.args.gradient_accumulation_steps = self.schedule.smallest()
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The Trainer fetches each window's micro-batches up front: their number is the
         window's size. Its own item count (``num_items_in_batch``) is not used."""
+        if self.schedule is not None:  # the schedule's window, ending where the Trainer steps
+            if epoch_iterator is not self._epoch_iterator:
+                self._epoch_iterator, self._epoch_done = epoch_iterator, 0
+            accumulate, num_batches = self.schedule.next_window(self._epoch_done)
+            self.args.gradient_accumulation_steps = accumulate
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._epoch_done += len(batch_samples)
         self._window_size = len(batch_samples)
         self._window_batches, self._calls = batch_samples, 0
         if self.counts is not None:  # named terms: each term's count, before any backward
@@ -187,6 +221,9 @@ class ExactAccumulationMixin:
         end = window.end(self._grads(), scale=self._loss_scale())
         if self.oom is not None and not self._replayed:
             self.oom.window_done(self._window_batches, self.state.global_step)
+        if self.schedule is not None:
+            self._last_batch = sum(batch_size(mb) for mb in self._window_batches)
+            self.schedule.window_done(end, self._last_batch)
         self._last_b_simple = end.b_simple
         self._last_terms = end.terms
         return torch.full_like(loss, end.loss if end.loss is not None else 0.0)
@@ -267,6 +304,8 @@ class ExactAccumulationMixin:
         term's mean over the last window (``loss_<name>``)."""
         if "loss" in logs and self._last_b_simple is not None:
             logs = {**logs, "b_simple": self._last_b_simple}
+        if "loss" in logs and self._last_batch is not None:
+            logs = {**logs, "effective_batch": self._last_batch * self.args.world_size}
         if "loss" in logs and self.oom_replays:
             logs = {**logs, "oom_replays": self.oom_replays}
         if "loss" in logs and self._last_terms:

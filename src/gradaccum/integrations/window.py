@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from gradaccum.noise import NoiseScale
+from gradaccum.schedule import BatchSchedule
 from gradaccum.sync import Sync
 from gradaccum.window import Tally, normalize, total_norm
 
-__all__ = ["FrameworkWindow", "WindowEnd", "noise_option"]
+__all__ = ["FrameworkWindow", "ScheduledWindows", "WindowEnd", "noise_option"]
 
 
 def noise_option(noise: NoiseScale | bool) -> NoiseScale | None:
@@ -46,6 +47,7 @@ class WindowEnd:
     finite: bool
     b_simple: float | None
     terms: dict[str, float | None] | None = None  # named terms: each one's mean
+    noise_interval: tuple[float, float] | None = None  # B_simple's interval, as it reads now
 
 
 class FrameworkWindow:
@@ -148,14 +150,63 @@ class FrameworkWindow:
             return WindowEnd(0, None, None, True, self._b_simple(), terms)
         grad_norm, finite = normalize(grads, total, self.sync, carried, max_grad_norm)
         grad_norm /= scale
-        b_simple = None
+        b_simple = interval = None
         if self.noise is not None and finite:
             reading = self.noise.end_window(grad_norm**2, round(total), self.sync.distributed)
-            b_simple = reading.value
+            b_simple, interval = reading.value, reading.interval
         elif self.noise is not None:
             self.noise.drop_window()
             b_simple = self.noise.value()
-        return WindowEnd(round(total), loss / total, grad_norm, finite, b_simple, terms)
+        return WindowEnd(round(total), loss / total, grad_norm, finite, b_simple, terms, interval)
 
     def _b_simple(self) -> float | None:
         return None if self.noise is None else self.noise.value()
+
+
+class ScheduledWindows:
+    """A ``BatchSchedule`` in a loop another framework runs, which steps when its count of
+    the epoch's micro-batches so far is a multiple of its accumulation setting N (the
+    Hugging Face Trainer's ``gradient_accumulation_steps``, Lightning's
+    ``accumulate_grad_batches``), read afresh at every micro-batch.
+
+    At each window's start, ``next_window(done)`` gives the window's length in micro-batches
+    (the schedule's batch over the micro-batch size and the processes) and the N that makes
+    the framework step after exactly that many: the epoch's count at the window's end, whose
+    next multiple lies beyond it. So every window is the schedule's, whatever the lengths
+    before it. The schedule is told the samples each window really held (an epoch's last
+    window may hold fewer)."""
+
+    def __init__(self, schedule: BatchSchedule, micro: int, world: int = 1) -> None:
+        if not isinstance(schedule, BatchSchedule):
+            raise TypeError(
+                f"schedule must be a gradaccum.BatchSchedule, got {type(schedule).__name__}"
+            )
+        if schedule.unit % (micro * world):
+            raise ValueError(
+                f"the schedule's unit ({schedule.unit}) must be a multiple of the micro-batch "
+                f"size times the processes ({micro} x {world}): a window is whole micro-batches"
+            )
+        if schedule.start % (micro * world):
+            raise ValueError(
+                f"the schedule's start ({schedule.start}) must be a multiple of the micro-batch "
+                f"size times the processes ({micro} x {world}): a window is whole micro-batches"
+            )
+        self.schedule, self.micro, self.world = schedule, micro, world
+
+    def smallest(self) -> int:
+        """The fewest micro-batches any window of the schedule asks for (a framework that
+        counts its optimizer steps per epoch up front counts enough of them with it)."""
+        s = self.schedule
+        batches = [s.start] + [s.whole(b) for _, b in s.points]
+        return max(1, min(batches) // (self.micro * self.world))
+
+    def next_window(self, done: int) -> tuple[int, int]:
+        """(N, micro-batches in the window) for a window that starts after ``done``
+        micro-batches of the epoch."""
+        length = max(1, self.schedule.size() // (self.micro * self.world))
+        return done + length, length
+
+    def window_done(self, end: WindowEnd, samples: int) -> None:
+        """After a window that held ``samples`` samples on this process (``end``: what the
+        window's end computed: its global count and B_simple's interval)."""
+        self.schedule.update(end, samples * self.world)
