@@ -19,11 +19,11 @@ transformers = pytest.importorskip("transformers")
 from gradaccum.integrations.transformers import ExactAccumulationMixin  # noqa: E402
 
 
-def tokenizer():
-    """A word-level tokenizer over the words w0..w249, built here (no hub)."""
+def tokenizer(words: int = 250):
+    """A word-level tokenizer over the words w0..w{words - 1}, built here (no hub)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(250)}}
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(words)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return transformers.PreTrainedTokenizerFast(
@@ -220,3 +220,102 @@ def test_the_mixin_refuses_a_dpo_loss_that_is_not_per_pair(tmp_path):
         dpo_window_and_reference(
             ExactDPO, tmp_path, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0]
         )
+
+
+class ExactGRPO(ExactAccumulationMixin, trl.GRPOTrainer):
+    pass
+
+
+def recording(trainer_class):
+    """``trainer_class`` recording the inputs each training micro-batch's loss was computed
+    on (the completions TRL generated, their advantages and masks)."""
+
+    class Recording(trainer_class):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            if model.training:
+                self.seen_inputs.append({k: v for k, v in inputs.items() if torch.is_tensor(v)})
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    return Recording
+
+
+def grpo_window_and_reference(trainer_class, folder, loss_type) -> tuple[dict, dict]:
+    """One window of GRPO: 4 prompts, 4 completions each (up to 8 tokens, sampled), rewarded
+    by their length, in 4 micro-batches of 4 completions. The reference: the same
+    completions' loss over the whole window with torch alone (at the step's weights the
+    clipped ratio is 1 and its gradient is -advantage times the log-probability's): dapo
+    and bnpo a mean over every completion token of the window, grpo the mean over the
+    window's completions of each one's token mean."""
+    model, reference = tiny_gpt2(), tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = capture_step_grads(optimizer, model)
+    g = torch.Generator().manual_seed(2)
+    prompts = [
+        {"prompt": " ".join(f"w{int(t)}" for t in torch.randint(0, 254, (k,), generator=g))}
+        for k in (3, 5, 7, 9)
+    ]
+    args = trl.GRPOConfig(
+        output_dir=str(folder),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        num_generations=4,
+        max_completion_length=8,
+        loss_type=loss_type,
+        num_train_epochs=1,
+        max_grad_norm=0.0,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        bf16=False,
+        disable_tqdm=True,
+        seed=3,
+    )
+    trainer = recording(trainer_class)(
+        model=model,
+        reward_funcs=lambda completions, **kwargs: [float(len(c)) for c in completions],
+        args=args,
+        train_dataset=datasets.Dataset.from_list(prompts),
+        processing_class=tokenizer(254),
+    )
+    trainer.seen_inputs = []
+    trainer.optimizer = optimizer
+    trainer.train()
+    assert len(seen) == 1 and len(trainer.seen_inputs) == 4
+    sums, counts = [], []
+    for b in trainer.seen_inputs:
+        ids = torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1)
+        attention = torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1)
+        width = b["completion_ids"].shape[1]
+        logits = reference(input_ids=ids, attention_mask=attention).logits[:, -width - 1 : -1]
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, b["completion_ids"][..., None])
+        per_token = -b["advantages"][:, None] * logp.squeeze(-1)
+        mask = b["completion_mask"].float()
+        if loss_type == "grpo":
+            sums.append(((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum())
+            counts.append(len(mask))
+        else:
+            sums.append((per_token * mask).sum())
+            counts.append(mask.sum())
+    assert len({int(m["completion_mask"].sum()) for m in trainer.seen_inputs}) > 1
+    (sum(sums) / sum(counts)).backward()
+    want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    return seen[0], want
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "dapo", "grpo"])
+def test_the_mixin_over_grpo_trainer_normalizes_over_the_window(tmp_path, loss_type):
+    """The mixin computes GRPOTrainer's loss through gradaccum's normalizations over the
+    window (bnpo and dapo: per_token; grpo: per_sequence). As shipped, bnpo averages each
+    micro-batch's own tokens, weighting a micro-batch of short completions as much as one of
+    long ones; dapo and grpo are measured too."""
+    ours = rel_err(*grpo_window_and_reference(ExactGRPO, tmp_path / "ours", loss_type))
+    shipped = rel_err(*grpo_window_and_reference(trl.GRPOTrainer, tmp_path / "shipped", loss_type))
+    print(f"TRL GRPOTrainer loss_type={loss_type}: mixin {ours:.1e}, as shipped {shipped:.1e}")
+    assert ours <= 1e-6
+    if loss_type == "bnpo":
+        assert shipped > 1e-3  # the reference tells them apart
+
+
+def test_the_mixin_refuses_a_grpo_loss_it_does_not_compute(tmp_path):
+    with pytest.raises(ValueError, match="GRPO loss_type 'cispo': the mixin computes"):
+        grpo_window_and_reference(ExactGRPO, tmp_path, "cispo")

@@ -22,6 +22,12 @@ The loss of a micro-batch, as ``(loss_sum, count)``:
   collator when given), counted after the shift.
 - any other model with ``labels``: its own loss, a mean over the labels other than -100,
   times that count.
+- TRL's ``GRPOTrainer``: its clipped surrogate per completion token (and its KL term with
+  ``beta``), normalized over the whole window by the gradaccum helper its ``loss_type``
+  names: ``dapo`` and ``bnpo`` by ``per_token`` (every token of the window weighs the same;
+  bnpo's mean over one micro-batch's tokens is the thing accumulation must not do),
+  ``grpo`` by ``per_sequence``, ``dr_grpo`` by ``constant_normalizer`` at
+  ``max_completion_length``.
 - ``items(inputs)`` when given: the trainer's own training loss (its ``compute_loss``), a
   mean over the micro-batch's items, times their count. TRL's ``DPOTrainer`` takes this
   route by itself, its items being the preference pairs (its per-pair losses only).
@@ -62,7 +68,15 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from gradaccum.batching import batch_size
 from gradaccum.integrations.window import FrameworkWindow, ScheduledWindows, noise_option
-from gradaccum.loss import causal_lm_loss, token_cross_entropy, unpack, window_counts
+from gradaccum.loss import (
+    causal_lm_loss,
+    constant_normalizer,
+    per_sequence,
+    per_token,
+    token_cross_entropy,
+    unpack,
+    window_counts,
+)
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay
 from gradaccum.schedule import BatchSchedule
@@ -288,6 +302,8 @@ class ExactAccumulationMixin:
         outputs = None
         if self.loss_fn is not None:
             loss_sum, count = unpack(self.loss_fn(model, inputs), index)
+        elif _rl_trainer(self):
+            loss_sum, count = self._window_normalized_rl_loss(model, inputs)
         elif self.items is not None:  # the trainer's own loss, a mean over the items
             mean = super().compute_loss(model, inputs, return_outputs)
             mean, outputs = mean if return_outputs else (mean, None)
@@ -316,6 +332,36 @@ class ExactAccumulationMixin:
         super().log(logs, *args, **kwargs)
 
     # -- helpers --------------------------------------------------------------------------
+
+    def _window_normalized_rl_loss(self, model, inputs) -> tuple[torch.Tensor, Any]:
+        """TRL GRPOTrainer's loss of one micro-batch as ``(sum, count)``: its clipped
+        surrogate per completion token (log-probabilities from its own
+        ``_get_per_token_logps_and_entropies``), plus ``beta`` times its KL estimate, summed
+        as its ``loss_type``'s gradaccum normalization counts it."""
+        completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logps, _, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1)
+        )
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        old = inputs.get("old_per_token_logps")
+        ratio = torch.exp(logps - (logps.detach() if old is None else old))
+        clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        losses = -torch.min(ratio * advantages, clipped * advantages)
+        if self.beta != 0.0:
+            ref = inputs["ref_per_token_logps"]
+            losses = losses + self.beta * (torch.exp(ref - logps) - (ref - logps) - 1)
+        kind = _RL_NORMALIZATIONS[self.loss_type]
+        if kind == "per_token":
+            return per_token(losses, mask)
+        if kind == "per_sequence":
+            return per_sequence(losses, mask)
+        return constant_normalizer(losses, mask, self.max_completion_length)
 
     def _open(self, model: torch.nn.Module) -> FrameworkWindow:
         """The first training step: refuse what the Trainer cannot do exactly here."""
@@ -349,6 +395,8 @@ class ExactAccumulationMixin:
             )
         if self.items is preference_pairs:
             problems.extend(_preference_problems(self))
+        if _rl_trainer(self) and self.loss_fn is None:
+            problems.extend(_rl_problems(self))
         window = FrameworkWindow(model, self.noise)
         if self.oom is not None and window.sync.distributed:
             problems.append(
@@ -487,6 +535,53 @@ def _preference_problems(trainer: Any) -> list[str]:
         problems.append(
             "the router's auxiliary loss (use_router_aux_loss / output_router_logits) is added "
             "once per micro-batch, not per pair; give loss_fn= with it as a named term"
+        )
+    return problems
+
+
+def _rl_trainer(trainer: Any) -> bool:
+    """TRL's GRPOTrainer (or a subclass of it), found without importing TRL."""
+    return any(
+        c.__name__ == "GRPOTrainer" and c.__module__.startswith("trl.")
+        for c in type(trainer).__mro__
+    )
+
+
+_RL_NORMALIZATIONS = {"dapo": "per_token", "bnpo": "per_token", "grpo": "per_sequence"}
+_RL_NORMALIZATIONS["dr_grpo"] = "constant_normalizer"
+
+
+def _rl_problems(trainer: Any) -> list[str]:
+    """What the mixin's GRPO loss does not compute as TRL's GRPOTrainer would."""
+    args, problems = trainer.args, []
+    if trainer.loss_type not in _RL_NORMALIZATIONS:
+        problems.append(
+            f"GRPO loss_type {trainer.loss_type!r}: the mixin computes "
+            + ", ".join(sorted(_RL_NORMALIZATIONS))
+            + "; give loss_fn=(model, inputs) -> (loss_sum, count) for others"
+        )
+    settings = {
+        "importance_sampling_level='sequence'": trainer.importance_sampling_level != "token",
+        "delta (two-sided clipping)": getattr(args, "delta", None) is not None,
+        "off_policy_mask_threshold": getattr(trainer, "off_policy_mask_threshold", None)
+        is not None,
+        "top_entropy_quantile < 1": getattr(trainer, "top_entropy_quantile", 1.0) < 1.0,
+        "use_vllm (its importance-sampling correction)": getattr(trainer, "use_vllm", False),
+        "the router's auxiliary loss": getattr(trainer, "aux_loss_enabled", False),
+        "use_bias_correction_kl": trainer.beta != 0.0
+        and getattr(args, "use_bias_correction_kl", False),
+    }
+    unsupported = [name for name, on in settings.items() if on]
+    if unsupported:
+        problems.append(
+            "the mixin's GRPO loss is the clipped surrogate with its KL term; not with "
+            + ", ".join(unsupported)
+            + " (give loss_fn= for them)"
+        )
+    if trainer.oom is not None or trainer.schedule is not None:
+        problems.append(
+            "oom= and schedule= re-run or re-size a window's micro-batches, and GRPOTrainer "
+            "generates and buffers completions per window; give neither"
         )
     return problems
 
