@@ -319,3 +319,49 @@ def test_the_mixin_over_grpo_trainer_normalizes_over_the_window(tmp_path, loss_t
 def test_the_mixin_refuses_a_grpo_loss_it_does_not_compute(tmp_path):
     with pytest.raises(ValueError, match="GRPO loss_type 'cispo': the mixin computes"):
         grpo_window_and_reference(ExactGRPO, tmp_path, "cispo")
+
+
+def dpo_trainer(trainer_class, folder):
+    args = trl.DPOConfig(
+        output_dir=str(folder),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        max_grad_norm=0.0,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        max_length=64,
+        bf16=False,
+        disable_tqdm=True,
+    )
+    return trainer_class(
+        model=tiny_gpt2(),
+        ref_model=tiny_gpt2(),
+        args=args,
+        train_dataset=preference_pairs(),
+        processing_class=tokenizer(),
+    )
+
+
+def test_dpo_trainer_is_audited_pair_by_pair(tmp_path):
+    """The audit's large batch keeps DPOTrainer's layout (every chosen row, then every
+    rejected row): as shipped it reports the error the direct measurement finds, with the
+    mixin it passes."""
+    shipped = ga.audit(dpo_trainer(trl.DPOTrainer, tmp_path / "shipped"))
+    ours = ga.audit(dpo_trainer(ExactDPO, tmp_path / "ours"), tolerance=1e-6)
+    print(f"audit of TRL's DPOTrainer: as shipped {shipped.summary}; with the mixin {ours.summary}")
+    direct = rel_err(*dpo_window_and_reference(trl.DPOTrainer, tmp_path / "direct"))
+    assert not shipped.passed and shipped.relative_error == pytest.approx(direct, rel=0.05)
+    assert ours.passed
+
+
+def test_grpo_trainer_audit_is_refused_in_one_line(tmp_path):
+    trainer = trl.GRPOTrainer(
+        model=tiny_gpt2(),
+        reward_funcs=lambda completions, **kwargs: [0.0 for _ in completions],
+        args=trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False),
+        train_dataset=datasets.Dataset.from_list([{"prompt": "w1 w2"}] * 8),
+        processing_class=tokenizer(254),
+    )
+    with pytest.raises(TypeError, match="audit of a GRPOTrainer: its micro-batches are"):
+        ga.audit(trainer)

@@ -130,6 +130,15 @@ def audit(
 
 
 def _audit_trainer(trainer: Any, tolerance: float) -> AuditResult:
+    from gradaccum.integrations.transformers import _preference_trainer, _rl_trainer
+
+    if _rl_trainer(trainer):
+        raise TypeError(
+            "audit of a GRPOTrainer: its micro-batches are completions it generates inside "
+            "training_step, so one window cannot be replayed as one batch; its mixin's "
+            "exactness is measured in tests/integration/test_trl.py"
+        )
+    paired = _preference_trainer(trainer)  # rows: the chosen completions, then the rejected
     steps = trainer.args.gradient_accumulation_steps
     iterator = iter(trainer.get_train_dataloader())
     batches, items = trainer.get_batch_samples(iterator, steps, trainer.args.device)
@@ -150,7 +159,10 @@ def _audit_trainer(trainer: Any, tolerance: float) -> AuditResult:
         return out[0] if isinstance(out, tuple) else out
 
     def big() -> torch.Tensor:
-        return mean_loss(_concat(batches, fills))
+        if not paired:
+            return mean_loss(_concat(batches, fills))
+        halves = [_halves(mb) for mb in batches]  # every chosen row, then every rejected
+        return mean_loss(_concat([h[0] for h in halves] + [h[1] for h in halves], fills))
 
     def equal() -> torch.Tensor:
         return sum(mean_loss(mb) for mb in batches) / len(batches)
@@ -325,6 +337,13 @@ def _no_dropout(model: nn.Module) -> Iterator[None]:
     finally:
         for m, p in zip(drops, rates, strict=True):
             m.p = p
+
+
+def _halves(batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A preference micro-batch's chosen rows and its rejected rows (its first and second
+    halves), each a batch of the same keys."""
+    parts = {k: v.chunk(2) if isinstance(v, torch.Tensor) else (v, v) for k, v in batch.items()}
+    return {k: v[0] for k, v in parts.items()}, {k: v[1] for k, v in parts.items()}
 
 
 def _concat(batches: list[Any], fills: dict[str, Any]) -> Any:
