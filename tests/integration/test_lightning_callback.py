@@ -252,6 +252,7 @@ class RegressionModule(lightning.LightningModule):
         return self.optimizer
 
 
+@pytest.mark.slow  # 4,096 samples in windows of 8 to 20
 def test_the_auto_schedule_raises_the_batch_as_gradaccums_own_loop_does():
     """The regression problem with a known B_simple, auto from 8 samples (2 micro-batches of
     4), at most 64, over 4,096 samples: Lightning's windows are the ones gradaccum's own loop

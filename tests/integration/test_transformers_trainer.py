@@ -312,7 +312,7 @@ def run_with_fault(tmp_path, fault=None, oom=None) -> tuple[list[dict], dict, li
     return seen, weights, trainer.state.log_history
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("phase", ["forward", pytest.param("backward", marks=pytest.mark.slow)])
 def test_out_of_memory_mid_window_replays_it_to_the_same_step(tmp_path, phase, caplog):
     """The device holds 2 sequences from the 7th micro-batch on (the second window's third):
     its forward (or backward) runs out of memory; the window is replayed at 2 from its first
@@ -407,6 +407,7 @@ def accumulator_auto_windows(problem, n: int, micro: int) -> list[int]:
     return sizes
 
 
+@pytest.mark.slow  # 4,096 samples in windows of 8 to 20
 def test_the_auto_schedule_raises_the_batch_as_gradaccums_own_loop_does(tmp_path):
     """The regression problem with a known B_simple (about 46 samples): auto from 8 samples
     (2 micro-batches of 4), at most 64, over 4,096 samples. The Trainer's windows are the

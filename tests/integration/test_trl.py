@@ -302,7 +302,14 @@ def grpo_window_and_reference(trainer_class, folder, loss_type) -> tuple[dict, d
     return seen[0], want
 
 
-@pytest.mark.parametrize("loss_type", ["bnpo", "dapo", "grpo"])
+@pytest.mark.parametrize(
+    "loss_type",
+    [
+        "bnpo",
+        pytest.param("dapo", marks=pytest.mark.slow),
+        pytest.param("grpo", marks=pytest.mark.slow),
+    ],
+)
 def test_the_mixin_over_grpo_trainer_normalizes_over_the_window(tmp_path, loss_type):
     """The mixin computes GRPOTrainer's loss through gradaccum's normalizations over the
     window (bnpo and dapo: per_token; grpo: per_sequence). As shipped, bnpo averages each
