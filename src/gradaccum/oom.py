@@ -92,9 +92,7 @@ class OOMReplay:
                 )
             error = None
             replays += 1
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_memory()
         if replays == 0:
             self.window_done(given, window)
         return replays
@@ -148,6 +146,15 @@ class OOMReplay:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.cap = state["cap"]
         self.clean_windows = state["clean_windows"]
+
+
+def free_memory() -> None:
+    """What a failed attempt held, back to the allocator before the replay: Python's cycles
+    (a traceback's frames hold its tensors) and, on CUDA, the caching allocator's free
+    blocks."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _largest(micro_batches: list[Any]) -> int | None:

@@ -161,14 +161,11 @@ def completion_logps(model, batch) -> torch.Tensor:
     return (taken * batch["completion_mask"][:, 1:]).sum(dim=1)
 
 
-def dpo_window_and_reference(trainer_class, folder, **overrides) -> tuple[dict, dict]:
-    """One window of 14 pairs (4, 4, 4, 2) through ``trainer_class``, and one backward of
-    the same pairs' mean DPO loss (sigmoid, beta 0.1: -log sigmoid(beta * (chosen's log
-    ratio - rejected's))) written with torch alone."""
-    model, reference, frozen = tiny_gpt2(), tiny_gpt2(), tiny_gpt2()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    seen = capture_step_grads(optimizer, model)
+def dpo_trainer(trainer_class, folder, model=None, optimizers=(None, None), **overrides):
+    """``trainer_class`` on the 14 preference pairs, micro-batches of 4, 4 of them a window,
+    in fp32, with a tiny GPT-2 (``model``) and an identical reference model."""
     args = trl.DPOConfig(
+        **overrides,
         output_dir=str(folder),
         per_device_train_batch_size=4,
         gradient_accumulation_steps=4,
@@ -180,16 +177,25 @@ def dpo_window_and_reference(trainer_class, folder, **overrides) -> tuple[dict, 
         max_length=64,
         bf16=False,
         disable_tqdm=True,
-        **overrides,
     )
-    trainer = trainer_class(
-        model=model,
+    return trainer_class(
+        model=model if model is not None else tiny_gpt2(),
         ref_model=tiny_gpt2(),
         args=args,
         train_dataset=preference_pairs(),
         processing_class=tokenizer(),
-        optimizers=(optimizer, None),
+        optimizers=optimizers,
     )
+
+
+def dpo_window_and_reference(trainer_class, folder, **overrides) -> tuple[dict, dict]:
+    """One window of 14 pairs (4, 4, 4, 2) through ``trainer_class``, and one backward of
+    the same pairs' mean DPO loss (sigmoid, beta 0.1: -log sigmoid(beta * (chosen's log
+    ratio - rejected's))) written with torch alone."""
+    model, reference, frozen = tiny_gpt2(), tiny_gpt2(), tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = capture_step_grads(optimizer, model)
+    trainer = dpo_trainer(trainer_class, folder, model, optimizers=(optimizer, None), **overrides)
     batches = list(trainer.get_train_dataloader())
     trainer.train()
     assert len(seen) == 1 and [len(b["input_ids"]) // 2 for b in batches] == [4, 4, 4, 2]
@@ -326,28 +332,6 @@ def test_the_mixin_over_grpo_trainer_normalizes_over_the_window(tmp_path, loss_t
 def test_the_mixin_refuses_a_grpo_loss_it_does_not_compute(tmp_path):
     with pytest.raises(ValueError, match="GRPO loss_type 'cispo': the mixin computes"):
         grpo_window_and_reference(ExactGRPO, tmp_path, "cispo")
-
-
-def dpo_trainer(trainer_class, folder):
-    args = trl.DPOConfig(
-        output_dir=str(folder),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=4,
-        max_grad_norm=0.0,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        max_length=64,
-        bf16=False,
-        disable_tqdm=True,
-    )
-    return trainer_class(
-        model=tiny_gpt2(),
-        ref_model=tiny_gpt2(),
-        args=args,
-        train_dataset=preference_pairs(),
-        processing_class=tokenizer(),
-    )
 
 
 def test_dpo_trainer_is_audited_pair_by_pair(tmp_path):

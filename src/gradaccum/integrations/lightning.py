@@ -42,7 +42,6 @@ return through ``exact_output``.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,7 +52,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from gradaccum.batching import batch_size
 from gradaccum.integrations.window import FrameworkWindow, ScheduledWindows, noise_option
 from gradaccum.noise import NoiseScale
-from gradaccum.oom import OOMReplay
+from gradaccum.oom import OOMReplay, free_memory
 from gradaccum.schedule import BatchSchedule
 
 __all__ = ["ExactAccumulation", "exact_output"]
@@ -283,9 +282,7 @@ class _Replaying:
             error = None
             callback.oom_replays += 1
             callback._replayed = True
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_memory()
             try:
                 for piece in callback.oom.arrange(callback._batches):
                     self.size = batch_size(piece)

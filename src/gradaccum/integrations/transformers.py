@@ -57,7 +57,6 @@ loss (refused with ``loss_fn=``).
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,7 +77,7 @@ from gradaccum.loss import (
     window_counts,
 )
 from gradaccum.noise import NoiseScale
-from gradaccum.oom import OOMReplay
+from gradaccum.oom import OOMReplay, free_memory
 from gradaccum.schedule import BatchSchedule
 
 __all__ = ["ExactAccumulationMixin", "Trainer", "preference_pairs"]
@@ -277,9 +276,7 @@ class ExactAccumulationMixin:
             error = None
             self.oom_replays += 1
             self._replayed = True
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_memory()
             todo = self._window_batches[: self._calls]
 
     def _drop_window(self) -> None:
