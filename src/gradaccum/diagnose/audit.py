@@ -298,7 +298,8 @@ def _cause(model: nn.Module, ratio: float, n: int, off_equal: float) -> str:
     if off_equal <= 1e-4:
         return (
             "micro-batches are weighted equally whatever their item counts: each micro-batch's "
-            "loss is its own mean, so one with few items (tokens, pairs) weighs as much as one with many"
+            "loss is its own mean, so one with few items (tokens, pairs) weighs as much as one "
+            "with many"
         )
     norms = batchnorm_modules(model)
     if norms:
