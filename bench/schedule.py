@@ -8,7 +8,9 @@ Every run is `gradaccum train` (the byte GPT of `make demo`, AdamW, warm-up over
 learning-rate sweep runs on seed 0 (three rates around the square-root rule from 3e-3 at
 64, extended while the best is at an edge); the best rate (lowest final held-out loss)
 then runs on seeds 1 and 2. The ramp and auto start at 32 with the best rate of the fixed
-32 and the default square-root rule (--lr-scaling sqrt).
+32 and the default square-root rule (--lr-scaling sqrt); a second auto starts at 4
+(micro-batches of 2), below the recipe's critical batch (bench/results/tradeoff.md), at that
+rate scaled to 4.
 
 Writes bench/results/schedule.md and bench/results/schedule.png. About 40 minutes on 2 cores
 (runs are cached by their arguments in $SCHEDULE_CACHE, default the temp folder).
@@ -121,17 +123,32 @@ def main() -> None:
             args = [*common, "--lr", f"{best:.6g}"]
             results[f"fixed {batch}"].append(curve(run(args, seed, every)))
     lr32 = chosen["fixed 32"]
-    schedules = {
-        "ramp 32->256": ["--batch-schedule", f"linear:{SAMPLES // 2}=256"],
-        "auto from 32": ["--batch-schedule", "auto", "--max-effective-batch", 256],
+    start32 = ["--effective-batch", 32, "--warmup-steps", warmup(32), "--lr", f"{lr32:.6g}"]
+    # auto from 4 starts below the recipe's critical batch (bench/results/tradeoff.md): 2
+    # micro-batches of 2, its rate the fixed 32's scaled down by the square-root rule (so it
+    # is the fixed 32's again at 32)
+    lr4 = lr32 * (4 / 32) ** 0.5
+    start4 = ["--effective-batch", 4, "--warmup-steps", warmup(4), "--lr", f"{lr4:.6g}"]
+    schedules = {  # name: (arguments, lr, evaluate every this many steps)
+        "ramp 32->256": ([*start32, "--batch-schedule", f"linear:{SAMPLES // 2}=256"], lr32, 5),
+        "auto from 32": (
+            [*start32, "--batch-schedule", "auto", "--max-effective-batch", 256],
+            lr32,
+            5,
+        ),
+        "auto from 4": (
+            [*start4, "--batch-schedule", "auto", "--max-effective-batch", 256]
+            + ["--micro-batch", 2],
+            lr4,
+            20,
+        ),
     }
     batches: dict[str, list[int]] = {}
-    for name, extra in schedules.items():
-        chosen[name] = lr32
+    for name, (args, lr, every) in schedules.items():
+        chosen[name] = lr
         results[name] = []
         for seed in SEEDS:
-            args = ["--effective-batch", 32, "--warmup-steps", warmup(32), "--lr", f"{lr32:.6g}"]
-            lines = run([*args, *extra], seed, 5)
+            lines = run(args, seed, every)
             results[name].append(curve(lines))
             batches.setdefault(name, []).append(max(x["effective_batch"] for x in lines))
             print(name, seed, results[name][-1][-1], flush=True)
@@ -178,13 +195,14 @@ def main() -> None:
     verdicts = []
     for key in targets:
         fixed = [n for n in names if n.startswith("fixed") and (n, key) in reached]
-        auto = reached.get(("auto from 32", key))
-        if auto is None or not fixed:
-            verdicts.append(f"target {key}: auto did not reach it on every seed")
-        else:
+        for name in (n for n in names if n.startswith("auto")):
+            auto = reached.get((name, key))
+            if auto is None or not fixed:
+                verdicts.append(f"target {key}: {name} did not reach it on every seed")
+                continue
             best = min((reached[n, key] for n in fixed), key=lambda r: r[0])
             verdicts.append(
-                f"target {key}: auto needed {auto[0] / best[0]:.2f}x the samples and "
+                f"target {key}: {name} needed {auto[0] / best[0]:.2f}x the samples and "
                 f"{auto[2] / best[2]:.2f}x the optimizer steps of the fixed batch that needed "
                 "the fewest samples"
             )
@@ -230,14 +248,17 @@ def main() -> None:
         "their best learning rate (seed 0's sweep below: three rates, extended while the best was "
         "at an edge); warm-up over the first 320 samples; the ramp (linear from 32 "
         f"to 256 over the first {SAMPLES // 2:,} samples) and auto (from 32, at most 256) "
-        "start at the fixed 32's rate with the square-root rule. Medians over seeds "
+        "start at the fixed 32's rate with the square-root rule; auto from 4 (micro-batches "
+        "of 2, below the recipe's critical batch) at that rate scaled to 4 by the same rule. "
+        "Medians over seeds "
         f"{', '.join(map(str, SEEDS))}.",
         "",
         f"Targets: **A** = held-out loss {targets['A']:.4f}, the highest of every run's best "
         f"(so every run reaches it); **B** = {targets['B']:.4f}, the best that one fixed "
         "batch reaches on every seed. Each cell: the median samples seen / optimizer steps / "
         "seconds of training when the held-out loss first reached the target (evaluations "
-        "every ~640 samples for the fixed batches, every 5 steps for the schedules).",
+        "every ~640 samples for the fixed batches, every 5 steps for the schedules, every 20 "
+        "for auto from 4).",
         "",
         "| configuration | lr | final held-out loss (range) | to A: samples / steps / time "
         "| to B: samples / steps / time | time in all |",
