@@ -13,6 +13,7 @@ from frameworks import (
     full_batch_grads,
     padded_sequences,
     rel_err,
+    stack,
     tiny_gpt2,
     token_sum_loss,
 )
@@ -456,3 +457,51 @@ def test_resuming_a_scheduled_run_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="resuming a run with schedule= is not supported") as err:
         trainer.train(resume_from_checkpoint=str(tmp_path))
     assert "\n" not in str(err.value)
+
+
+def test_items_keeps_a_trainers_own_mean_over_examples(tmp_path):
+    """A Trainer whose own loss is a mean over its micro-batch's examples (here each
+    sequence's token mean, averaged over the sequences), kept as it is with ``items=``
+    counting the sequences: each window is the mean over its 16 sequences of their token
+    means, written with torch alone; 28 sequences make a ragged last window of 12."""
+    import torch.nn.functional as F
+
+    from gradaccum.integrations.transformers import ExactAccumulationMixin
+
+    def per_sequence_means(model, batch):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        labels = batch["labels"][:, 1:]
+        losses = F.cross_entropy(
+            logits[:, :-1].transpose(1, 2).float(), labels, ignore_index=-100, reduction="none"
+        )
+        return losses.sum(1) / labels.ne(-100).sum(1)
+
+    class SequenceMeanTrainer(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return per_sequence_means(model, inputs).mean()
+
+    class Exact(ExactAccumulationMixin, SequenceMeanTrainer):
+        pass
+
+    model = tiny_gpt2()
+    reference = copy.deepcopy(model)
+    items = padded_sequences(28)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = capture_step_grads(optimizer, model)
+    trainer = Exact(
+        model=model,
+        args=arguments(tmp_path),
+        train_dataset=items,
+        optimizers=(optimizer, None),
+        items=lambda inputs: len(inputs["input_ids"]),
+    )
+    trainer.train()
+    errors = []
+    for w, grads in enumerate(seen):
+        reference.zero_grad()
+        window = stack(items[16 * w : 16 * w + 16])
+        per_sequence_means(reference, window).mean().backward()
+        want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+        errors.append(rel_err(grads, want))
+    print(f"items= over a mean of sequence means: windows {errors}")
+    assert len(seen) == 2 and max(errors) <= 1e-6
