@@ -273,9 +273,10 @@ def main() -> None:
         "",
         *(
             [
-                "Auto never raised the batch on any seed: B_simple's 90% interval kept holding "
+                "Auto from 32 never raised the batch on any seed: B_simple's 90% interval kept "
+                "holding "
                 "32 sequences (the default recipe's B_simple reads about 2,000-5,000 tokens, 16-40 "
-                "sequences: bench/results/noise_trust.md), so auto trained exactly as the fixed "
+                "sequences: bench/results/noise_trust.md), so it trained exactly as the fixed "
                 "32 did (the same final losses); the ratios above are the evaluation points' "
                 "placement, not a gain."
             ]
