@@ -227,6 +227,7 @@ def test_check_passes_the_groupnorm_unet_and_names_the_batchnorm_layers_once():
     )
 
 
+@pytest.mark.slow  # two plans measured in fresh processes: the slow tier
 def test_plan_reads_its_cached_plan_on_a_rerun_and_replan_measures_again(tmp_path, monkeypatch):
     """`gradaccum plan` keeps its plan in the plan cache: the same command again prints the
     same plan without measuring, --replan measures and replaces it, and another budget is

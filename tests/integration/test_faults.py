@@ -345,6 +345,7 @@ def test_argparse_refusals_are_one_line_too():
     one_line(in_process("frobnicate"), "invalid choice: 'frobnicate'", "--help")
 
 
+@pytest.mark.slow  # several command runs: the slow tier
 def test_unusable_folders_and_files_are_one_line(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -370,6 +371,7 @@ def _limit_file_size(limit: int):
     return apply
 
 
+@pytest.mark.slow  # several command runs: the slow tier
 def test_a_full_disk_stops_with_one_line_and_the_run_resumes(tmp_path):
     """RLIMIT_FSIZE makes every write past 30 kB fail as a full disk does (Python ignores
     SIGXFSZ, so the write returns an error): the first checkpoint, after 5 steps, cannot be
