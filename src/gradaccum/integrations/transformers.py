@@ -163,6 +163,7 @@ class ExactAccumulationMixin:
         self.items = items
         if items is None and loss_fn is None and _preference_trainer(self):
             self.items = preference_pairs
+        self._rl = _rl_trainer(self)  # TRL's GRPOTrainer: its loss, normalized over the window
         self._window: FrameworkWindow | None = None
         self._window_size = 0
         self._window_counts: dict[str, Any] | None = None  # the next window's, with counts=
@@ -299,7 +300,7 @@ class ExactAccumulationMixin:
         outputs = None
         if self.loss_fn is not None:
             loss_sum, count = unpack(self.loss_fn(model, inputs), index)
-        elif _rl_trainer(self):
+        elif self._rl:
             loss_sum, count = self._window_normalized_rl_loss(model, inputs)
         elif self.items is not None:  # the trainer's own loss, a mean over the items
             mean = super().compute_loss(model, inputs, return_outputs)
@@ -392,7 +393,7 @@ class ExactAccumulationMixin:
             )
         if self.items is preference_pairs:
             problems.extend(_preference_problems(self))
-        if _rl_trainer(self) and self.loss_fn is None:
+        if self._rl and self.loss_fn is None:
             problems.extend(_rl_problems(self))
         window = FrameworkWindow(model, self.noise)
         if self.oom is not None and window.sync.distributed:
