@@ -109,6 +109,7 @@ def one_line(proc, *needles: str) -> str:
 # -- 1, 7: kill -9 at any moment, then --resume ------------------------------------------------
 
 
+@pytest.mark.slow  # several command runs: the slow tier
 def test_a_crash_before_the_first_checkpoint_resumes_from_step_0(tmp_path):
     run = tmp_path / "x"
     # (the incident guard checkpoints step 0 to have something to roll back to: off here)
@@ -287,6 +288,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_kept_one(tmp_path,
     assert [(x["step"], x["loss"], x["count"]) for x in run_lines(run)] == losses
 
 
+@pytest.mark.slow  # several command runs: the slow tier
 def test_no_intact_checkpoint_is_refused_in_one_line(tmp_path):
     from support.faults import flip_tensor_bit
 
