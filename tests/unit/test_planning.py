@@ -33,6 +33,7 @@ def test_a_given_micro_batch_is_recorded_as_a_plan_without_measuring(tmp_path):
     assert summary["steps"] == 2
 
 
+@pytest.mark.slow  # a planned run measured phase by phase: the slow tier
 def test_a_planned_run_measures_its_phases_and_keeps_them_beside_the_plans(tmp_path):
     """The plan covers evaluation and checkpoints as well as the window (plan.json's
     phases), and the run writes what each phase peaked at (memory.json), by one meter: the
@@ -56,6 +57,7 @@ def test_a_planned_run_measures_its_phases_and_keeps_them_beside_the_plans(tmp_p
     assert memory["peak"] <= parse_bytes("200MB")
 
 
+@pytest.mark.slow  # a planned run measured phase by phase: the slow tier
 def test_evaluation_runs_at_the_plans_own_micro_batch_for_it_resumed_too(tmp_path, monkeypatch):
     """A plan that gave evaluation a micro-batch of its own (plan.json's evaluation phase)
     is followed by every evaluation of the run, a resumed session's included."""
