@@ -1,5 +1,7 @@
 """gradaccum.app.planning: the run's micro-batch, and library advice in the command's flags."""
 
+import pytest
+
 from gradaccum.app import TrainConfig, train
 from gradaccum.app.planning import as_flags
 
