@@ -27,15 +27,16 @@ from gradaccum.integrations.transformers import Trainer  # noqa: E402
 from gradaccum.noise import NoiseScale  # noqa: E402
 
 
-def window_errors(tmp_path, trainer_class, n_items, **kwargs) -> list[float]:
-    """Train one epoch at learning rate 0 (every window sees the same weights) and return
-    each window's relative gradient error against the full batch of its 16 items."""
+def train_at_lr0(tmp_path, n_items, trainer_class=None, **kwargs):
+    """One epoch of ``n_items`` padded sequences at learning rate 0 (every window sees the
+    same weights): the untrained copy for references, the items, each step's gradient and
+    the trainer."""
     model = tiny_gpt2()
     reference = copy.deepcopy(model)
     items = padded_sequences(n_items)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     seen = capture_step_grads(optimizer, model)
-    trainer = trainer_class(
+    trainer = (trainer_class or Trainer)(
         model=model,
         args=arguments(tmp_path),
         train_dataset=items,
@@ -43,6 +44,13 @@ def window_errors(tmp_path, trainer_class, n_items, **kwargs) -> list[float]:
         **kwargs,
     )
     trainer.train()
+    return reference, items, seen, trainer
+
+
+def window_errors(tmp_path, trainer_class, n_items, **kwargs) -> list[float]:
+    """Train one epoch at learning rate 0 (every window sees the same weights) and return
+    each window's relative gradient error against the full batch of its 16 items."""
+    reference, items, seen, _ = train_at_lr0(tmp_path, n_items, trainer_class, **kwargs)
     assert len(seen) == -(-n_items // 16)
     return [
         rel_err(grads, full_batch_grads(reference, items[16 * w : 16 * w + 16]))
@@ -365,19 +373,8 @@ def test_a_batch_schedule_runs_the_ramps_windows_each_exact(tmp_path):
     then the 12 left), and each step's gradient is its window's full-batch mean."""
     import gradaccum as ga
 
-    model = tiny_gpt2()
-    reference = copy.deepcopy(model)
-    items = padded_sequences(96)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    seen = capture_step_grads(optimizer, model)
-    trainer = Trainer(
-        model=model,
-        args=arguments(tmp_path),
-        train_dataset=items,
-        optimizers=(optimizer, None),
-        schedule=ga.BatchSchedule("linear:64=32", start=8, unit=4),
-    )
-    trainer.train()
+    schedule = ga.BatchSchedule("linear:64=32", start=8, unit=4)
+    reference, items, seen, trainer = train_at_lr0(tmp_path, 96, schedule=schedule)
     want = ramp(8, 32, 64, 4, 96)
     logged = [x["effective_batch"] for x in trainer.state.log_history if "loss" in x]
     assert logged == want and len(seen) == len(want)
@@ -483,19 +480,8 @@ def test_items_keeps_a_trainers_own_mean_over_examples(tmp_path):
     class Exact(ExactAccumulationMixin, SequenceMeanTrainer):
         pass
 
-    model = tiny_gpt2()
-    reference = copy.deepcopy(model)
-    items = padded_sequences(28)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    seen = capture_step_grads(optimizer, model)
-    trainer = Exact(
-        model=model,
-        args=arguments(tmp_path),
-        train_dataset=items,
-        optimizers=(optimizer, None),
-        items=lambda inputs: len(inputs["input_ids"]),
-    )
-    trainer.train()
+    count = lambda inputs: len(inputs["input_ids"])  # noqa: E731
+    reference, items, seen, _ = train_at_lr0(tmp_path, 28, Exact, items=count)
     errors = []
     for w, grads in enumerate(seen):
         reference.zero_grad()
