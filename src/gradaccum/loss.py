@@ -22,10 +22,13 @@ __all__ = [
     "causal_lm_loss",
     "constant_normalizer",
     "group_count",
+    "load_balancing",
     "next_token_labels",
     "per_group",
     "per_sequence",
     "per_token",
+    "router_loss_setting",
+    "routing_counts",
     "sequence_count",
     "sequence_ids",
     "token_count",
@@ -491,3 +494,127 @@ def sample_mean(losses: torch.Tensor) -> tuple[torch.Tensor, int]:
         return losses.sum(), 0
     per_sample = losses.reshape(losses.shape[0], -1).mean(dim=1)
     return per_sample.sum(), losses.shape[0]
+
+
+# -- a mixture-of-experts model's router load-balancing term -------------------------------------
+#
+# Hugging Face's MoE causal LMs (Mixtral, Qwen2/3-MoE, OLMoE, ...) add coefficient x
+# E * sum_e f_e * P_e to their loss (load_balancing_loss_func, Switch Transformer's), over every
+# layer's routed tokens where the attention mask is 1: f_e the share of top-k assignments that
+# went to expert e, P_e the mean router probability of e. It is a product of two means over the
+# batch, and f_e carries no gradient, so the batch's gradient is E * sum_e f_e * grad(sum of
+# probabilities of e) / rows: a sum over routed rows once f_e is the whole window's. f_e needs
+# every micro-batch's routing before the first backward (a pass without gradient over the
+# window gives it); then each micro-batch's term is a sum over its rows, counted by its rows.
+
+
+def _router_rows(
+    router_logits: Any, num_experts: int, mask: torch.Tensor | None
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    if not isinstance(router_logits, (tuple, list)) or not router_logits:
+        raise ValueError(
+            "router_logits must be a non-empty tuple of one (tokens, num_experts) tensor per "
+            f"layer, got {type(router_logits).__name__}"
+        )
+    layers = list(router_logits)
+    for layer in layers:
+        if layer.dim() != 2 or layer.shape[-1] != num_experts:
+            raise ValueError(
+                f"router_logits must be (tokens, {num_experts}) per layer, got {tuple(layer.shape)}"
+            )
+    if mask is None:
+        return layers, None
+    flat = mask.reshape(-1).to(device=layers[0].device, dtype=torch.float32)
+    if any(layer.shape[0] != flat.numel() for layer in layers):
+        raise ValueError(
+            f"router_logits' rows ({layers[0].shape[0]}) are not the mask's tokens ({flat.numel()})"
+        )
+    return layers, flat
+
+
+def routing_counts(
+    router_logits: Any, num_experts: int, top_k: int, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How a mixture-of-experts model routed a micro-batch, as transformers'
+    ``load_balancing_loss_func`` counts it: each expert's top-k assignments summed over every
+    layer's tokens where ``mask`` (the attention mask) is 1, shape ``(num_experts,)``, and the
+    routed rows (layers x those tokens), both float32 with no gradient. ``router_logits``:
+    one ``(tokens, num_experts)`` tensor per layer, rows in ``mask.reshape(-1)``'s order.
+    Summed over a window (and its ranks), the assignments over the rows are the window's
+    ``fraction`` for :func:`load_balancing`."""
+    layers, flat = _router_rows(router_logits, num_experts, mask)
+    device = layers[0].device
+    assigned = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for layer in layers:
+            _, chosen = torch.topk(F.softmax(layer.detach(), dim=-1), top_k, dim=-1)
+            weight = (
+                torch.ones(chosen.numel(), device=device)
+                if flat is None
+                else flat.repeat_interleave(top_k)
+            )
+            assigned.scatter_add_(0, chosen.reshape(-1), weight)
+            rows += layer.shape[0] if flat is None else flat.sum()
+    return assigned, rows
+
+
+def load_balancing(
+    router_logits: Any,
+    num_experts: int,
+    fraction: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch's router load-balancing term as ``(loss_sum, count)``: ``num_experts x
+    sum_e fraction_e x`` (expert e's router probability summed over the micro-batch's routed
+    rows), and the routed rows. ``fraction``: the whole window's share of assignments per
+    expert (:func:`routing_counts` summed over the window's micro-batches and ranks, over
+    its rows), a constant. The window's sum over its rows is then transformers'
+    ``load_balancing_loss_func`` over the whole window, and its gradient the whole window's
+    (give the model's coefficient as the term's weight)."""
+    layers, flat = _router_rows(router_logits, num_experts, mask)
+    if fraction.shape != (num_experts,):
+        raise ValueError(
+            f"fraction must hold one share per expert, shape ({num_experts},), got "
+            f"{tuple(fraction.shape)}"
+        )
+    fraction = fraction.detach().to(device=layers[0].device, dtype=torch.float32)
+    total: torch.Tensor | None = None
+    rows = torch.zeros((), dtype=torch.float32, device=layers[0].device)
+    for layer in layers:
+        probs = F.softmax(layer, dim=-1).float()
+        if flat is not None:
+            probs = probs * flat.unsqueeze(-1)
+        part = (probs.sum(dim=0) * fraction).sum()
+        total = part if total is None else total + part
+        rows += layer.shape[0] if flat is None else flat.sum().detach()
+    return total * num_experts, rows
+
+
+def router_loss_setting(module: Any) -> tuple[str, float | None] | None:
+    """Whether ``module`` (or a module inside it) is a Hugging Face mixture-of-experts model
+    whose forward adds a router auxiliary loss to its own: ``(what turns it on, as
+    "output_router_logits=True, router_aux_loss_coef=0.07", the coefficient or None when
+    the model names none)``; None when none is added (``output_router_logits`` off, or a
+    coefficient of 0). Read off the modules' attributes: the library imports no framework."""
+    for m in module.modules() if hasattr(module, "modules") else [module]:
+        config = getattr(m, "config", None)
+        if config is None:
+            continue
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if not any(getattr(c, "output_router_logits", False) is True for c in (config, text)):
+            continue
+        for owner, name in (
+            (m, "router_aux_loss_coef"),
+            (m, "aux_loss_coef"),
+            (text, "router_aux_loss_coef"),
+            (text, "aux_loss_coef"),
+        ):
+            coef = getattr(owner, name, None)
+            if isinstance(coef, numbers.Real) and not isinstance(coef, bool):
+                if coef == 0:
+                    break
+                return f"output_router_logits=True, {name}={coef:g}", float(coef)
+        else:
+            return "output_router_logits=True", None
+    return None

@@ -57,6 +57,8 @@ loss (refused with ``loss_fn=``).
 
 from __future__ import annotations
 
+import inspect
+import numbers
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,8 +72,11 @@ from gradaccum.integrations.window import FrameworkWindow, ScheduledWindows, noi
 from gradaccum.loss import (
     causal_lm_loss,
     constant_normalizer,
+    load_balancing,
     per_sequence,
     per_token,
+    router_loss_setting,
+    routing_counts,
     token_cross_entropy,
     unpack,
     window_counts,
@@ -83,6 +88,18 @@ from gradaccum.schedule import BatchSchedule
 __all__ = ["ExactAccumulationMixin", "Trainer", "preference_pairs"]
 
 _CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+# Causal LMs whose forward adds coefficient x load_balancing_loss_func(outputs.router_logits,
+# self.num_experts, self.num_experts_per_tok, attention_mask) to their loss (read in
+# transformers' sources); each micro-batch's aux_loss is checked against that form as it runs.
+_LOAD_BALANCED = frozenset(
+    f"{name}ForCausalLM"
+    for name in (
+        "Dbrx DeepseekV4 Ernie4_5_Moe FlexOlmo Flint GptOss GraniteMoe GraniteMoeSWA "
+        "GraniteMoeHybrid GraniteMoeShared Jamba JetMoe Laguna LaraMini Mellum MiniMax MiniMaxM2 "
+        "MiniMaxM3VL Mixtral Olmoe Phimoe Qwen2Moe Qwen3_5Moe Qwen3Moe Qwen3Next Qwen4Exp"
+    ).split()
+)
 
 
 class ExactAccumulationMixin:
@@ -165,6 +182,7 @@ class ExactAccumulationMixin:
             self.items = preference_pairs
         self._rl = _rl_trainer(self)  # TRL's GRPOTrainer: its loss, normalized over the window
         self._window: FrameworkWindow | None = None
+        self._router: _RouterTerm | None = None  # the model's router loss, as its own term
         self._window_size = 0
         self._window_counts: dict[str, Any] | None = None  # the next window's, with counts=
         self._micro: tuple[Any] | None = None  # the micro-batch's count, in training_step
@@ -223,6 +241,8 @@ class ExactAccumulationMixin:
         if self._calls == 0:
             self._counts_now, self._window_counts = self._window_counts, None
             self._replayed = False
+            if self._router is not None:  # the model's router loss: the window's routing first
+                self._counts_now = self._route_window(model)
             if self._counts_now is not None:
                 window.begin(self._counts_now)
         self._calls += 1
@@ -232,6 +252,8 @@ class ExactAccumulationMixin:
             loss = self._replaying(model, inputs)
         if self._calls < self._window_size:
             return torch.zeros_like(loss)
+        if self._router is not None:
+            self._router.check()  # before the window's end: the Trainer has not stepped
         end = window.end(self._grads(), scale=self._loss_scale())
         if self.oom is not None and not self._replayed:
             self.oom.window_done(self._window_batches, self.state.global_step)
@@ -287,6 +309,8 @@ class ExactAccumulationMixin:
         for p in self.model.parameters():
             p.grad = None
         self._window.drop()
+        if self._router is not None:
+            self._router.restart()
         if self._counts_now is not None:
             self._window.begin(self._counts_now)
 
@@ -395,6 +419,7 @@ class ExactAccumulationMixin:
             problems.extend(_preference_problems(self))
         if self._rl and self.loss_fn is None:
             problems.extend(_rl_problems(self))
+        problems.extend(self._router_problems(model))
         window = FrameworkWindow(model, self.noise)
         if self.oom is not None and window.sync.distributed:
             problems.append(
@@ -414,11 +439,89 @@ class ExactAccumulationMixin:
                 f"transformers {transformers.__version__} has no Trainer.loss_is_scaled_for_ga, "
                 "so it would divide each micro-batch's loss again; upgrade transformers"
             )
+        if len(problems) == 1:  # one line
+            raise ValueError(f"gradaccum's Trainer cannot run exactly here: {problems[0]}")
         if problems:
             raise ValueError(
                 "gradaccum's Trainer cannot run exactly here:\n  - " + "\n  - ".join(problems)
             )
         return window
+
+    def _router_problems(self, model: torch.nn.Module) -> list[str]:
+        """Whether the model adds a router loss to its own and how it is trained: where the
+        mixin computes the model's loss (a causal LM's, no loss_fn or items), as its own term
+        of the window (``_RouterTerm``) when its form is known and routing is deterministic;
+        otherwise the reason it cannot be exact. GRPO and DPO refuse it on their own."""
+        self._router = None
+        base = self._base_model(model)
+        found = router_loss_setting(base)
+        if found is None or self.loss_fn is not None or self._rl:
+            return []
+        if self.items is preference_pairs or self._router_coefficient(base) == 0:
+            return []
+        setting, name = found[0], type(base).__name__
+        if self.items is not None:
+            return [
+                f"items= takes the trainer's own loss as a mean over items, but {name} adds its "
+                f"router loss ({setting}) once per micro-batch; give loss_fn= with it as a named "
+                "term (docs/losses.md)"
+            ]
+        experts = getattr(base, "num_experts", None)
+        top_k = getattr(base, "num_experts_per_tok", None)
+        if name not in _LOAD_BALANCED or not _causal(base) or not _counts(experts, top_k):
+            return [
+                f"{name} adds an auxiliary loss to its own ({setting}) that gradaccum does not "
+                "know how to count over a window; set output_router_logits=False, or give "
+                "loss_fn=(model, inputs) returning it as a named term (docs/losses.md)"
+            ]
+        random = _random_settings(base)
+        if random:
+            return [
+                f"{name}'s router loss ({setting}) needs the window's routing from a pass "
+                f"before its first backward, and its forward draws random numbers in training "
+                f"({', '.join(random)}), so the pass would route differently; set them to 0, "
+                "or output_router_logits=False"
+            ]
+        self._router = _RouterTerm(name, experts, top_k)
+        return []
+
+    def _router_coefficient(self, base: torch.nn.Module) -> float | None:
+        """The router loss's coefficient: TRL's trainers keep their own (their config's
+        ``router_aux_loss_coef``), else the model's (its forward's), else its config's."""
+        config = getattr(base, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for owner in (self, base, text):
+            for attribute in ("router_aux_loss_coef", "aux_loss_coef"):
+                value = getattr(owner, attribute, None)
+                if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                    return float(value)
+        return None
+
+    def _route_window(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The window's counts before its first backward, for the model's token loss and
+        router loss as two terms: the tokens the first counts and the rows the router
+        routes, from a pass without gradient over the window's micro-batches (as the
+        training forward runs: train mode, the Trainer's autocast), which also gives the
+        router's term the window's share of assignments per expert, summed over the ranks."""
+        router, base = self._router, self._base_model(model)
+        run = self.accelerator.unwrap_model(model)  # not DDP's: no collective in the pass
+        skip = "logits_to_keep" in inspect.signature(base.forward).parameters
+        assigned, rows, tokens = None, 0.0, 0
+        model.train()
+        with torch.no_grad(), self.compute_loss_context_manager():
+            for batch in self._window_batches:
+                inputs = self._prepare_inputs(batch)
+                tokens = tokens + _next_token_count(inputs)
+                rest = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+                rest["output_router_logits"] = True
+                if skip:  # the router's logits are all the pass needs, not the vocabulary's
+                    rest["logits_to_keep"] = 1
+                logits = router.logits(run(**rest))
+                mask = rest.get("attention_mask")
+                a, r = routing_counts(logits, router.experts, router.top_k, mask)
+                assigned, rows = (a if assigned is None else assigned + a), rows + r
+        router.begin(assigned, rows, self._window.sync, self._router_coefficient(base))
+        return {"ce": int(tokens), "aux": float(rows)}
 
     def _noise_file(self, folder: str) -> Path:
         return Path(folder) / f"gradaccum_noise_{self.args.process_index}.pt"
@@ -439,29 +542,32 @@ class ExactAccumulationMixin:
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
+    def _base_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The transformers model inside what the Trainer runs (DDP, torch.compile, PEFT)."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        # torch_compile=True: accelerate keeps torch.compile's module, whose class is not the
+        # model's (its loss then counted labels before the shift: 8.5e-3 off)
+        unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
+        return unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+
     def _model_loss(self, model: torch.nn.Module, inputs: dict[str, Any]):
-        """``(loss_sum, count, outputs)`` from the model's own forward."""
+        """``(loss_sum, count, outputs)`` from the model's own forward; with the model's
+        router loss, ``(terms, None, outputs)``: the token loss and the router's term."""
         if "labels" not in inputs:
             raise ValueError(
                 "gradaccum's Trainer needs `labels` in every training batch to count items, "
                 "or loss_fn=(model, inputs) -> (loss_sum, count); this batch has "
                 f"{sorted(inputs)}"
             )
-        unwrapped = self.accelerator.unwrap_model(model)
-        # torch_compile=True: accelerate keeps torch.compile's module, whose class is not the
-        # model's (its loss then counted labels before the shift: 8.5e-3 off)
-        unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
-        base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
-        config = getattr(base, "config", None)
-        causal = type(base).__name__ in _CAUSAL_LM_CLASSES and not getattr(
-            config, "is_encoder_decoder", False
-        )
-        if causal:
+        base = self._base_model(model)
+        if _causal(base):
             # Our own next-token loss from the logits: a sum over the shifted labels that
             # count, whatever loss_type the model declares.
             labels = inputs["labels"]
             shift_labels = inputs.get("shift_labels")
             rest = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+            if self._router is not None:
+                rest["output_router_logits"] = True
             outputs = model(**rest)
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
             smoothing = self.args.label_smoothing_factor
@@ -471,7 +577,10 @@ class ExactAccumulationMixin:
                 )
             else:
                 loss_sum, count = causal_lm_loss(logits, labels, label_smoothing=smoothing)
-            return loss_sum, count, outputs
+            if self._router is None:
+                return loss_sum, count, outputs
+            aux = self._router.term(outputs, rest.get("attention_mask"))
+            return {"ce": (loss_sum, count), "aux": aux}, None, outputs
         if self.args.label_smoothing_factor:
             # transformers' LabelSmoother on the logits, as a sum over the labels that count
             outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
@@ -486,12 +595,152 @@ class ExactAccumulationMixin:
             )
             return loss_sum, count, outputs
         outputs = model(**inputs)
+        if isinstance(outputs, dict) and outputs.get("aux_loss") is not None:
+            coefficient = self._router_coefficient(base)
+            if coefficient is None or coefficient != 0:
+                raise ValueError(
+                    f"{type(base).__name__} returned an aux_loss beside its loss, which "
+                    "gradaccum takes as a mean over the labels: an auxiliary loss it cannot "
+                    "count over the window; give loss_fn=(model, inputs) returning it as a "
+                    "named term (docs/losses.md)"
+                )
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         count = int(inputs["labels"].ne(-100).sum())
         if count == 0:  # the mean over nothing is NaN; nothing to learn from this batch
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
             return logits.sum() * 0.0, 0, outputs
         return loss * count, count, outputs
+
+
+def _causal(base: torch.nn.Module) -> bool:
+    """A decoder-only causal LM of transformers' (whose loss the mixin computes itself)."""
+    config = getattr(base, "config", None)
+    return type(base).__name__ in _CAUSAL_LM_CLASSES and not getattr(
+        config, "is_encoder_decoder", False
+    )
+
+
+def _counts(*values: Any) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
+
+
+def _next_token_count(inputs: dict[str, Any]) -> torch.Tensor:
+    """The labels a causal LM's next-token loss counts (as ``causal_lm_loss`` and
+    ``token_cross_entropy`` count them), from the data alone."""
+    shift_labels = inputs.get("shift_labels")
+    if shift_labels is not None:
+        return (shift_labels != -100).sum()
+    return (inputs["labels"][:, 1:] != -100).sum()
+
+
+_DROPOUTS = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+
+
+def _random_settings(model: torch.nn.Module) -> list[str]:
+    """What makes a model's training forward random: its config's dropout and jitter
+    settings above 0 (``attention_dropout``, ``router_jitter_noise``) and dropout modules."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found: dict[str, str] = {}
+    for c in (config, text):
+        for key, value in (c.to_dict() if hasattr(c, "to_dict") else {}).items():
+            if (
+                ("dropout" in key or "jitter" in key)
+                and isinstance(value, numbers.Real)
+                and not isinstance(value, bool)
+                and value > 0
+            ):
+                found[key] = f"{key}={value:g}"
+    drops = sum(isinstance(m, _DROPOUTS) and m.p > 0 for m in model.modules())
+    if drops:
+        found[""] = f"{drops} dropout module(s) with p > 0"
+    return list(found.values())
+
+
+class _RouterTerm:
+    """A causal LM's router load-balancing loss (its coefficient x transformers'
+    ``load_balancing_loss_func`` over the batch's routed tokens) as its own term of the
+    window: each micro-batch's sum over its routed rows weighted by the whole window's share
+    of assignments per expert (``gradaccum.loss.load_balancing``), counted by its routed
+    rows, weighted by the coefficient. The window's term is then the whole window's loss,
+    and its gradient the whole window's.
+
+    The shares come from a pass without gradient over the window before its first backward
+    (``begin``). As the micro-batches train, their routing is added up, and the model's own
+    ``aux_loss`` on each is compared with that form over the same logits; ``check`` reads
+    both once, before the window's end, and refuses a window that is not exact."""
+
+    def __init__(self, model: str, experts: int, top_k: int) -> None:
+        self.model, self.experts, self.top_k = model, experts, top_k
+        self.coefficient = 0.0
+        self.fraction = torch.zeros(experts)
+        self.expected = torch.zeros(experts)  # this rank's assignments, from the pass
+        self.seen = torch.zeros(experts)  # this rank's assignments, as it trains
+        self.deviation = torch.zeros(())  # the model's aux_loss against the form, relative
+
+    def logits(self, outputs: Any) -> Any:
+        logits = outputs.get("router_logits") if isinstance(outputs, dict) else None
+        if not logits or outputs.get("aux_loss") is None:
+            raise ValueError(
+                f"{self.model} returned no router_logits or aux_loss with "
+                "output_router_logits=True, so its router loss cannot be counted; set "
+                "output_router_logits=False, or give loss_fn= returning it as a named term"
+            )
+        return logits
+
+    def begin(self, assigned: torch.Tensor, rows: Any, sync: Any, coefficient: float) -> None:
+        """The window's shares: this rank's assignments and rows, summed over the ranks."""
+        *total, total_rows = sync.sum([*assigned.tolist(), float(rows)])
+        shares = torch.tensor(total, dtype=torch.float64) / max(total_rows, 1.0)
+        self.fraction = shares.to(device=assigned.device, dtype=torch.float32)
+        self.expected, self.coefficient = assigned, coefficient
+        self.restart()
+
+    def restart(self) -> None:
+        """The window's micro-batches run again (an out-of-memory replay)."""
+        self.seen = torch.zeros_like(self.expected)
+        self.deviation = torch.zeros((), device=self.expected.device)
+
+    def term(self, outputs: Any, mask: torch.Tensor | None) -> tuple[torch.Tensor, Any, float]:
+        """One micro-batch's ``(loss_sum, routed rows, coefficient)``."""
+        logits = self.logits(outputs)
+        aux_sum, rows = load_balancing(logits, self.experts, self.fraction, mask)
+        assigned, _ = routing_counts(logits, self.experts, self.top_k, mask)
+        self.seen += assigned
+        with torch.no_grad():  # the model's aux_loss on this micro-batch alone, in this form
+            n = rows.clamp(min=1.0)
+            own = load_balancing(logits, self.experts, assigned / n, mask)[0] / n
+            theirs = outputs["aux_loss"].detach().float().to(own.device)
+            off = (own - theirs).abs() / theirs.abs().clamp(min=1e-12)
+            self.deviation = torch.maximum(self.deviation, torch.where(rows > 0, off, 0.0))
+        return aux_sum, rows, self.coefficient
+
+    def check(self) -> None:
+        """The window's routing as the pass counted it, and the model's aux_loss of the
+        form trained (one read from the device per window)."""
+        if not torch.equal(self.seen, self.expected):
+            raise ValueError(
+                f"{self.model} routed the window's tokens differently in training than in the "
+                f"pass before it (assignments per expert {self.seen.tolist()} against "
+                f"{self.expected.tolist()}): its forward is not deterministic here, so its "
+                "router loss cannot be counted exactly; set output_router_logits=False, or give "
+                "loss_fn= returning it as a named term"
+            )
+        deviation = float(self.deviation)
+        if not deviation <= 1e-4:
+            raise ValueError(
+                f"{self.model}'s aux_loss differs from transformers' load_balancing_loss_func "
+                f"over its router_logits by {deviation:.1e} (relative), so gradaccum cannot "
+                "count it over the window; set output_router_logits=False, or give loss_fn= "
+                "returning it as a named term"
+            )
 
 
 # TRL's DPOTrainer: losses that are one value per preference pair, with no state between
