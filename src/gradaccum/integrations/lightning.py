@@ -51,6 +51,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from gradaccum.batching import batch_size
 from gradaccum.integrations.window import FrameworkWindow, ScheduledWindows, noise_option
+from gradaccum.loss import router_loss_setting
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay, free_memory
 from gradaccum.schedule import BatchSchedule
@@ -134,6 +135,21 @@ class ExactAccumulation(lightning.Callback):
                 f"strategy {type(strategy).__name__}: only single-device and DDP leave the "
                 "gradient's reduction and normalization to Lightning's loop"
             )
+        router = router_loss_setting(pl_module)
+        if router is not None:
+            inner = next(
+                type(m).__name__
+                for m in pl_module.modules()
+                if getattr(m, "config", None) is not None and router_loss_setting(m) == router
+            )
+            problems.append(
+                f"{inner} adds a router loss to its own ({router[0]}): its load-balancing term "
+                "is a product of two means over the window, exact only from every "
+                "micro-batch's routing before the first backward, and Lightning's loop fetches "
+                "a window's micro-batches one at a time (nor can the callback see how "
+                "training_step uses the model's loss); set output_router_logits=False, or train "
+                "it with gradaccum's transformers Trainer or Accumulator (docs/losses.md)"
+            )
         self.window = FrameworkWindow(strategy.model, self.noise)
         if self.oom is not None and self.window.sync.distributed:
             problems.append(
@@ -147,6 +163,8 @@ class ExactAccumulation(lightning.Callback):
                 "GradientAccumulationScheduler sets accumulate_grad_batches per epoch, and "
                 "schedule= sets it per window; give one of them"
             )
+        if len(problems) == 1:  # one line
+            raise ValueError(f"ExactAccumulation cannot make this run exact: {problems[0]}")
         if problems:
             raise ValueError(
                 "ExactAccumulation cannot make this run exact:\n  - " + "\n  - ".join(problems)
