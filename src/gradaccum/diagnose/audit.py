@@ -21,8 +21,10 @@ loop: ``step(model, micro_batches)`` accumulates the window's gradient as the us
 does (without stepping), ``loss(model, batch)`` is the large batch's mean loss.
 
 The result names the likely cause in words: a gradient N times the large batch's (a mean
-per micro-batch that nothing divides by the accumulation steps), micro-batches weighted
-equally whatever their item counts, BatchNorm.
+per micro-batch that nothing divides by the accumulation steps), a model's auxiliary loss
+left out of the trained loss (a mixture-of-experts model's router loss: the window matches
+the large batch's gradient without it), micro-batches weighted equally whatever their item
+counts, BatchNorm.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 from torch import nn
 
 from gradaccum.batchnorm import batchnorm_modules
+from gradaccum.loss import router_loss_setting
 
 __all__ = ["AuditResult", "audit"]
 
@@ -267,6 +270,13 @@ def _compare(
             equal().backward()
             equal_weights = _grads(params)
             _clear(params)
+            router = router_loss_setting(model)
+            without_router = None
+            if router is not None:  # the large batch as the model computes it without it
+                with _no_router_loss(model):
+                    big().backward()
+                without_router = _grads(params)
+                _clear(params)
     finally:
         model.train(was_training)
         with torch.no_grad():
@@ -278,22 +288,32 @@ def _compare(
     norm = sum(float(w.double().square().sum()) for w in want)
     ratio = dot / norm if norm else float("nan")
     passed = err <= tolerance
+    off_router = None if without_router is None else _rel(got, without_router)
     return AuditResult(
         err,
         ratio,
         passed,
         tolerance,
         n,
-        None if passed else _cause(model, ratio, n, _rel(got, equal_weights)),
+        None if passed else _cause(model, ratio, n, _rel(got, equal_weights), off_router),
     )
 
 
-def _cause(model: nn.Module, ratio: float, n: int, off_equal: float) -> str:
+def _cause(
+    model: nn.Module, ratio: float, n: int, off_equal: float, off_router: float | None = None
+) -> str:
     if n > 1 and abs(ratio - n) <= 0.1 * n:
         return (
             f"the gradient is {ratio:.2f}x the large batch's with {n} micro-batches: the loss "
             "is a mean per micro-batch and nothing divides it by the accumulation steps (a "
             "compute_loss that ignores num_items_in_batch?)"
+        )
+    if off_router is not None and off_router <= 1e-4:
+        setting = router_loss_setting(model)[0]
+        return (
+            "the model's auxiliary loss is not in the trained loss: the window's gradient is "
+            f"the large batch's without the router loss ({setting}); train it as its own term "
+            "of the window (gradaccum's transformers Trainer does, docs/losses.md)"
         )
     if off_equal <= 1e-4:
         return (
@@ -325,6 +345,26 @@ def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
 def _clear(params: list[torch.Tensor]) -> None:
     for p in params:
         p.grad = None
+
+
+@contextlib.contextmanager
+def _no_router_loss(model: nn.Module) -> Iterator[None]:
+    """The model's forward without its router loss: ``output_router_logits`` off in every
+    config that turns it on, while it runs."""
+    configs = {}
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for c in (config, text):
+            if getattr(c, "output_router_logits", False) is True:
+                configs[id(c)] = c
+    for c in configs.values():
+        c.output_router_logits = False
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c.output_router_logits = True
 
 
 @contextlib.contextmanager
