@@ -1,0 +1,232 @@
+"""A mixture-of-experts causal LM's router loss under accumulation: transformers' own
+test_trainer_moe_loss ported (a tiny Qwen3-MoE with output_router_logits=True, its loss
+cross-entropy + router_aux_loss_coef x the load-balancing loss), through gradaccum's Trainer
+with 4 micro-batches of uneven token counts, against the model called once on the whole
+batch with labels (its own loss, autograd's gradient). The load-balancing loss is a product
+of two means over the batch, so a window is exact only with the window's routing: the
+refusals where that cannot be had, Lightning's callback, and the audit's cause."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from frameworks import rel_err, stack
+from frameworks import trainer_arguments as arguments
+from helpers import capture_step_grads
+
+transformers = pytest.importorskip("transformers")
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+
+import gradaccum as ga  # noqa: E402
+from gradaccum.integrations.transformers import Trainer  # noqa: E402
+
+VOCAB, SEQ = 64, 16
+
+
+def tiny_moe(coef: float = 0.07, seed: int = 0, **overrides) -> Qwen3MoeForCausalLM:
+    """Two layers of 8 experts, 2 per token, random init."""
+    torch.manual_seed(seed)
+    settings = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=coef,
+        max_position_embeddings=SEQ,
+    )
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**settings, **overrides}))
+
+
+def sequences(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """``n`` sequences of lengths 2..16, right-padded to 16 (mask 0, label -100 there)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(2, SEQ + 1, (), generator=g))
+        ids = torch.zeros(SEQ, dtype=torch.long)
+        ids[:length] = torch.randint(1, VOCAB, (length,), generator=g)
+        mask = (torch.arange(SEQ) < length).long()
+        out.append(
+            {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        )
+    return out
+
+
+def full_batch(model, items) -> tuple[float, dict[str, torch.Tensor]]:
+    """The reference, torch and transformers alone: the model once on the whole batch with
+    labels, its own loss (cross-entropy + coefficient x load balancing) and its gradient."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**stack(items)).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach().item(), grads
+
+
+def one_window(tmp_path, model, items, trainer_class=Trainer, **kwargs):
+    """One window of 4 micro-batches of 4 at learning rate 0: its gradient and logs."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = capture_step_grads(optimizer, model)
+    trainer = trainer_class(
+        model=model,
+        args=arguments(tmp_path),
+        train_dataset=items,
+        optimizers=(optimizer, None),
+        **kwargs,
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return seen, logs, trainer
+
+
+@pytest.mark.parametrize("coef", [0.01, 0.07])
+def test_the_router_loss_is_the_full_batchs(tmp_path, coef):
+    model = tiny_moe(coef)
+    reference = copy.deepcopy(model)
+    items = sequences(16)
+    tokens = [int((stack(items[i : i + 4])["labels"][:, 1:] != -100).sum()) for i in (0, 4, 8, 12)]
+    want_loss, want = full_batch(reference, items)
+    seen, logs, _ = one_window(tmp_path, model, items)
+    err = rel_err(seen[0], want)
+    loss_err = abs(logs[0]["loss"] - want_loss) / want_loss
+    print(
+        f"Qwen3-MoE, router_aux_loss_coef {coef}, micro-batches of {tokens} tokens: gradient "
+        f"{err:.1e} off, loss {logs[0]['loss']:.6f} against {want_loss:.6f} ({loss_err:.1e})"
+    )
+    assert len(seen) == 1 and err <= 1e-6 and loss_err <= 1e-6
+    assert "loss_ce" in logs[0] and "loss_aux" in logs[0]
+
+
+def ce_only(model, inputs):
+    """A loss_fn that leaves the router loss out: the token loss alone."""
+    logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    return ga.causal_lm_loss(logits, inputs["labels"])
+
+
+def test_the_audit_names_the_router_loss_left_out(tmp_path):
+    items = sequences(16)
+    args = arguments(tmp_path)
+    exact = ga.audit(Trainer(model=tiny_moe(), args=args, train_dataset=items))
+    left_out = ga.audit(Trainer(model=tiny_moe(), args=args, train_dataset=items, loss_fn=ce_only))
+    print(f"the model's own loss: {exact.summary}\nCE alone as loss_fn: {left_out.summary}")
+    assert exact.passed
+    assert not left_out.passed
+    assert left_out.cause.startswith("the model's auxiliary loss is not in the trained loss")
+
+
+class MyMoe(Qwen3MoeForCausalLM):
+    """A class gradaccum does not know, whose forward adds a router loss."""
+
+
+class ZLossMoe(Qwen3MoeForCausalLM):
+    """A known class name whose aux_loss is not the load-balancing loss alone (a router
+    z-loss added to it)."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        out = super().forward(input_ids, attention_mask, labels=labels, **kwargs)
+        if out.aux_loss is not None:
+            z = sum(torch.logsumexp(r, dim=-1).square().mean() for r in out.router_logits)
+            out.aux_loss = out.aux_loss + 1e-3 * z
+        return out
+
+
+ZLossMoe.__name__ = "Qwen3MoeForCausalLM"
+
+
+def _refusal(tmp_path, model) -> str:
+    trainer = Trainer(model=model, args=arguments(tmp_path), train_dataset=sequences(16))
+    with pytest.raises(ValueError) as error:
+        trainer.train()
+    message = str(error.value)
+    print(message)
+    assert "\n" not in message
+    return message
+
+
+def test_a_router_loss_that_cannot_be_counted_is_refused_in_one_line(tmp_path):
+    setting = "output_router_logits=True, router_aux_loss_coef=0.07"
+    config = tiny_moe().config
+    message = _refusal(tmp_path, MyMoe(config))
+    assert f"MyMoe adds an auxiliary loss to its own ({setting})" in message
+    message = _refusal(tmp_path, tiny_moe(attention_dropout=0.1))
+    assert "draws random numbers in training (attention_dropout=0.1)" in message
+    message = _refusal(tmp_path, ZLossMoe(config))
+    assert "Qwen3MoeForCausalLM's aux_loss differs from transformers' load_balancing" in message
+
+
+def test_without_the_router_loss_nothing_changes(tmp_path):
+    """output_router_logits=False: the token loss alone, as before (the model's own loss
+    is then cross-entropy alone)."""
+    model = tiny_moe(output_router_logits=False)
+    items = sequences(16)
+    _, want = full_batch(copy.deepcopy(model), items)
+    seen, logs, _ = one_window(tmp_path, model, items)
+    assert rel_err(seen[0], want) <= 1e-6 and "loss_aux" not in logs[0]
+
+
+lightning = pytest.importorskip("lightning")
+from frameworks import RecordingSGD  # noqa: E402
+
+from gradaccum.integrations.lightning import ExactAccumulation, exact_output  # noqa: E402
+
+
+class LM(lightning.LightningModule):
+    """The tiny MoE, its token loss through exact_output."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return exact_output(self, *ga.causal_lm_loss(logits.logits, batch["labels"]))
+
+    def configure_optimizers(self):
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self.optimizer = RecordingSGD(self.model.parameters(), names, lr=0.0)
+        return self.optimizer
+
+
+def lightning_fit(module, items):
+    loader = torch.utils.data.DataLoader(items, batch_size=4, collate_fn=stack)
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        accumulate_grad_batches=4,
+        callbacks=[ExactAccumulation()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader)
+
+
+def test_lightnings_callback_refuses_the_router_loss_in_one_line():
+    """Lightning's loop fetches a window's micro-batches one at a time, so the window's
+    routing is not known before its first backward: refused, naming the model and the
+    setting. With the router loss off, the same module is exact."""
+    with pytest.raises(ValueError) as error:
+        lightning_fit(LM(tiny_moe()), sequences(16))
+    message = str(error.value)
+    print(message)
+    assert "\n" not in message
+    assert "Qwen3MoeForCausalLM adds a router loss to its own (output_router_logits=True" in message
+    model = tiny_moe(output_router_logits=False)
+    items = sequences(16)
+    _, want = full_batch(copy.deepcopy(model), items)
+    module = LM(model)
+    lightning_fit(module, items)
+    err = rel_err(module.optimizer.seen[0], want)
+    print(f"Lightning, output_router_logits=False: {err:.1e}")
+    assert err <= 1e-6
