@@ -1,17 +1,14 @@
-import os
+"""``python -m gradaccum``: the command, as its console script runs it."""
+
 import sys
 
 from gradaccum.app.cli import main
+from gradaccum.app.process import EXIT_INTERRUPTED, leave
 
 code = main()
-if code == 130:
+if code == EXIT_INTERRUPTED:
     # A Ctrl-C handled (one line said, exit 130): under `python -m`, CPython can still end the
     # process by SIGINT after it (seen once in four interrupts while planning), which a
     # shell reads as a different status. Leave with the documented one.
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    os._exit(code)
+    leave(code)
 sys.exit(code)

@@ -492,7 +492,7 @@ def test_resume_reapplies_the_runs_activation_checkpointing(tmp_path):
     """Checkpointing is part of the plan and of the checkpoint; a resumed run (from either)
     recomputes the same blocks it did before the stop."""
     from gradaccum.app import TrainConfig
-    from gradaccum.app.build import _build
+    from gradaccum.app import build_run
     from gradaccum.recompute import checkpointing_enabled
 
     run = tmp_path / "x"
@@ -517,7 +517,7 @@ def test_resume_reapplies_the_runs_activation_checkpointing(tmp_path):
         if source == "plan":  # as if the run had stopped before its first checkpoint
             (run / "checkpoint.pt").unlink()
         cfg = TrainConfig.of(**{**saved, "resume": str(run), "out": str(run)})
-        built = _build(cfg, rank=0, world=1, log=lambda *a: None)
+        built = build_run(cfg, log=lambda *a: None)
         try:
             assert built.checkpointing and checkpointing_enabled(built.model), source
         finally:

@@ -1,7 +1,8 @@
 """Faults on demand, for tests of code that must survive them; never shipped in the package.
 
 ``inject_oom`` wraps a loss function; ``corrupt_samples`` damages a run's data, reaching the
-app through ``train_with_faults`` (the app's private seam, not its API)."""
+app through ``train_with_faults``: the run built by the public ``build_run``, its data
+wrapped (``FaultyData``), trained by the public ``Trainer``. No seam in shipped code."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from gradaccum.batching import batch_size
 
-__all__ = ["corrupt_samples", "inject_oom", "oom_after", "train_with_faults"]
+__all__ = ["FaultyData", "corrupt_samples", "inject_oom", "oom_after", "train_with_faults"]
 
 
 def inject_oom(loss_fn: Callable[..., Any], max_fitting_size: int) -> Callable[..., Any]:
@@ -116,12 +117,29 @@ def corrupt_samples(
     return hook
 
 
+class FaultyData:
+    """A run's data (the recipes' ``TaskData``) whose windows pass through ``faults(position,
+    batch) -> batch``: the damage a test injects, seen by the run as its own data."""
+
+    def __init__(self, data: Any, faults: Callable[[int, Any], Any]) -> None:
+        self.data, self.faults = data, faults
+
+    def batch(self, first: int, size: int) -> Any:
+        return self.faults(first, self.data.batch(first, size))
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the data's own
+        return getattr(self.data, name)
+
+
 def train_with_faults(cfg: Any, faults: Callable[[int, Any], Any], log=print) -> dict[str, Any]:
     """``gradaccum.app.train(cfg)`` with ``faults(position, batch) -> batch`` applied to each
-    window's samples before they are split."""
-    from gradaccum.app.trainer import _train
+    window's samples before they are split: the run built by ``build_run``, its data wrapped
+    (``FaultyData``), then trained by ``Trainer``, as ``train`` does."""
+    from gradaccum.app import Trainer, build_run
 
-    return _train(cfg, log, faults)
+    run = build_run(cfg, log=log)
+    run.data = FaultyData(run.data, faults)
+    return Trainer(run, log).fit()
 
 
 def flip_tensor_bit(path, record: int = 0, byte: int = 0, bit: int = 0) -> tuple[str, int]:
@@ -155,10 +173,11 @@ def rewrite_checkpoint(path, change: Callable[[dict[str, Any]], None]) -> None:
     judging the state can tell."""
     from pathlib import Path
 
-    from gradaccum.app.folder import RunFolder, sealed
+    from gradaccum.app.checkpoints import Checkpoints, sealed
+    from gradaccum.app.folder import RunFolder
 
     path = Path(path)
-    state = RunFolder(path.parent).load_checkpoint(torch.device("cpu"), path)
+    state = Checkpoints(RunFolder(path.parent)).load(torch.device("cpu"), path)
     state.pop("format")
     change(state)
     torch.save(sealed(state), path)

@@ -95,7 +95,21 @@ def kind_words(path: Path) -> set[str]:
     return names & KIND_WORDS
 
 
-@pytest.mark.parametrize("module", ["loop.py", "report/summary.py", "build.py"])
+LOOP_AND_COMPONENTS = [
+    "trainer.py",
+    "run.py",
+    "lr.py",
+    "stops.py",
+    "evaluation.py",
+    "export.py",
+    "checkpoints.py",
+    "report/sink.py",
+    "report/summary.py",
+    "build.py",
+]
+
+
+@pytest.mark.parametrize("module", LOOP_AND_COMPONENTS)
 def test_the_build_the_loop_and_the_report_never_ask_which_kind_of_run_they_run(module):
     # (PipelineWindow may be named in a type annotation, which is not a branch; the build
     # hands the job's process count, ``world``, to RunKind.of.)

@@ -2,18 +2,41 @@
 
 The library (``import gradaccum``) never imports this package; this package imports the
 library and its extras (tqdm, pyyaml, matplotlib, and the frameworks a recipe needs). From
-Python, ``train(TrainConfig.of(...))`` runs what ``gradaccum train`` runs.
+Python, ``train(TrainConfig.of(...))`` runs what ``gradaccum train`` runs, and is
+``Trainer(build_run(cfg)).fit()``.
 
-    cli/        one module per command: parse, build, call
-    trainer.py  train(): build, loop, report
-    config.py build.py loop.py folder.py guard.py targets.py launch.py measure.py
-    report/     summary, report.html, plots, TensorBoard events
-    recipes/    the built-in models and data
+    cli/          one module per command: parse, resolve, build, call, exit code
+    process.py    signals, exit codes, output that survives a closed pipe
+    config.py     every option's default, help and check; what a resume may change
+    build.py      build_run(cfg): the Run (run.py) a training run starts from
+    trainer.py    Trainer(run).fit(): the loop over its components (listed there)
+    kinds.py      one process or DDP, FSDP2, a pipeline: what differs between them
+    folder.py     the run folder: layout, lock, atomic writes, JSON; every file name
+    planning.py measure.py plan_process.py plan_cache.py    the plan of a run
+    report/       summary, report.html, plots, TensorBoard events, the metrics sink
+    recipes/      the built-in models and data
+
+The names below load on first use: the command's entry point imports this package before
+torch loads (gradaccum.app.process).
 """
 
-# (a Ctrl-C while this loads, under the command: gradaccum/__init__.py's handler says it)
-from gradaccum.app.config import RESUMABLE, TrainConfig
-from gradaccum.app.loop import Interrupted
-from gradaccum.app.trainer import train
+import importlib as _importlib
 
-__all__ = ["RESUMABLE", "Interrupted", "TrainConfig", "train"]
+_WHERE = {
+    "RESUMABLE": "gradaccum.app.config",
+    "TrainConfig": "gradaccum.app.config",
+    "Interrupted": "gradaccum.app.stops",
+    "Run": "gradaccum.app.run",
+    "build_run": "gradaccum.app.build",
+    "Trainer": "gradaccum.app.trainer",
+    "train": "gradaccum.app.trainer",
+}
+
+__all__ = ["RESUMABLE", "Interrupted", "Run", "TrainConfig", "Trainer", "build_run", "train"]
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gradaccum.app' has no attribute {name!r}")
+    return getattr(_importlib.import_module(module), name)

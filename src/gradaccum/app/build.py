@@ -14,13 +14,14 @@ from typing import Any
 import torch
 
 from gradaccum.app import launch, planning
+from gradaccum.app.checkpoints import Checkpoints
 from gradaccum.app.config import RESUMABLE, TrainConfig
 from gradaccum.app.folder import BASELINE, CHECKPOINT, CONFIG, RESUMES, RunFolder
 from gradaccum.app.guard import IncidentGuard
 from gradaccum.app.kinds import RunKind
-from gradaccum.app.loop import _Run
 from gradaccum.app.recipes import Recipe, get_recipe, hf_recipe
 from gradaccum.app.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
+from gradaccum.app.run import Progress, Run
 from gradaccum.checkpoint import preserved_rng
 from gradaccum.memory import Resident
 from gradaccum.schedule import BatchSchedule
@@ -53,9 +54,11 @@ def _check_signature(saved: dict[str, Any], mine: dict[str, Any], path: Path) ->
         )
 
 
-def _build(cfg: TrainConfig, rank: int, world: int, log) -> _Run:
+def build_run(cfg: TrainConfig, rank: int = 0, world: int = 1, log=print) -> Run:
     """The run folder decided and locked, the model, data and optimizer, the micro-batch
-    (from the checkpoint, the saved plan, the flag, or a new plan) and the window runner."""
+    (from the checkpoint, the saved plan, the flag, or a new plan) and the window runner;
+    on a resume, the state of its checkpoint. ``rank`` and ``world``: this process's place
+    in a torchrun job (``launch.init_from_env``)."""
     main = rank == 0
     kind = RunKind.of(cfg, rank, world)  # the job checked: how to launch it, if it does not fit
     effective = cfg.batch.effective_batch
@@ -147,7 +150,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opt
     return torch.optim.AdamW(trainable, lr=cfg.schedule.lr, weight_decay=cfg.schedule.weight_decay)
 
 
-def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
+def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> Run:
     """The model, data, optimizer, micro-batch and window runner, in the opened folder."""
     main, effective = kind.main, cfg.batch.effective_batch
     resuming = cfg.output.resume is not None
@@ -214,7 +217,7 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
         recipe = compiled(recipe, model, kind, log)
     # With clipping, a gradient spike's step is already bounded: the loss tells damage.
     guard = IncidentGuard(gradient=not cfg.numerics.max_grad_norm) if cfg.incidents.guard else None
-    run = _Run(
+    run = Run(
         cfg=cfg,
         folder=folder,
         kind=kind,
@@ -228,10 +231,7 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
         eval_micro_batch=eval_micro,
         checkpointing=checkpointing,
         signature=signature,
-        schedule=schedule,
-        start=0,
-        total_steps=total_steps,
-        total_samples=total_samples,
+        progress=Progress(schedule, total_steps, total_samples),
         targets=cfg.targets.runtime(),
         guard=guard,
         carried=before_training.grown,
@@ -243,7 +243,7 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> _Run:
         if total_samples is not None:
             where = f"step {schedule.step}, sample {schedule.samples:,} of {total_samples:,}"
         log(f"resuming {folder.path} at {where} (micro-batch {micro})")
-    run.skip_ahead()
+    run.progress.skip_ahead()
     return run
 
 
@@ -253,7 +253,7 @@ def _resume_from(kind: RunKind, folder: RunFolder, device: torch.device, log):
     run goes back to (the steps after it are trained again, exactly); None when the run
     stopped before its first checkpoint. Every rank tries the same files and takes the same
     one (a rank whose part of a checkpoint is damaged rules that checkpoint out for all)."""
-    kept = [file for _, file in reversed(folder.kept_checkpoints())]
+    kept = [file for _, file in reversed(Checkpoints(folder).kept())]
     lost = None  # what was wrong with the newest checkpoint
     for file in [None, *kept]:
         saved, problem = None, None

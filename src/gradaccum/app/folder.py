@@ -36,24 +36,19 @@ import fcntl
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
+__all__ = ["RunFolder", "write_failure"]
 
-from gradaccum.checkpoint import file_digest, state_digest
-
-__all__ = ["CHECKPOINT_FORMAT", "RunFolder"]
-
-CHECKPOINT_FORMAT = "gradaccum.run/1"
+# Every file name of a run folder, here and nowhere else.
 CONFIG, PLAN, RESUMES = "config.json", "plan.json", "resumes.jsonl"
 METRICS, CHECKPOINT, LOCK = "metrics.jsonl", "checkpoint.pt", ".lock"
 MEMORY = "memory.json"  # the last session's peak memory, phase by phase
 KEPT, INCIDENTS, STAGES = "checkpoints", "incidents.jsonl", "stages"
 SHARDS, MODEL = "shards", "model.pt"
-BASELINE = "baseline.json"
-DIGEST = "sha256"  # a checkpoint's checksum, over everything else in it
+BASELINE, SUMMARY = "baseline.json", "summary.json"
+TENSORBOARD, EXPORT = "tensorboard", "export"
 
 
 class RunFolder:
@@ -224,7 +219,7 @@ class RunFolder:
         return value
 
     def write_json(self, name: str, obj: Any) -> None:
-        self._write(name, lambda tmp: tmp.write_text(json.dumps(obj, indent=2, default=str)))
+        self.write_file(name, lambda tmp: tmp.write_text(json.dumps(obj, indent=2, default=str)))
 
     def append_line(self, name: str, obj: Any) -> None:
         file = self.path / name
@@ -234,7 +229,9 @@ class RunFolder:
         except OSError as err:
             raise ValueError(f"cannot write {file}: {write_failure(err)}") from None
 
-    def _write(self, name: str, write) -> None:
+    def write_file(self, name: str, write) -> None:
+        """``write(tmp)`` writes the file ``name`` whole: to a temporary file, then renamed
+        over it. A failure is a ValueError naming the file and why."""
         file = self.path / name
         tmp = file.with_name(file.name + ".tmp")
         try:
@@ -245,59 +242,9 @@ class RunFolder:
                 tmp.unlink(missing_ok=True)
             raise ValueError(f"cannot write {file}: {write_failure(err)}") from None
 
-    # -- checkpoint ---------------------------------------------------------------------------
-
-    def save_checkpoint(self, state: dict[str, Any]) -> None:
-        self._write(CHECKPOINT, lambda tmp: torch.save(sealed(state), tmp))
-
-    def load_checkpoint(
-        self, device: torch.device, file: Path | None = None
-    ) -> dict[str, Any] | None:
-        """The checkpoint (checkpoint.pt, or ``file``), its checksum verified, or None when
-        the run stopped before its first one. A damaged file is a ValueError saying so."""
-        file = file or self.path / CHECKPOINT
-        if not file.exists():
-            return None
-        try:
-            with warnings.catch_warnings():  # a damaged file's warnings would add lines
-                warnings.simplefilter("ignore")
-                saved = torch.load(file, weights_only=True, map_location=device)
-        except Exception as err:  # noqa: BLE001 - any unreadable file gets the same answer
-            # torch's own message may suggest weights_only=False: never, for a file that
-            # cannot be read safely. Name the file and what to do instead.
-            raise ValueError(
-                f"{file} cannot be read as a gradaccum checkpoint ({type(err).__name__}): it "
-                "is truncated, damaged or not a checkpoint"
-            ) from None
-        if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{file} is not a gradaccum run checkpoint")
-        # (a checkpoint of gradaccum 0.6 or before has no checksum: read as it is)
-        recorded = saved.pop(DIGEST, None)
-        if recorded is not None and state_digest(saved) != recorded:
-            raise ValueError(
-                f"{file} is damaged: its contents do not match the checksum written with it "
-                f"(step {saved.get('step', '?')})"
-            )
-        return saved
-
-    def keep_checkpoint(self, step: int, keep: int) -> None:
-        """Keep checkpoint.pt as checkpoints/step-N.pt, a copy of its own (damage to one file
-        leaves the other whole), and only the last ``keep``."""
-        kept = self.path / KEPT
-        target = kept / f"step-{step:08d}.pt"
-        tmp = target.with_name(target.name + ".tmp")
-        try:
-            kept.mkdir(exist_ok=True)
-            tmp.unlink(missing_ok=True)
-            shutil.copyfile(self.path / CHECKPOINT, tmp)
-            os.replace(tmp, target)
-            for _, old in self.kept_checkpoints()[:-keep]:
-                old.unlink()
-        except OSError as err:
-            raise ValueError(f"cannot keep a checkpoint in {kept}: {write_failure(err)}") from None
-
     def kept_checkpoints(self) -> list[tuple[int, Path]]:
-        """(step, file) of the kept checkpoints, oldest first."""
+        """(step, file) of the kept checkpoints under checkpoints/, oldest first (their
+        writing and reading: gradaccum.app.checkpoints)."""
         found = []
         for file in (self.path / KEPT).glob("step-*.pt"):
             try:
@@ -306,142 +253,6 @@ class RunFolder:
                 continue
         return sorted(found)
 
-    # -- a pipeline's stages -----------------------------------------------------------------
-    #
-    # Stage S > 0 writes its part of step N's checkpoint as stages/stage-S-step-N.pt before
-    # rank 0 writes checkpoint.pt (the commit); a crash between them leaves the previous
-    # step's files, which the previous checkpoint.pt names. Files of steps no checkpoint
-    # names any more are removed after the commit.
-
-    def save_stage(self, stage: int, step: int, state: dict[str, Any]) -> None:
-        try:
-            (self.path / STAGES).mkdir(exist_ok=True)
-        except OSError as err:
-            raise ValueError(f"cannot write {self.path / STAGES}: {write_failure(err)}") from None
-        name = f"{STAGES}/stage-{stage}-step-{step:08d}.pt"
-        self._write(name, lambda tmp: torch.save(sealed(state), tmp))
-
-    def load_stage(self, stage: int, step: int, device: torch.device) -> dict[str, Any]:
-        file = self.path / STAGES / f"stage-{stage}-step-{step:08d}.pt"
-        if not file.exists():
-            raise ValueError(
-                f"{file} is missing: the checkpoint of step {step} needs every stage's part; "
-                "restore it, or start a new run"
-            )
-        saved = self.load_checkpoint(device, file)
-        assert saved is not None  # it exists
-        return saved
-
-    # -- FSDP2's shards ------------------------------------------------------------------------
-    #
-    # Every rank writes its part of step N's checkpoint into shards/step-N.tmp/; when all
-    # have, rank 0 renames it shards/step-N/ and writes checkpoint.pt naming it (the commit).
-    # A crash before the commit leaves the previous checkpoint and the folder it names.
-
-    def prepare_shards(self, step: int) -> str | None:
-        """Rank 0, before the ranks write step ``step``'s shards: an empty folder for them
-        (what a crash left there is removed). A problem is returned, not raised: every rank
-        must hear of it before any of them writes."""
-        tmp = self.path / SHARDS / f"step-{step:08d}.tmp"
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        except OSError as err:
-            return f"cannot write {tmp}: {write_failure(err)}"
-        return None
-
-    def save_shards(self, acc: Any, step: int) -> None:
-        """This rank's shards and state into the folder ``prepare_shards`` made (every rank
-        calls it: torch.distributed.checkpoint is collective)."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from gradaccum.checkpoint import save_sharded
-
-        tmp = self.path / SHARDS / f"step-{step:08d}.tmp"
-        try:
-            save_sharded(acc, tmp)
-        except (OSError, RuntimeError, CheckpointException) as err:
-            raise ValueError(f"cannot write {tmp}: {write_failure(err)}") from None
-
-    def commit_shards(self, step: int) -> str:
-        """Rank 0, after every rank wrote: the folder renamed to its final name, which
-        checkpoint.pt will hold (relative to the run folder)."""
-        name = f"{SHARDS}/step-{step:08d}"
-        final = self.path / name
-        try:
-            shutil.rmtree(final, ignore_errors=True)  # a rollback's earlier branch
-            os.replace(final.with_name(final.name + ".tmp"), final)
-        except OSError as err:
-            raise ValueError(f"cannot write {final}: {write_failure(err)}") from None
-        return name
-
-    def shard_digests(self, name: str) -> dict[str, str]:
-        """Rank 0, after the commit: the checksum of every file in the checkpoint's shard
-        folder ``name`` (every rank's DCP files and rank-R.pt), for checkpoint.pt to hold."""
-        folder = self.path / name
-        try:
-            return {
-                str(f.relative_to(folder)): file_digest(f)
-                for f in sorted(folder.rglob("*"))
-                if f.is_file()
-            }
-        except OSError as err:
-            raise ValueError(f"cannot read {folder}: {write_failure(err)}") from None
-
-    def check_shards(self, name: str, digests: dict[str, str] | None) -> str | None:
-        """What is wrong with the shard folder ``name`` against the checksums written with
-        it (None: whole, or a checkpoint from before checksums)."""
-        folder = self.path / name
-        if not folder.is_dir():
-            return (
-                f"{folder} is missing: the checkpoint needs every rank's shards; restore it, "
-                "or start a new run"
-            )
-        if digests is None:
-            return None
-        for rel, recorded in digests.items():
-            file = folder / rel
-            try:
-                whole = file_digest(file) == recorded
-            except OSError:
-                return f"{file} is missing or unreadable: the checkpoint needs every rank's part"
-            if not whole:
-                return f"{file} is damaged: its bytes do not match the checksum written with it"
-        return None
-
-    def load_shards(self, acc: Any, name: str) -> None:
-        """Every rank: its shards and state of the checkpoint's folder ``name``."""
-        from gradaccum.checkpoint import load_sharded
-
-        path = self.path / name
-        if not path.is_dir():
-            raise ValueError(
-                f"{path} is missing: the checkpoint needs every rank's shards; restore it, "
-                "or start a new run"
-            )
-        load_sharded(acc, path)
-
-    def prune_parts(self, keep_steps: set[int]) -> None:
-        """Remove the stage files and shard folders of steps no checkpoint names
-        (``keep_steps``), and shard folders a crash left half-written."""
-        for file in (self.path / STAGES).glob("stage-*-step-*.pt"):
-            try:
-                step = int(file.stem.rsplit("-", 1)[1])
-            except ValueError:
-                continue
-            if step not in keep_steps:
-                file.unlink(missing_ok=True)
-        for folder in (self.path / SHARDS).glob("step-*"):
-            try:
-                step = int(folder.name[5:])
-            except ValueError:  # step-N.tmp: never committed
-                step = None
-            if step not in keep_steps:
-                shutil.rmtree(folder, ignore_errors=True)
-
-    def save_model(self, state_dict: dict[str, Any]) -> None:
-        self._write(MODEL, lambda tmp: torch.save(state_dict, tmp))
-
     # -- metrics ------------------------------------------------------------------------------
 
     def open_metrics(self, through_step: int):
@@ -449,7 +260,7 @@ class RunFolder:
         later steps, or half a line), then opened for appending."""
         file = self.path / METRICS
         kept = [raw for step, raw in self._metric_lines() if step <= through_step]
-        self._write(METRICS, lambda tmp: tmp.write_text("".join(x + "\n" for x in kept)))
+        self.write_file(METRICS, lambda tmp: tmp.write_text("".join(x + "\n" for x in kept)))
         try:
             return file.open("a")
         except OSError as err:
@@ -505,12 +316,6 @@ class RunFolder:
 def _leftover(name: str) -> bool:
     """What a killed start can leave in a folder it made: the lock, half-written files."""
     return name == LOCK or name.endswith(".tmp")
-
-
-def sealed(state: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint as written: its format, and the checksum of everything in it."""
-    whole = {"format": CHECKPOINT_FORMAT, **state}
-    return {**whole, DIGEST: state_digest(whole)}
 
 
 def write_failure(err: Exception) -> str:

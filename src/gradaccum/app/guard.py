@@ -37,7 +37,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Incident", "IncidentGuard"]
+import torch
+
+from gradaccum.app.folder import INCIDENTS
+from gradaccum.batching import split, to_device
+from gradaccum.checkpoint import preserved_rng
+
+__all__ = ["GUARD_RETRIES", "Incident", "IncidentGuard", "Rollback"]
+
+GUARD_RETRIES = 3  # rollbacks in a row not getting past the incident's step, then a stop
 
 _MAD_TO_SIGMA = 1.4826  # the median absolute deviation of a normal sample, in sigmas
 
@@ -167,3 +175,151 @@ class IncidentGuard:
         if first is None and self._losses:
             first = {"loss": abs(self._losses[0]), "grad_norm": abs(self._norms[0])}
         self._first = {k: float(v) for k, v in (first or {}).items()}
+
+
+class Rollback:
+    """The guard's other half: after an incident, back to the newest kept checkpoint from
+    before the blamed windows whose state passes the guard itself, their samples set aside,
+    the incident recorded in incidents.jsonl. ``recent`` remembers the windows an incident
+    can blame. Handed the parts it works with: the checkpoint files and the checkpointer
+    (to write the rolled-back state again, now with the samples set aside: a resumed run
+    decides alike), ``restore`` (``Run.restore``), the run's progress, and for the probe of
+    a restored state the data, model, loss and micro-batch."""
+
+    def __init__(self, guard, store, checkpointer, restore, progress, probe, log) -> None:
+        self.guard, self.store, self.checkpointer = guard, store, checkpointer
+        self.restore, self.progress, self.probe, self.log = restore, progress, probe, log
+        self.recent: list[tuple[int, int, int]] = []  # (step, first, end sample) of windows
+
+    def check(self, step: int, first: int, samples: int, result: Any) -> Incident | None:
+        """The window just trained (its first sample and size), judged; None without the
+        guard. The loss and gradient norm are global, so every rank judges alike."""
+        self.recent = [*self.recent[-20:], (step, first, first + samples)]
+        if self.guard is None:
+            return None
+        return self.guard.check(result.loss, result.grad_norm, result.skipped is not None)
+
+    def roll_back(self, incident: Incident) -> bool:
+        """Back before the incident's windows. Returns True when the guard gives up: after
+        GUARD_RETRIES rollbacks in a row that did not get past the incident's step, or a
+        divergence, the run stops there."""
+        blamed, self.recent = self.recent[-incident.windows :], []
+        step, p = blamed[-1][0], self.progress
+        folder = self.store.folder
+        kept = [(s, f) for s, f in self.store.kept() if s < blamed[0][0]]
+        if not kept:  # cannot happen while the folder is intact: the run keeps its first state
+            raise ValueError(
+                f"the incident guard found a {incident.kind} at step {step} but {folder.path} "
+                "holds no kept checkpoint to roll back to; resume with --no-guard"
+            )
+        back, unusable = self._target(kept)  # restored
+        gave_up = p.retries >= GUARD_RETRIES or not incident.blames_data
+        span = [blamed[0][1], blamed[-1][2]]
+        passed = f" ({unusable})" if unusable else ""
+        if not incident.blames_data:
+            grew = incident.seen["loss"] / incident.seen["first_loss"]
+            action = (
+                f"stopped: the loss grew {grew:.3g}x over the first window's in the warm-up, "
+                "which is the optimization diverging (too high a learning rate?), not bad "
+                f"data: nothing set aside; the run is back at step {back}{passed}"
+            )
+        elif gave_up:
+            judged = (
+                ", whose state scores its own last window within the guard's band"
+                if self.probe.alone
+                else ""
+            )
+            action = (
+                f"stopped: {p.retries} rollbacks in a row did not get past it; the run is back "
+                f"at step {back}{judged}{passed}"
+            )
+        else:
+            p.set_aside([(first, end) for _, first, end in blamed], step)
+            action = (
+                f"rolled back to step {back}; samples {span[0]:,} to {span[1]:,} set aside "
+                f"(rollback {p.retries} of at most {GUARD_RETRIES} in a row){passed}"
+            )
+        self.checkpointer.save(back)
+        if self.checkpointer.writes:
+            seen = {k: round(v, 6) for k, v in incident.seen.items()}
+            record = {
+                "step": step,
+                "samples": span,
+                "kind": incident.kind,
+                "seen": seen,
+                "action": action,
+                "rolled_back_to": back,
+                "retry": p.retries,
+            }
+            folder.append_line(INCIDENTS, record)
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in incident.seen.items())
+        self.log(f"incident at step {step}: {incident.kind} ({shown}); {action}")
+        return gave_up
+
+    def _target(self, kept: list[tuple[int, Any]]) -> tuple[int, str]:
+        """(step, what was passed over) of the newest kept checkpoint whose state passes the
+        guard itself, restored: every weight and optimizer entry finite, and (one process)
+        the restored model scoring the window it last trained on within the guard's band. A
+        target that fails is a bad state, never called good: an older one is tried; none
+        left is a ValueError."""
+        passed = []
+        for back, file in reversed(kept):
+            saved = self.checkpointer.kind.load_saved(self.store.folder, self.probe.device, file)
+            if not finite(saved["accumulator"]):
+                passed.append(f"step {back} holds non-finite weights")
+                continue
+            self.restore(saved, rollback=True)
+            problem = self.probe(back, self.guard.highest_loss())
+            if problem is None:
+                return back, "; ".join(passed)
+            passed.append(f"step {back} {problem}")
+        raise ValueError(
+            "the incident guard would roll back, but no kept checkpoint holds a good state ("
+            + "; ".join(passed)
+            + "): the run went bad before them; start a new run (a lower --lr?)"
+        )
+
+
+class Probe:
+    """What is wrong with a state just restored at step ``back``: its loss on the samples of
+    step ``back``'s window (which the guard accepted when it trained on them) non-finite or
+    above the guard's band, or None. Forward only, nothing of the run changed (buffers and
+    random generators are put back). One process only (``alone``): elsewhere every rank
+    would have to agree on the shards' sum, and a pipeline's forward is its schedule."""
+
+    def __init__(self, folder, data, model, loss_fn, micro_batch: int, device, kind: Any):
+        self.folder, self.data, self.model, self.loss_fn = folder, data, model, loss_fn
+        self.micro_batch, self.device, self.alone = micro_batch, device, kind.world == 1
+
+    def __call__(self, back: int, highest: float | None) -> str | None:
+        if back == 0 or highest is None or not self.alone:
+            return None
+        line = next((x for x in reversed(self.folder.metrics()) if x.get("step") == back), None)
+        if line is None or not line.get("effective_batch"):
+            return None
+        size = int(line["effective_batch"])
+        batch = self.data.batch(int(line["samples"]) - size, size)
+        buffers = {k: v.clone() for k, v in self.model.named_buffers()}
+        total = count = 0.0
+        with torch.no_grad(), preserved_rng():
+            for mb in split(to_device(batch, self.device), self.micro_batch):
+                loss_sum, n = self.loss_fn(self.model, mb)
+                total += float(loss_sum)
+                count += float(n)
+        for name, value in self.model.named_buffers():
+            value.copy_(buffers[name])
+        loss = total / max(count, 1.0)
+        if not math.isfinite(loss) or loss > highest:
+            return f"scores its own last window at loss {loss:.4g}, above the guard's {highest:.4g}"
+        return None
+
+
+def finite(state: Any) -> bool:
+    """Whether every floating-point tensor in a (nested) state is finite."""
+    if isinstance(state, torch.Tensor):
+        return not state.is_floating_point() or bool(torch.isfinite(state).all())
+    if isinstance(state, dict):
+        return all(finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(finite(v) for v in state)
+    return True

@@ -10,13 +10,16 @@ which kind a run is: what differs between kinds lives here.
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gradaccum.app import launch, planning
-from gradaccum.app.folder import RunFolder
+from gradaccum.app.checkpoints import Checkpoints, read_sealed, sealed
+from gradaccum.app.folder import SHARDS, STAGES, RunFolder, write_failure
 from gradaccum.batching import shard, split
 from gradaccum.engine import Accumulator
 from gradaccum.noise import NoiseScale
@@ -33,6 +36,8 @@ class RunKind:
     #: every rank takes part in each forward, evaluation included (a pipeline's stages, or
     #: FSDP2's ranks gathering each block's parameters)
     together = False
+    #: the model is held in parts that ``gather`` joins into a whole state_dict (FSDP2)
+    gathers = False
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
@@ -132,7 +137,7 @@ class RunKind:
     ) -> dict[str, Any] | None:
         """The run's checkpoint (checkpoint.pt, or a kept ``file``), with this process's part
         in ``accumulator``."""
-        return folder.load_checkpoint(device, file)
+        return Checkpoints(folder).load(device, file)
 
     def restore(self, acc: Any, folder: RunFolder, state: Any) -> None:
         """``acc`` as the checkpoint's ``accumulator`` (``load_saved``'s) left it."""
@@ -157,6 +162,7 @@ class Sharded(RunKind):
     checkpoint.pt names the folder; the whole model is gathered at the end."""
 
     together = True
+    gathers = True
 
     def __init__(self, rank: int, world: int) -> None:
         if world < 2:
@@ -180,40 +186,62 @@ class Sharded(RunKind):
     def window(self, cfg, model, optimizer, micro_batch, sync, device, log):
         return _accumulator(cfg, model, optimizer, sync, replay=False)
 
+    # Every rank writes its part of step N's checkpoint into shards/step-N.tmp/; when all
+    # have, rank 0 renames it shards/step-N/ and writes checkpoint.pt naming it (the commit).
+    # A crash before the commit leaves the previous checkpoint and the folder it names.
+
     def save_parts(self, acc: Any, folder: RunFolder, step: int) -> dict[str, Any] | None:
-        problem = folder.prepare_shards(step) if self.main else None
+        tmp = folder.path / SHARDS / f"step-{step:08d}.tmp"
+        problem = _fresh_folder(tmp) if self.main else None
         if not launch.any_rank(problem is not None):
             try:
-                folder.save_shards(acc, step)
+                _save_shards(acc, tmp)
             except ValueError as err:
                 problem = str(err)
         if launch.any_rank(problem is not None):
             raise ValueError(problem or "another rank could not write its shards")
         if not self.main:
             return {"shards": None}
-        name = folder.commit_shards(step)
-        return {"shards": name, "files": folder.shard_digests(name)}
+        name = _commit_shards(folder, step)
+        return {"shards": name, "files": _shard_digests(folder.path / name)}
 
     def load_saved(
         self, folder: RunFolder, device: torch.device, file: Path | None = None
     ) -> dict[str, Any] | None:
         """checkpoint.pt, and the shard folder it names checked against its checksums by
         rank 0 before any rank reads it (DCP reads collectively: all or none)."""
-        saved = folder.load_checkpoint(device, file)
+        saved = Checkpoints(folder).load(device, file)
         problem = None
         if saved is not None and self.main:
             part = saved["accumulator"]
-            problem = folder.check_shards(part["shards"], part.get("files"))
+            problem = _check_shards(folder.path / part["shards"], part.get("files"))
         problem = launch.broadcast(problem)
         if problem is not None:
             raise ValueError(problem)
         return saved
 
     def restore(self, acc: Any, folder: RunFolder, state: Any) -> None:
-        folder.load_shards(acc, state["shards"])
+        """Every rank: its shards and state of the checkpoint's folder."""
+        from gradaccum.checkpoint import load_sharded
+
+        path = folder.path / state["shards"]
+        if not path.is_dir():
+            raise ValueError(
+                f"{path} is missing: the checkpoint needs every rank's shards; restore it, "
+                "or start a new run"
+            )
+        load_sharded(acc, path)
 
     def prune(self, folder: RunFolder, keep_steps: set[int]) -> None:
-        folder.prune_parts(keep_steps)
+        """The shard folders of steps no checkpoint names, and those a crash left
+        half-written."""
+        for part in (folder.path / SHARDS).glob("step-*"):
+            try:
+                step = int(part.name[5:])
+            except ValueError:  # step-N.tmp: never committed
+                step = None
+            if step not in keep_steps:
+                shutil.rmtree(part, ignore_errors=True)
 
     def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         from torch.distributed.checkpoint.state_dict import (
@@ -297,11 +325,24 @@ class Pipelined(RunKind):
     def sync_mode(self, acc: Any) -> str:
         return "window"
 
+    # Stage S > 0 writes its part of step N's checkpoint as stages/stage-S-step-N.pt before
+    # rank 0 writes checkpoint.pt (the commit); a crash between them leaves the previous
+    # step's files, which the previous checkpoint.pt names. Files of steps no checkpoint
+    # names any more are removed after the commit.
+
     def save_parts(self, acc: Any, folder: RunFolder, step: int) -> dict[str, Any] | None:
         problem = None
         if not self.main:
+            state = {"step": step, "accumulator": acc.state_dict()}
             try:
-                folder.save_stage(self.rank, step, {"step": step, "accumulator": acc.state_dict()})
+                try:
+                    (folder.path / STAGES).mkdir(exist_ok=True)
+                except OSError as err:
+                    raise ValueError(
+                        f"cannot write {folder.path / STAGES}: {write_failure(err)}"
+                    ) from None
+                name = f"{STAGES}/{_stage_file(self.rank, step)}"
+                folder.write_file(name, lambda tmp: torch.save(sealed(state), tmp))
             except ValueError as err:
                 problem = str(err)
         if launch.any_rank(problem is not None):  # every stage's part, or no commit
@@ -311,15 +352,25 @@ class Pipelined(RunKind):
     def load_saved(
         self, folder: RunFolder, device: torch.device, file: Path | None = None
     ) -> dict[str, Any] | None:
-        saved = folder.load_checkpoint(device, file)
+        saved = Checkpoints(folder).load(device, file)
         if saved is not None and not self.main:
-            saved["accumulator"] = folder.load_stage(self.rank, saved["step"], device)[
-                "accumulator"
-            ]
+            part = folder.path / STAGES / _stage_file(self.rank, saved["step"])
+            if not part.exists():
+                raise ValueError(
+                    f"{part} is missing: the checkpoint of step {saved['step']} needs every "
+                    "stage's part; restore it, or start a new run"
+                )
+            saved["accumulator"] = read_sealed(part, device)["accumulator"]
         return saved
 
     def prune(self, folder: RunFolder, keep_steps: set[int]) -> None:
-        folder.prune_parts(keep_steps)
+        for file in (folder.path / STAGES).glob("stage-*-step-*.pt"):
+            try:
+                step = int(file.stem.rsplit("-", 1)[1])
+            except ValueError:
+                continue
+            if step not in keep_steps:
+                file.unlink(missing_ok=True)
 
 
 def _accumulator(cfg: Any, model, optimizer, sync: str, replay: bool) -> Accumulator:
@@ -357,3 +408,83 @@ def _fully_shard(model: torch.nn.Module, log) -> torch.nn.Module:
         f"1/{world} of the parameters, gradients and optimizer state"
     )
     return model
+
+
+def _stage_file(stage: int, step: int) -> str:
+    return f"stage-{stage}-step-{step:08d}.pt"
+
+
+def _fresh_folder(tmp: Path) -> str | None:
+    """Rank 0, before the ranks write a step's shards: an empty folder for them (what a crash
+    left there is removed). A problem is returned, not raised: every rank must hear of it
+    before any of them writes."""
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    except OSError as err:
+        return f"cannot write {tmp}: {write_failure(err)}"
+    return None
+
+
+def _save_shards(acc: Any, tmp: Path) -> None:
+    """This rank's shards and state into ``tmp`` (every rank calls it: torch.distributed.
+    checkpoint is collective)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from gradaccum.checkpoint import save_sharded
+
+    try:
+        save_sharded(acc, tmp)
+    except (OSError, RuntimeError, CheckpointException) as err:
+        raise ValueError(f"cannot write {tmp}: {write_failure(err)}") from None
+
+
+def _commit_shards(folder: RunFolder, step: int) -> str:
+    """Rank 0, after every rank wrote: the folder renamed to its final name, which
+    checkpoint.pt will hold (relative to the run folder)."""
+    name = f"{SHARDS}/step-{step:08d}"
+    final = folder.path / name
+    try:
+        shutil.rmtree(final, ignore_errors=True)  # a rollback's earlier branch
+        os.replace(final.with_name(final.name + ".tmp"), final)
+    except OSError as err:
+        raise ValueError(f"cannot write {final}: {write_failure(err)}") from None
+    return name
+
+
+def _shard_digests(folder: Path) -> dict[str, str]:
+    """Rank 0, after the commit: the checksum of every file in a checkpoint's shard folder
+    (every rank's DCP files and rank-R.pt), for checkpoint.pt to hold."""
+    from gradaccum.checkpoint import file_digest
+
+    try:
+        return {
+            str(f.relative_to(folder)): file_digest(f)
+            for f in sorted(folder.rglob("*"))
+            if f.is_file()
+        }
+    except OSError as err:
+        raise ValueError(f"cannot read {folder}: {write_failure(err)}") from None
+
+
+def _check_shards(folder: Path, digests: dict[str, str] | None) -> str | None:
+    """What is wrong with a checkpoint's shard folder against the checksums written with it
+    (None: whole, or a checkpoint from before checksums)."""
+    from gradaccum.checkpoint import file_digest
+
+    if not folder.is_dir():
+        return (
+            f"{folder} is missing: the checkpoint needs every rank's shards; restore it, "
+            "or start a new run"
+        )
+    if digests is None:
+        return None
+    for rel, recorded in digests.items():
+        file = folder / rel
+        try:
+            whole = file_digest(file) == recorded
+        except OSError:
+            return f"{file} is missing or unreadable: the checkpoint needs every rank's part"
+        if not whole:
+            return f"{file} is damaged: its bytes do not match the checksum written with it"
+    return None

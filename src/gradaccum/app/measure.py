@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gradaccum.app.folder import sealed
+from gradaccum.app.checkpoints import sealed
+from gradaccum.app.process import exit_on_end_of_input
 from gradaccum.app.recipes import get_recipe, hf_recipe
 from gradaccum.batching import split, take, to_device
 from gradaccum.engine import Accumulator
@@ -233,28 +232,6 @@ def _count(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
-def _exit_with_parent(fd: int) -> None:
-    """Exit as soon as the pipe from the parent closes (the parent is gone)."""
-
-    def watch() -> None:
-        while os.read(fd, 1):
-            pass
-        os._exit(3)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def _exit_on_end_of_input() -> None:
-    """Exit as soon as stdin closes (the planner is gone or has no use for this process)."""
-
-    def watch() -> None:
-        while sys.stdin.readline():
-            pass
-        os._exit(3)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gradaccum.app.measure")
     source = ap.add_mutually_exclusive_group(required=True)
@@ -290,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         request = json.loads(line)
         micro, micro_batches = request["micro"], request["micro_batches"]
         checkpointing, sample = request["ckpt"], request["sample"]
-        _exit_on_end_of_input()
+        exit_on_end_of_input()
     peak = built.measure(
         micro, micro_batches, a.windows, a.precision, checkpointing, a.meter, sample
     )

@@ -12,8 +12,9 @@ import torch
 
 from gradaccum.app.build import build_model, build_optimizer, run_data
 from gradaccum.app.config import TrainConfig
-from gradaccum.app.measure import FreshProcessVerifier, _exit_with_parent
+from gradaccum.app.measure import FreshProcessVerifier
 from gradaccum.app.planning import as_flags, verifier, window_plan
+from gradaccum.app.process import exit_with_parent
 from gradaccum.app.recipes import get_recipe, hf_recipe
 
 
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent-pipe", type=int, default=None)
     a = ap.parse_args(argv)
     if a.parent_pipe is not None:
-        _exit_with_parent(a.parent_pipe)
+        exit_with_parent(a.parent_pipe)
 
     def log(message: str) -> None:
         print(message, flush=True)

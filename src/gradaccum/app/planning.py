@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from gradaccum.app import launch, plan_cache
+from gradaccum.app.checkpoints import sealed
 from gradaccum.app.config import TrainConfig
 from gradaccum.app.exports import write_exports
-from gradaccum.app.folder import PLAN, RunFolder, sealed
+from gradaccum.app.folder import PLAN, RunFolder
 from gradaccum.app.measure import FreshProcessVerifier, fresh_process_verifier
 from gradaccum.app.recipes import Recipe
 from gradaccum.app.recipes.userdata import SequenceData

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["QUALITY", "Targets", "parse_seconds"]
+__all__ = ["QUALITY", "TargetWatch", "Targets", "parse_seconds"]
 
 QUALITY = {"target_loss": ("eval_loss", -1), "target_accuracy": ("eval_accuracy", 1)}
 _UNITS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600}
@@ -123,3 +123,33 @@ class Targets:
 
             parts.append(f"peak memory under {format_bytes(self.max_memory)}")
         return "; ".join(parts)
+
+    def said(self, name: str) -> str:
+        """What met target ``name`` (or reached the limit), in words."""
+        from gradaccum.memory import format_bytes
+
+        seen = self.observed[name]["value"]
+        if name == "target_loss":
+            return f"held-out loss {seen:.4f} <= target {self.target_loss:g}"
+        if name == "target_accuracy":
+            return f"held-out accuracy {seen:.4f} >= target {self.target_accuracy:g}"
+        if name == "max_time":
+            return f"{seen:.1f} s of training reached --max-time ({self.max_time:g} s)"
+        return (
+            f"peak memory {format_bytes(seen)} reached --max-memory "
+            f"({format_bytes(self.max_memory or 0)})"
+        )
+
+
+class TargetWatch:
+    """The targets judged after each window by the process that ``judges`` (rank 0, whose
+    evaluation the metrics line holds); its verdict stops every rank."""
+
+    def __init__(self, targets: Targets, *, judges: bool) -> None:
+        self.targets, self.judges = targets, judges
+
+    def check(self, line: dict[str, Any], elapsed: float) -> str | None:
+        from gradaccum.app import launch
+
+        hit = self.targets.check(line, elapsed) if self.judges else None
+        return launch.broadcast(hit)

@@ -1,69 +1,239 @@
 """The main job: train a recipe with an exact large batch, plan its memory, keep a run folder.
 
-``train(cfg)`` plans the micro-batch, trains window by window through the Accumulator, and
-writes the run folder (``gradaccum.app.folder`` says what each file is). The parts:
+``train(cfg)`` is ``Trainer(build_run(cfg)).fit()``: the run built (app/build.py: the folder,
+model, data, optimizer, micro-batch and window runner, in a ``Run``), then trained window by
+window. The loop calls components, each owning its cadence and doing nothing on a process
+that does not write:
 
-    config.py          TrainConfig: every option's default, help text and check; what a
-                       resume may change
-    build.py           before the first window: the folder, model, data, optimizer,
-                       micro-batch
-    loop.py            the windows: metrics lines, checkpoints, targets, the guard's rollbacks
+    lr.py              the learning rate of each window
+    stops.py           stop signals, and their agreement between ranks
+    guard.py           the incident guard and its rollback
+    evaluation.py      the held-out evaluation
+    report/sink.py     metrics.jsonl, TensorBoard, the progress bar and the log line
+    checkpoints.py     when to checkpoint, and the checkpoint files
+    export.py          the exports and the whole model gathered from shards
+    targets.py         targets met and limits reached
     report/summary.py  the end: summary.json, plots, report.html, the summary table
+
+The loop never asks which rank it is or which kind of run it is (app/kinds.py answers for
+the kind; the components know whether they write).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 from gradaccum.app import launch
-from gradaccum.app.build import _build
-from gradaccum.app.config import RESUMABLE, TrainConfig
-from gradaccum.app.loop import Interrupted, _loop, _Output, _quiet
-from gradaccum.app.report.summary import _report, final_evaluation
+from gradaccum.app.build import build_run
+from gradaccum.app.checkpoints import Checkpointer, Checkpoints
+from gradaccum.app.config import TrainConfig
+from gradaccum.app.evaluation import Evaluator
+from gradaccum.app.export import Exporter
+from gradaccum.app.guard import Probe, Rollback
+from gradaccum.app.lr import LearningRate
+from gradaccum.app.process import Output, quiet
+from gradaccum.app.report.sink import MetricsSink, step_line
+from gradaccum.app.report.summary import report
+from gradaccum.app.run import Run
+from gradaccum.app.stops import Interrupted, StopSignals
+from gradaccum.app.targets import TargetWatch
+from gradaccum.batching import batch_size, to_device
+from gradaccum.memory import TrainingMemory
 from gradaccum.validate import invalid_configuration
 
-__all__ = ["RESUMABLE", "Interrupted", "TrainConfig", "train"]
+__all__ = ["Trainer", "train"]
 
 
 def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     """Run (or resume) a training run; returns the summary. Raises ``Interrupted`` after
     checkpointing on SIGINT/SIGTERM/SIGHUP or a closed output pipe, ValueError on bad
-    configuration or an unusable run folder (one line each)."""
-    return _train(cfg, log, None)
-
-
-def _train(cfg: TrainConfig, log, faults) -> dict[str, Any]:
-    """``train``, with the seam the test suite damages data through (tests/support/faults.py):
-    ``faults(position, batch) -> batch`` sees each window's samples before they are split.
-    Not public API: training never takes it."""
+    configuration or an unusable run folder (one line each). Under torchrun every process
+    runs it; rank 0 alone plans, writes the run folder and reports (the others return
+    ``{"rank": N}``). The effective batch is global: each rank trains its shard of it."""
     problems = cfg.problems()
     if problems:
         raise ValueError(invalid_configuration(problems))
-    stop: list[int] = []
-    # Under torchrun every process runs this function; rank 0 alone plans, writes the run
-    # folder and reports. The effective batch is global: each rank trains its shard of it.
+    stops = StopSignals()
     rank, world = launch.init_from_env()
-    log = _Output(log, stop) if rank == 0 else _quiet
-    run = _build(cfg, rank, world, log)
-    try:
-        began = time.perf_counter()
+    log = Output(log, stops.requested) if rank == 0 else quiet
+    return Trainer(build_run(cfg, rank, world, log), log, stops).fit()
+
+
+class Trainer:
+    """A built run trained to its end: ``fit()``. The components are made here from the
+    parts of the run each one needs."""
+
+    def __init__(self, run: Run, log=print, stops: StopSignals | None = None) -> None:
+        cfg, p = run.cfg, run.progress
+        self.run, self.log, self.stops = run, log, stops or StopSignals()
+        store = Checkpoints(run.folder)
+        keep = cfg.incidents.keep_checkpoints if run.guard is not None else None
+        self.checkpointer = Checkpointer(
+            store, run.kind, run.acc, run.state_dict,
+            every=cfg.output.checkpoint_every, keep=keep, start=p.start,
+        )  # fmt: skip
+        stopped = self.checkpointer.stopped
+        every = cfg.output.eval_every
+        self.evaluator = Evaluator(run.kind, run.data, run.model, run.eval_size, every)
+        self.exporter = Exporter(cfg, run.folder, run.model, run.kind, log, stopped)
+        self.sink = MetricsSink(
+            run.folder, p, run.recipe.item, log, writes=run.main,
+            tensorboard=cfg.output.tensorboard, max_grad_norm=cfg.numerics.max_grad_norm or None,
+            stopped=stopped,
+        )  # fmt: skip
+        probe = Probe(
+            run.folder, run.data, run.model, run.recipe.loss_fn, run.micro_batch, run.device,
+            run.kind,
+        )  # fmt: skip
+        self.rollback = Rollback(run.guard, store, self.checkpointer, run.restore, p, probe, log)
+        self.lr = LearningRate(cfg.schedule, cfg.batch.effective_batch, p)
+        self.targets = TargetWatch(run.targets, judges=run.main)
+        self.memory: TrainingMemory | None = None
+        self.began, self.items = 0.0, 0
+
+    def fit(self) -> dict[str, Any]:
+        """Train from the run's position to its length, a target, a stop or the guard's
+        verdict; then the report. A start that fails before its first step leaves nothing
+        behind (``RunFolder.abandon``); the folder's lock is released in every case."""
+        run = self.run
         try:
-            _loop(run, log, stop, faults)
-        except Interrupted:
-            # The run folder's summary, plots and report describe this session, not the last
-            # one that ended; the table is not printed (the stop message says what to do).
-            last_eval = final_evaluation(run)
-            if run.main:
-                run.stopped_by = "signal"
-                _report(run, log, time.perf_counter() - began, last_eval, table=False)
+            began = time.perf_counter()
+            try:
+                self.loop()
+            except Interrupted:
+                # The report describes this session, not the last one that ended; the table
+                # is not printed (the stop message says what to do).
+                run.progress.stopped_by = "signal"
+                self.report(time.perf_counter() - began, table=False)
+                raise
+            return self.report(time.perf_counter() - began)
+        except BaseException:
+            run.folder.abandon()  # only a run that trained no step is removed
             raise
-        last_eval = final_evaluation(run)
+        finally:
+            run.folder.release()
+
+    def loop(self) -> None:
+        """Window by window from the run's position, inside the stop signals' watch."""
+        run, p = self.run, self.run.progress
+        self.announce()
+        with self.stops:
+            reached = run.targets.already(p.elapsed) if p.start else None
+            if reached is not None:  # a resume of a run at its limit or target: no more
+                p.stopped_by = reached
+                self.log(
+                    f"{run.folder.path} is already stopped: {run.targets.said(reached)}; "
+                    "change that option on --resume to train on"
+                )
+                return
+            self.sink.open_events(p.start)
+            # rank 0's reading, taken before any rank writes
+            if run.kind.agree(run.guard is not None and not run.folder.kept_checkpoints()):
+                self.checkpointer.save(p.start)  # something to roll back to from the start
+            self.memory = TrainingMemory(run.model, run.device, carried=run.carried)
+            self.sink.open(p.start)
+            self.began, self.items, before = time.perf_counter(), 0, p.elapsed
+            try:
+                while not p.done() and self.window(before):
+                    pass
+            finally:
+                self.sink.close(self.memory, run.carried)
+
+    def window(self, before: float) -> bool:
+        """One window and what follows it (its line, evaluation, checkpoint, exports);
+        False when the run stops here. ``before``: training seconds of earlier sessions."""
+        run, p, memory = self.run, self.run.progress, self.memory
+        t0, size, done_before = time.perf_counter(), p.next_size(), p.fraction()
+        lr = self.lr.apply(run.optimizer, size)
+        first = p.schedule.samples
+        batch = run.data.batch(first, size)
+        samples = batch_size(batch)  # fewer than size at the end of an epoch
+        batch = to_device(run.kind.local(batch), run.device)
+        with memory.phase("training"):
+            result = run.kind.step(run.acc, batch, run.micro_batch, run.recipe.loss_fn)
+        step = self.advance(result, samples)
+        p.elapsed = before + time.perf_counter() - self.began
+        incident = self.rollback.check(step, first, samples, result)
+        if incident is not None:
+            gave_up = self.rollback.roll_back(incident)
+            self.sink.restart(p.step)
+            p.stopped_by = "guard" if gave_up else p.stopped_by
+            return not gave_up
+        p.skip_ahead()
+        p.passed(step)
+        self.items += result.count
+        line = self.line(result, step, samples, lr, time.perf_counter() - t0)
+        memory.window_done()
+        end = p.done()
+        limit = run.targets.limit_reached(p.elapsed, memory.peak())
+        if self.evaluator.due(step, end=end, limit=limit):
+            with memory.phase("evaluation"):
+                line.update({f"eval_{k}": v for k, v in self.evaluator.evaluate().items()})
+        line["peak_memory"] = memory.peak()  # the run's: windows, evaluations, checkpoints
+        hit = self.targets.check(line, p.elapsed)
+        rate = self.items / max(time.perf_counter() - self.began, 1e-9)
+        self.sink.write(line, run.acc.state, rate, done_before)
+        stopping = self.stops.agreed()
+        if self.checkpointer.due(step, end=end, stopping=stopping, hit=hit):
+            with memory.phase("checkpoint"):
+                self.checkpointer.save(step)
+        if self.exporter.due(step, end=end, hit=hit):
+            with memory.phase("export"):
+                self.exporter.after(step, end=end, hit=hit)
+        if stopping:
+            raise self.stops.interrupted(step, run.folder.path, getattr(self.log, "failure", None))
+        if hit:
+            p.stopped_by = hit
+            self.log(f"stopping at step {step}: {run.targets.said(hit)}")
+        return not hit
+
+    def advance(self, result: Any, samples: int) -> int:
+        """The schedule moved past the window just trained; its step."""
+        schedule = self.run.progress.schedule
+        schedule.update(result, samples)
+        if schedule.kind == "auto":
+            # Each rank reads the noise off its own prefixes: rank 0's decision holds.
+            schedule.current = launch.main_int(schedule.current)
+        return schedule.step
+
+    def line(self, result: Any, step: int, samples: int, lr: float, seconds: float) -> dict:
+        """The window's metrics line (held-out numbers and the peak join it later)."""
+        low, high = result.noise_interval or (None, None)
+        p = self.run.progress
+        return step_line(
+            {
+                "step": step, "samples": p.schedule.samples, "effective_batch": samples,
+                "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                "count": result.count, "micro_batches": result.micro_batches,
+                "seconds": seconds, "skipped": result.skipped,
+                "oom_replays": result.oom_replays, "noise_scale": result.noise_scale,
+                "noise_low": low, "noise_high": high,
+            }
+        )  # fmt: skip
+
+    def announce(self) -> None:
+        """The run's first lines: its length and batch, and its targets."""
+        run, cfg, kind = self.run, self.run.cfg, self.run.kind
+        effective, schedule = cfg.batch.effective_batch, run.progress.schedule
+        per_window = math.ceil(math.ceil(effective / kind.replicas) / run.micro_batch)
+        self.log(
+            f"training {run.progress.length()}: effective batch {effective} = {per_window} "
+            f"micro-batch{'es' if per_window > 1 else ''} of up to {run.micro_batch}"
+            f"{kind.across(cfg)}"
+            + ("" if schedule.kind == "constant" else f"; schedule: {schedule.describe()}")
+            + f"; {run.data.epoch_samples():,} samples per epoch; run folder {run.folder.path}"
+        )
+        if run.targets.describe():
+            self.log(f"targets: {run.targets.describe()}")
+
+    def report(self, seconds: float, table: bool = True) -> dict[str, Any]:
+        """The held-out numbers at the last step, then the summary, plots and report (rank
+        0; the other ranks take part in a collective evaluation and return their rank)."""
+        run = self.run
+        last = run.folder.metrics()[-1:] if run.main else []
+        last_eval = self.evaluator.final(last[0] if last else None)
         if not run.main:
-            return {"rank": rank}
-        return _report(run, log, time.perf_counter() - began, last_eval)
-    except BaseException:
-        run.folder.abandon()  # only a run that trained no step is removed
-        raise
-    finally:
-        run.folder.release()
+            return {"rank": run.kind.rank}
+        return report(run, self.log, seconds, last_eval, table=table)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import re
@@ -11,6 +10,18 @@ import sys
 from typing import NoReturn
 
 from gradaccum import __version__
+from gradaccum.app.process import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    leave,
+    out,
+    say,
+    unwatch_ctrl_c,
+    watch_ctrl_c,
+    watch_loading,
+)
+
+__all__ = ["main", "out", "parser", "say"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,38 +60,13 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
-def say(text: str) -> None:
-    """A line on stderr that survives stderr being a closed pipe (``train 2>&1 | head``):
-    the exit status must stay the one that says why the run stopped."""
-    try:
-        print(text, file=sys.stderr, flush=True)
-    except OSError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
-
-
-def out(*lines: str) -> None:
-    """A command's result on stdout, flushed: output that cannot be written (stdout on a full
-    disk or /dev/full) is one line saying so, not a traceback or a loss found at exit."""
-    try:
-        for line in lines:
-            print(line)
-        sys.stdout.flush()
-    except OSError as err:
-        # What is still buffered would fail again at exit: send it nowhere.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise ValueError(f"cannot write the output (stdout): {err.strerror or err}") from None
-
-
 def main(argv: list[str] | None = None) -> int:
+    """The command (its console script, and ``python -m gradaccum``)."""
+    if argv is None:  # the command itself, not a caller in Python: Ctrl-C while torch loads
+        watch_loading()
     code = _main(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Under torchrun, after the process group is gone: leave without the interpreter's
-        # teardown, in which gloo's threads can still abort a finished process (SIGABRT,
-        # "terminate called without an active exception"; pytorch/pytorch#179291).
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError):
-                stream.flush()
-        os._exit(code)
+        leave(code)  # under torchrun, after the process group is gone (process.leave)
     return code
 
 
@@ -94,79 +80,43 @@ def _main(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     given = sys.argv[1:] if argv is None else argv
     debug = os.environ.get("GRADACCUM_DEBUG", "") not in ("", "0") or "--debug" in given
-    interrupted = _watch_ctrl_c()
+    interrupted = watch_ctrl_c()
     try:
         try:
             args = parser().parse_args(argv)  # --help prints here: output that fails is one line
             if not hasattr(args, "run"):
                 parser().print_help()
-                return 2
+                return EXIT_BAD_INPUT
             debug = debug or args.debug
             return args.run(args)
         except ValueError as err:  # bad input: one clear line, no traceback
             if debug:
                 raise
             say(f"gradaccum: error: {err}")
-            return 2
+            return EXIT_BAD_INPUT
         except KeyboardInterrupt:  # Ctrl-C before training began (planning, loading)
             if debug:
                 raise
             say("gradaccum: interrupted")
-            return 130
+            return EXIT_INTERRUPTED
         except OSError as err:  # what no message of ours names: the output, or a system refusal
             if debug:
                 raise
             if interrupted:
                 say("gradaccum: interrupted")
-                return 130
+                return EXIT_INTERRUPTED
             say(f"gradaccum: error: {_system_error(err)}")
-            return 2
+            return EXIT_BAD_INPUT
         except Exception:
             # A Ctrl-C that landed inside an import (numpy's, under sklearn's) can leave that
             # module half made, and what fails next is not a KeyboardInterrupt: the stop was
             # the user's, said as such. Anything else is a bug, with its traceback.
             if interrupted and not debug:
                 say("gradaccum: interrupted")
-                return 130
+                return EXIT_INTERRUPTED
             raise
     finally:
-        _unwatch_ctrl_c()
-
-
-def _watch_ctrl_c() -> list[int]:
-    """Python's own Ctrl-C handler (KeyboardInterrupt), noting that it fired: the list is
-    non-empty once it has. It takes over from the one the library set while it loaded; a
-    SIGINT the process was started ignoring stays ignored."""
-    import signal
-
-    from gradaccum import _stop_while_loading
-
-    fired: list[int] = []
-    if signal.getsignal(signal.SIGINT) not in (signal.default_int_handler, _stop_while_loading):
-        return fired
-
-    def handler(signum, frame):
-        fired.append(signum)
-        raise KeyboardInterrupt
-
-    try:
-        signal.signal(signal.SIGINT, handler)
-        _WATCHING.append(handler)
-    except ValueError:  # not the main thread (an embedding program): leave it alone
-        pass
-    return fired
-
-
-_WATCHING: list = []  # the handler _watch_ctrl_c installed, until _unwatch_ctrl_c
-
-
-def _unwatch_ctrl_c() -> None:
-    """Python's own handler back (main() may be called again in one process: the tests)."""
-    import signal
-
-    while _WATCHING:
-        if signal.getsignal(signal.SIGINT) is _WATCHING.pop():
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        unwatch_ctrl_c()
 
 
 def _system_error(err: OSError) -> str:

@@ -6,42 +6,26 @@ from typing import Any
 
 import torch
 
-from gradaccum.app.folder import BASELINE, INCIDENTS
-from gradaccum.app.loop import _Run
+from gradaccum.app.folder import BASELINE, INCIDENTS, TENSORBOARD
+from gradaccum.app.folder import SUMMARY as SUMMARY_JSON
 from gradaccum.app.report import plots
 from gradaccum.app.report.metrics import SUMMARY
+from gradaccum.app.run import Run
 from gradaccum.engine import Accumulator
 from gradaccum.memory import format_bytes
 from gradaccum.noise import advice, tradeoff_advice
 
 
-def final_evaluation(run: _Run) -> dict[str, float] | None:
-    """The held-out metrics at the run's last step: metrics.jsonl's, or evaluated now when
-    its last line has none (nothing trained, a stop on a signal, or the guard stopped at a
-    rollback). Rank 0 returns them (the others None); a pipeline's stages, or FSDP2's ranks,
-    all call it, since they evaluate together."""
-    if not run.kind.evaluates():
-        return None
-    known: dict[str, float] = {}
-    if run.main:
-        lines = run.folder.metrics()
-        if lines:
-            known = {k[5:]: v for k, v in lines[-1].items() if k.startswith("eval_")}
-    known = run.kind.agree(known)
-    if not known:
-        known = run.data.evaluate(run.kind.evaluated(run.model), run.eval_size)
-    return known if run.main else None
-
-
-def _report(
-    run: _Run, log, seconds: float, last_eval: dict[str, float], table: bool = True
+def report(
+    run: Run, log, seconds: float, last_eval: dict[str, float], table: bool = True
 ) -> dict[str, Any]:
     """summary.json, the plots and the summary table, from metrics.jsonl and the counters
-    (``last_eval``: ``final_evaluation``'s)."""
+    (``last_eval``: the held-out numbers at the last step, ``Evaluator.final``'s)."""
     cfg, acc, out = run.cfg, run.acc, run.folder.path
     lines = run.folder.metrics()
-    if run.schedule.step == run.start and run.stopped_by == "length":
-        log(f"{out} already trained {run.length()}; nothing to do")
+    progress = run.progress
+    if progress.step == progress.start and progress.stopped_by == "length":
+        log(f"{out} already trained {progress.length()}; nothing to do")
     summary = _summarize(lines, acc, last_eval, seconds, run.device)
     incidents = run.folder.lines(INCIDENTS)
     schedule = run.schedule
@@ -70,14 +54,14 @@ def _report(
             if acc.noise is None
             else tradeoff_advice(batch_items, reading, acc.state.items / max(schedule.samples, 1)),
             "run_folder": str(out),
-            "stopped_by": run.stopped_by,
+            "stopped_by": progress.stopped_by,
             "targets": run.targets.summary(),
             "incidents": len(incidents),
         }
     )
     if (out / BASELINE).is_file():
         summary["baseline"] = _against_baseline(run.folder.read_json(BASELINE), summary)
-    run.folder.write_json("summary.json", summary)
+    run.folder.write_json(SUMMARY_JSON, summary)
     plots.draw(out, lines, incidents)
     from gradaccum.app.report import write_report
 
@@ -89,8 +73,8 @@ def _report(
             if summary["noise_tradeoff"]:
                 log(summary["noise_tradeoff"])
         log(f"\nthe run's page: {page} (open it in a browser)")
-        if (out / "tensorboard").is_dir():
-            log(f"its curves in TensorBoard: tensorboard --logdir {out / 'tensorboard'}")
+        if (out / TENSORBOARD).is_dir():
+            log(f"its curves in TensorBoard: tensorboard --logdir {out / TENSORBOARD}")
     return summary
 
 

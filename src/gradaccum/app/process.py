@@ -1,0 +1,178 @@
+"""The command's process: its signals, exit codes and output. All of it lives here.
+
+Exit codes: 0 done, 1 a check that failed (or the incident guard gave up), 2 bad input or an
+unusable file (one line on stderr), 3 a helper process whose parent is gone, 130 Ctrl-C
+outside training, 128 + N a training run stopped by signal N after its checkpoint.
+
+Output survives a closed pipe (``gradaccum train | head``) and a stream that cannot be
+written (stdout on a full disk): the exit status must stay the one that says why the run
+stopped. The Ctrl-C handler for the seconds while torch loads is installed by the command's
+entry point before anything heavy is imported (``watch_loading``); a program that imports the
+library keeps its own handler.
+
+This module imports only the standard library: the command's entry point imports it before
+torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_ORPHANED",
+    "Output",
+    "exit_on_end_of_input",
+    "exit_with_parent",
+    "leave",
+    "out",
+    "quiet",
+    "say",
+    "unwatch_ctrl_c",
+    "watch_ctrl_c",
+    "watch_loading",
+]
+
+EXIT_FAILED = 1  # a check that failed, or the incident guard gave up
+EXIT_BAD_INPUT = 2  # bad input or an unusable file: one line on stderr
+EXIT_ORPHANED = 3  # a helper process (planning, measuring) whose parent is gone
+EXIT_INTERRUPTED = 130  # Ctrl-C outside training
+
+
+def say(text: str) -> None:
+    """A line on stderr that survives stderr being a closed pipe (``train 2>&1 | head``)."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+
+
+def out(*lines: str) -> None:
+    """A command's result on stdout, flushed: output that cannot be written (stdout on a full
+    disk or /dev/full) is one line saying so, not a traceback or a loss found at exit."""
+    try:
+        for line in lines:
+            print(line)
+        sys.stdout.flush()
+    except OSError as err:
+        # What is still buffered would fail again at exit: send it nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise ValueError(f"cannot write the output (stdout): {err.strerror or err}") from None
+
+
+class Output:
+    """A training run's log, surviving a closed pipe or output that cannot be written: the
+    first write that fails stops training at the next window boundary, as SIGPIPE would
+    (``stop`` receives it), and later writes go nowhere."""
+
+    def __init__(self, log, stop: list[int]) -> None:
+        self.log, self.stop, self.closed = log, stop, False
+        self.failure: str | None = None  # why the output failed, when it was not a pipe
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        if self.closed:
+            return
+        try:
+            self.log(*args, **kwargs)
+            sys.stdout.flush()
+        except OSError as err:
+            self.closed = True
+            if not isinstance(err, BrokenPipeError):
+                self.failure = err.strerror or str(err)
+            # Point stdout at /dev/null so the interpreter's own flush at exit cannot fail too.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            self.stop.append(signal.SIGPIPE)
+
+
+def quiet(*args: Any, **kwargs: Any) -> None:
+    """The log of a process that does not speak (ranks other than 0: rank 0 speaks for the
+    job)."""
+
+
+def leave(code: int) -> None:
+    """End the process now with ``code``, its output flushed, without the interpreter's
+    teardown: under torchrun gloo's threads can abort a finished process in it (SIGABRT;
+    pytorch/pytorch#179291), and under ``python -m`` CPython can end a process that handled
+    Ctrl-C by SIGINT after it, which a shell reads as another status."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+    os._exit(code)
+
+
+def stop_while_loading(signum: int, frame: Any) -> None:
+    """The command's Ctrl-C while modules load (torch takes seconds): one line and exit 130,
+    as for every other stop. Not a KeyboardInterrupt: torch's C side imports numpy and drops
+    whatever that import raises, leaving numpy half made (the next import of it fails, or
+    sklearn's recurses until it dies), and one raised inside a C++ initialiser aborts the
+    process. Nothing is written yet, so leaving at once loses nothing."""
+    print("gradaccum: interrupted", file=sys.stderr, flush=True)
+    os._exit(EXIT_INTERRUPTED)
+
+
+def watch_loading() -> None:
+    """The command's entry point, first thing: ``stop_while_loading`` for Ctrl-C until
+    ``watch_ctrl_c`` takes over. A SIGINT the process was started ignoring stays ignored."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        with contextlib.suppress(ValueError):  # not the main thread (an embedding program)
+            signal.signal(signal.SIGINT, stop_while_loading)
+
+
+_WATCHING: list = []  # the handler watch_ctrl_c installed, until unwatch_ctrl_c
+
+
+def watch_ctrl_c() -> list[int]:
+    """Python's own Ctrl-C handler (KeyboardInterrupt), noting that it fired: the list is
+    non-empty once it has. It takes over from ``stop_while_loading``; a SIGINT the process
+    was started ignoring stays ignored."""
+    fired: list[int] = []
+    if signal.getsignal(signal.SIGINT) not in (signal.default_int_handler, stop_while_loading):
+        return fired
+
+    def handler(signum, frame):
+        fired.append(signum)
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGINT, handler)
+        _WATCHING.append(handler)
+    except ValueError:  # not the main thread (an embedding program): leave it alone
+        pass
+    return fired
+
+
+def unwatch_ctrl_c() -> None:
+    """Python's own handler back (the command may run again in one process: the tests)."""
+    while _WATCHING:
+        if signal.getsignal(signal.SIGINT) is _WATCHING.pop():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def exit_with_parent(fd: int) -> None:
+    """A helper process: exit as soon as the pipe from the parent closes (it is gone)."""
+
+    def watch() -> None:
+        while os.read(fd, 1):
+            pass
+        os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def exit_on_end_of_input() -> None:
+    """A helper process: exit as soon as stdin closes (its parent is gone or has no use for
+    it)."""
+
+    def watch() -> None:
+        while sys.stdin.readline():
+            pass
+        os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch, daemon=True).start()

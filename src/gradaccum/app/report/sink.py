@@ -1,0 +1,180 @@
+"""Where a step's numbers go: metrics.jsonl, TensorBoard's event files, the progress bar on a
+terminal (else a log line at each tenth of the run), and at the end memory.json. Every one
+of them is built from the one metrics table (report/metrics.py). Rank 0 writes; elsewhere the
+sink does nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from gradaccum.app.folder import MEMORY, METRICS, RunFolder
+from gradaccum.app.report.metrics import STEP
+from gradaccum.memory import format_bytes
+
+__all__ = ["MetricsSink", "duration", "step_line"]
+
+
+def step_line(values: dict[str, Any]) -> dict[str, Any]:
+    """A step's metrics line: the table's metrics that ``values`` holds, in its order."""
+    return {m.name: values[m.name] for m in STEP if m.name in values}
+
+
+class MetricsSink:
+    """``open(start)`` before the first window, ``write(line, ...)`` after each, ``restart``
+    after a rollback, ``close(memory, carried)`` at the end. ``stopped`` words a write that
+    failed (the checkpointer's: what is kept, how to go on)."""
+
+    def __init__(
+        self,
+        folder: RunFolder,
+        progress: Any,
+        item: str,
+        log,
+        *,
+        writes: bool,
+        tensorboard: bool,
+        max_grad_norm: float | None,
+        stopped: Callable[[str], str],
+    ) -> None:
+        self.folder, self.progress, self.item, self.log = folder, progress, item, log
+        self.writes, self.tensorboard, self.max_grad_norm = writes, tensorboard, max_grad_norm
+        self.stopped = stopped
+        self.metrics: Any = None
+        self.events: Any = None
+        self.bar: Any = None
+
+    def open_events(self, start: int) -> None:
+        """TensorBoard's writer, when asked for and installed. Before the memory meter
+        starts: importing TensorBoard raises the process's resident memory, and that is not
+        training."""
+        from gradaccum.app.report import events
+
+        if not (self.writes and self.tensorboard):
+            return
+        if not events.available():
+            self.log(
+                "TensorBoard: the tensorboard package is not installed, so no event files "
+                "(pip install 'gradaccum[tensorboard]'); metrics.jsonl has every number"
+            )
+            return
+        self.events = events.EventLog(self.folder.path, start, self.max_grad_norm)
+
+    def open(self, start: int) -> None:
+        """metrics.jsonl cut back to ``start`` and opened; the progress bar on a terminal."""
+        if not self.writes:
+            return
+        self.metrics = self.folder.open_metrics(start)
+        self.bar = _progress_bar(self.progress)
+
+    def write(self, line: dict[str, Any], totals: Any, rate: float, before: float) -> None:
+        """A step's line everywhere it goes (``totals``: the window runner's counters, for
+        TensorBoard; ``rate``: items a second; ``before``: the share of the run done before
+        this step)."""
+        if not self.writes:
+            return
+        try:
+            self.metrics.write(json.dumps(line) + "\n")
+            self.metrics.flush()
+        except OSError as err:
+            what = f"cannot write {self.folder.path / METRICS}: {err.strerror or err}"
+            with contextlib.suppress(OSError):  # what is still buffered would fail again
+                self.metrics.close()
+            raise ValueError(self.stopped(what)) from None
+        if self.events is not None:
+            try:
+                self.events.write(line, totals)
+            except ValueError as err:
+                raise ValueError(self.stopped(str(err))) from None
+        self._show(line, rate, before)
+
+    def restart(self, step: int) -> None:
+        """After a rollback to ``step``: the files and the bar from there."""
+        if not self.writes:
+            return
+        self.metrics.close()
+        self.metrics = self.folder.open_metrics(step)
+        if self.events is not None:
+            self.events.restart(step)
+        if self.bar is not None:
+            p = self.progress
+            self.bar.n = p.schedule.samples if p.in_samples else p.schedule.step
+            self.bar.refresh()
+
+    def close(self, memory: Any, carried: int) -> None:
+        """The files closed; memory.json: what each part of this session peaked at, for the
+        plan's prediction to be judged by (bench/planner.py)."""
+        if not self.writes:
+            return
+        if self.metrics is not None:
+            with contextlib.suppress(OSError):  # (a write that failed is already said)
+                self.metrics.close()
+        if memory.phases:
+            with contextlib.suppress(OSError, ValueError):
+                record = {"peak": memory.peak(), "phases": memory.phases, "carried": carried}
+                self.folder.write_json(MEMORY, record)
+        if self.events is not None:
+            self.events.close()
+        if self.bar is not None:
+            self.bar.close()
+
+    def _show(self, line: dict[str, Any], rate: float, before: float) -> None:
+        """The bar's postfix on a terminal; else a log line at each tenth of the run, at its
+        end and at each evaluation."""
+        loss = "skipped" if line["loss"] is None else f"{line['loss']:.3f}"
+        item = self.item
+        text = (
+            f"loss {loss} nats/{item}  {rate:,.0f} {item}s/s  "
+            f"mem {format_bytes(line['peak_memory'])}"
+        ) + (f"  held-out {line['eval_loss']:.3f}" if "eval_loss" in line else "")
+        # The recipe's other held-out measures (accuracy, IoU), by their names.
+        text += "".join(
+            f" {k[5:]} {v:.3f}"
+            for k, v in line.items()
+            if k.startswith("eval_") and k != "eval_loss"
+        )
+        p = self.progress
+        if self.bar is not None:
+            self.bar.set_postfix_str(text)
+            self.bar.update(line["effective_batch"] if p.in_samples else 1)
+            return
+        now = p.fraction()
+        if int(now * 10) > int(before * 10) or now >= 1 or "eval_loss" in line:
+            where = (
+                f"{line['step']:>5}  {line['samples']:>7,}/{p.total_samples:,} samples"
+                if p.in_samples
+                else f"{line['step']:>5}/{p.total_steps}"
+            )
+            left = p.elapsed * (1 - now) / now if 0 < now < 1 else 0.0
+            eta = f"  ETA {duration(left)}" if left >= 1 else ""
+            self.log(f"step {where}  {text}{eta}")
+
+
+def _progress_bar(progress: Any):
+    from tqdm import tqdm  # imported here: only a terminal needs it
+
+    if not sys.stderr.isatty():
+        return None
+    # A terminal that reports no size (some ptys, `script`, containers) gives tqdm no rows,
+    # and with none it draws nothing at all: give it the usual 100 x 20 then.
+    size = shutil.get_terminal_size((100, 20))
+    columns, rows = (size.columns or 100), (size.lines if size.lines > 1 else 20)
+    if progress.in_samples:
+        total, done, unit = progress.total_samples, progress.schedule.samples, "sample"
+    else:
+        total, done, unit = progress.total_steps, progress.schedule.step, "step"
+    return tqdm(total=total, initial=done, unit=unit, ncols=columns, nrows=rows)
+
+
+def duration(seconds: float) -> str:
+    """45s, 3m05s, 1h02m."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

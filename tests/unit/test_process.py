@@ -1,0 +1,80 @@
+"""gradaccum.app.process: output that survives a failing stream, and the Ctrl-C handlers."""
+
+import signal
+
+import pytest
+
+from gradaccum.app import process
+
+
+def test_a_log_whose_write_fails_stops_the_run_once_and_goes_quiet(monkeypatch):
+    import os
+
+    calls = []
+    dup = []
+    monkeypatch.setattr(os, "dup2", lambda a, b: dup.append(b))  # keep pytest's stdout
+
+    def failing(*args, **kwargs):
+        calls.append(args)
+        raise OSError(28, "No space left on device")
+
+    stop: list[int] = []
+    log = process.Output(failing, stop)
+    log("one")
+    log("two")  # nowhere now
+    assert calls == [("one",)] and log.closed and log.failure == "No space left on device"
+    assert stop == [signal.SIGPIPE] and len(dup) == 1
+
+
+def test_a_closed_pipe_is_a_stop_without_a_failure(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "dup2", lambda a, b: None)
+
+    def closed(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    stop: list[int] = []
+    log = process.Output(closed, stop)
+    log("x")
+    assert stop == [signal.SIGPIPE] and log.failure is None
+
+
+def test_the_loading_handler_is_installed_only_over_pythons_own_and_then_replaced():
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        process.watch_loading()
+        assert signal.getsignal(signal.SIGINT) is process.stop_while_loading
+        fired = process.watch_ctrl_c()
+        assert signal.getsignal(signal.SIGINT) not in (
+            process.stop_while_loading,
+            signal.default_int_handler,
+        )
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        assert fired == [signal.SIGINT]
+        process.unwatch_ctrl_c()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # started ignoring it: left alone
+        process.watch_loading()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_out_on_a_full_disk_is_one_line():
+    """Real /dev/full as stdout: the write fails as on a full disk."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom gradaccum.app.process import out\n"
+        "try:\n    out('a line')\nexcept ValueError as err:\n    print(err, file=sys.stderr)\n"
+    )
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-c", code], stdout=full, stderr=subprocess.PIPE, text=True
+        )
+    assert done.returncode == 0
+    assert done.stderr.strip() == "cannot write the output (stdout): No space left on device"

@@ -1,0 +1,74 @@
+"""gradaccum.app.report.sink: a step's numbers to metrics.jsonl, the log line at each tenth
+of the run, and memory.json at the end; nothing on a process that does not write."""
+
+import json
+from types import SimpleNamespace
+
+from gradaccum.app.folder import MEMORY, METRICS, RunFolder
+from gradaccum.app.report.metrics import STEP
+from gradaccum.app.report.sink import MetricsSink, duration, step_line
+from gradaccum.app.run import Progress
+from gradaccum.schedule import BatchSchedule
+
+
+def progress(total_steps=10):
+    return Progress(BatchSchedule("constant", start=8, unit=8), total_steps, None)
+
+
+def sink(folder, p, said, writes=True):
+    return MetricsSink(
+        folder, p, "sample", said.append, writes=writes, tensorboard=False,
+        max_grad_norm=None, stopped=lambda what: f"{what}; stopped",
+    )  # fmt: skip
+
+
+def line(step):
+    return {"step": step, "samples": 8 * step, "effective_batch": 8, "loss": 1.0 / step,
+            "peak_memory": 2**20}  # fmt: skip
+
+
+def test_the_line_keeps_the_tables_order():
+    values = {"noise_high": 3.0, "loss": 1.0, "step": 2, "lr": 0.1}
+    assert list(step_line(values)) == ["step", "loss", "lr", "noise_high"]
+    assert list(step_line(values)) == [m.name for m in STEP if m.name in values]
+
+
+def test_lines_are_written_and_a_log_line_said_at_each_tenth(tmp_path):
+    folder, p, said = RunFolder(tmp_path), progress(20), []
+    s = sink(folder, p, said)
+    s.open(0)
+    for step in range(1, 5):
+        before = p.fraction()
+        p.schedule.step = step
+        s.write(line(step), None, 100.0, before)
+    meter = SimpleNamespace(phases={"training": 5}, peak=lambda: 7)
+    s.close(meter, carried=3)
+    assert [x["step"] for x in folder.metrics()] == [1, 2, 3, 4]
+    assert [x.split()[1] for x in said] == ["2/20", "4/20"]  # 10% and 20%
+    assert "loss 0.250 nats/sample" in said[-1] and "mem 1.0 MiB" in said[-1]
+    assert json.loads((tmp_path / MEMORY).read_text()) == {
+        "peak": 7, "phases": {"training": 5}, "carried": 3,
+    }  # fmt: skip
+
+
+def test_a_rollback_cuts_the_lines_back(tmp_path):
+    folder, p, said = RunFolder(tmp_path), progress(), []
+    s = sink(folder, p, said)
+    s.open(0)
+    for step in range(1, 4):
+        s.write(line(step), None, 1.0, 0.0)
+    s.restart(1)
+    s.write(line(2), None, 1.0, 0.0)
+    assert [x["step"] for x in folder.metrics()] == [1, 2]
+
+
+def test_a_process_that_does_not_write_writes_nothing(tmp_path):
+    s = sink(RunFolder(tmp_path), progress(), [], writes=False)
+    s.open(0)
+    s.write(line(1), None, 1.0, 0.0)
+    s.close(SimpleNamespace(phases={"training": 1}, peak=lambda: 1), 0)
+    assert not (tmp_path / METRICS).exists() and not (tmp_path / MEMORY).exists()
+
+
+def test_durations():
+    assert [duration(s) for s in (45, 185, 3720)] == ["45s", "3m05s", "1h02m"]

@@ -1,0 +1,81 @@
+"""gradaccum.app.trainer: a run trained in-process by ``Trainer(build_run(cfg)).fit()``, a
+resume that is the same run bit for bit, and a loop that stays small and delegates."""
+
+import ast
+import inspect
+import json
+from pathlib import Path
+
+import torch
+from support.runs import digits_config, quiet
+
+from gradaccum.app import Trainer, build_run, train
+from gradaccum.app.folder import CHECKPOINT, METRICS
+
+APP = Path(__file__).resolve().parents[2] / "src" / "gradaccum" / "app"
+
+
+def losses(folder: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (folder / METRICS).read_text().splitlines()]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return torch.load(folder / CHECKPOINT, weights_only=True)["accumulator"]["model"]
+
+
+def test_a_stopped_and_resumed_run_is_the_straight_run_bit_for_bit(tmp_path):
+    straight = tmp_path / "straight"
+    summary = Trainer(build_run(digits_config(straight), log=quiet), quiet).fit()
+    assert summary["steps"] == 6 and summary["stopped_by"] == "length"
+    resumed = tmp_path / "resumed"
+    train(digits_config(resumed, steps=3), log=quiet)
+    train(digits_config(resumed, steps=6, resume=str(resumed)), log=quiet)
+    assert losses(resumed) == losses(straight)
+    a, b = weights(resumed), weights(straight)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def function_lines(name: str) -> int:
+    source = inspect.getsource(getattr(Trainer, name))
+    return len([x for x in source.splitlines() if x.strip()])
+
+
+def test_the_loop_is_at_most_sixty_lines():
+    for name in ("fit", "loop", "window"):
+        assert function_lines(name) <= 60, name
+
+
+LOOP = ("fit", "loop", "window", "advance", "line")
+RANK_WORDS = {"rank", "main", "is_main", "world", "replicas", "together", "writes"}
+KIND_WORDS = {"Replicated", "Sharded", "Pipelined", "PipelineWindow", "sharded", "stages"}
+
+
+def test_the_loop_names_no_rank_no_kind_of_run_and_no_file():
+    import textwrap
+
+    for name in LOOP:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(Trainer, name))))
+        names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        names |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        assert not names & (RANK_WORDS | KIND_WORDS), (name, names & (RANK_WORDS | KIND_WORDS))
+        strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)]
+        files = [x for x in strings if isinstance(x, str) and "." in x and " " not in x]
+        assert files == [], (name, files)
+
+
+def test_the_check_sees_a_rank_and_a_file_name():
+    tree = ast.parse("if run.main:\n    folder.write_json('summary.json', x)\n")
+    names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    assert names & RANK_WORDS == {"main"}
+    assert [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)] == ["summary.json"]
+
+
+def test_no_shipped_function_takes_a_fault_injection_argument():
+    import gradaccum
+
+    src = Path(gradaccum.__file__).parent
+    for file in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = [a.arg for a in [*node.args.args, *node.args.kwonlyargs]]
+                assert not {"faults", "fault", "inject"} & set(args), (file, node.name)
