@@ -106,6 +106,40 @@ def test_the_router_loss_is_the_full_batchs(tmp_path, coef):
     assert "loss_ce" in logs[0] and "loss_aux" in logs[0]
 
 
+def steps_with_fault(tmp_path, calls=None) -> tuple[list[dict[str, torch.Tensor]], list]:
+    """Three windows at SGD 0.1: each step's gradient, and the windows replayed so far;
+    with ``calls``, the device holds 2 sequences once the first MoE layer has run ``calls``
+    forwards in train mode (the routing passes' included)."""
+    from support.faults import oom_after
+
+    model = tiny_moe()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = capture_step_grads(optimizer, model)
+    fault = None if calls is None else oom_after(model.model.layers[0], calls, 2)
+    trainer = Trainer(
+        model=model,
+        args=arguments(tmp_path),
+        train_dataset=sequences(48),
+        optimizers=(optimizer, None),
+        oom=ga.OOMReplay(),
+    )
+    trainer.train()
+    assert fault is None or fault.faults == 1
+    return seen, [x.get("oom_replays", 0) for x in trainer.state.log_history if "loss" in x]
+
+
+@pytest.mark.parametrize("calls", [10, 13], ids=["in the routing pass", "in training"])
+def test_out_of_memory_mid_window_keeps_the_router_loss_exact(tmp_path, calls):
+    """Each window runs its 4 micro-batches twice, the routing pass and training: the 11th
+    forward is the second window's routing pass, the 14th its training. Either replays the
+    window at 2 sequences, the same steps as without the fault."""
+    clean, _ = steps_with_fault(tmp_path / "clean")
+    seen, replays = steps_with_fault(tmp_path / "fault", calls)
+    errors = [rel_err(a, b) for a, b in zip(seen, clean, strict=True)]
+    print(f"out of memory after {calls} forwards: steps {[f'{e:.1e}' for e in errors]}")
+    assert len(seen) == 3 and max(errors) <= 1e-6 and replays == [0, 1, 1]
+
+
 def ce_only(model, inputs):
     """A loss_fn that leaves the router loss out: the token loss alone."""
     logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
@@ -171,6 +205,28 @@ def test_without_the_router_loss_nothing_changes(tmp_path):
     _, want = full_batch(copy.deepcopy(model), items)
     seen, logs, _ = one_window(tmp_path, model, items)
     assert rel_err(seen[0], want) <= 1e-6 and "loss_aux" not in logs[0]
+
+
+def test_the_mixin_over_trls_sft_trainer_trains_the_router_loss(tmp_path):
+    """SFTTrainer's own loss (cross-entropy + its router_aux_loss_coef x aux_loss) over the
+    window's 16 prompt-completion pairs as one batch, against the mixin's window."""
+    trl = pytest.importorskip("trl")
+    from test_trl import config, prompts_and_completions, tokenizer
+
+    from gradaccum.integrations.transformers import ExactAccumulationMixin
+
+    class ExactSFT(ExactAccumulationMixin, trl.SFTTrainer):
+        pass
+
+    trainer = ExactSFT(
+        model=tiny_moe(vocab_size=256, max_position_embeddings=64),
+        args=config(tmp_path),
+        train_dataset=prompts_and_completions(),
+        processing_class=tokenizer(),
+    )
+    result = ga.audit(trainer, tolerance=1e-6)
+    print(f"ExactAccumulationMixin over SFTTrainer, Qwen3-MoE: {result.summary}")
+    assert trainer.aux_loss_enabled and result.passed
 
 
 lightning = pytest.importorskip("lightning")

@@ -36,8 +36,10 @@ callback sets ``trainer.accumulate_grad_batches`` to the schedule's window in mi
 (``ScheduledWindows``); the schedule's state travels in Lightning's checkpoints.
 
 Refused, with the reason: manual optimization, strategies other than single-device and DDP
-(DeepSpeed and FSDP own the reduction and normalization), and a training_step that did not
-return through ``exact_output``.
+(DeepSpeed and FSDP own the reduction and normalization), a model that adds a router loss to
+its own (its load-balancing term needs the whole window's routing before the first backward,
+and Lightning fetches a window's micro-batches one at a time), and a training_step that did
+not return through ``exact_output``.
 """
 
 from __future__ import annotations

@@ -20,8 +20,15 @@ The loss of a micro-batch, as ``(loss_sum, count)``:
 - a causal LM (its class is one of transformers' causal-LM classes): next-token
   cross-entropy summed over the shifted labels other than -100 (``shift_labels`` from the
   collator when given), counted after the shift.
+- a mixture-of-experts causal LM that adds its router loss (``output_router_logits=True``,
+  a nonzero coefficient; the classes in ``_LOAD_BALANCED``): two named terms, the
+  next-token cross-entropy and the router's load-balancing term, weighted by the
+  coefficient and counted by its routed rows, with the window's share of assignments per
+  expert from a pass without gradient over the window before its first backward
+  (``_RouterTerm``): the model's own loss over the whole window. Refused where that cannot
+  be exact (another class, random routing, an ``aux_loss`` of another form).
 - any other model with ``labels``: its own loss, a mean over the labels other than -100,
-  times that count.
+  times that count (refused if it returns an ``aux_loss`` beside it).
 - TRL's ``GRPOTrainer``: its clipped surrogate per completion token (and its KL term with
   ``beta``), normalized over the whole window by the gradaccum helper its ``loss_type``
   names: ``dapo`` and ``bnpo`` by ``per_token`` (every token of the window weighs the same;
@@ -183,6 +190,7 @@ class ExactAccumulationMixin:
         self._rl = _rl_trainer(self)  # TRL's GRPOTrainer: its loss, normalized over the window
         self._window: FrameworkWindow | None = None
         self._router: _RouterTerm | None = None  # the model's router loss, as its own term
+        self._pass_size: int | None = None  # the routing pass's micro-batch running now
         self._window_size = 0
         self._window_counts: dict[str, Any] | None = None  # the next window's, with counts=
         self._micro: tuple[Any] | None = None  # the micro-batch's count, in training_step
@@ -501,15 +509,36 @@ class ExactAccumulationMixin:
         """The window's counts before its first backward, for the model's token loss and
         router loss as two terms: the tokens the first counts and the rows the router
         routes, from a pass without gradient over the window's micro-batches (as the
-        training forward runs: train mode, the Trainer's autocast), which also gives the
-        router's term the window's share of assignments per expert, summed over the ranks."""
+        training forward runs: train mode, the Trainer's autocast, split as ``oom=`` splits
+        them), which also gives the router's term the window's share of assignments per
+        expert, summed over the ranks. With ``oom=``, a pass that runs out of memory runs
+        again, smaller (no gradient yet: nothing to drop)."""
+        while True:
+            self._pass_size = None
+            try:
+                return self._routing_pass(model)
+            except torch.OutOfMemoryError as err:
+                error = err  # its traceback holds the failed pass's tensors: let go below
+            if (
+                self.oom is None
+                or self.oom.shrink(self._pass_size, self.state.global_step + 1) is None
+            ):
+                raise error
+            error = None
+            self.oom_replays += 1
+            self._replayed = True
+            free_memory()
+
+    def _routing_pass(self, model: torch.nn.Module) -> dict[str, Any]:
         router, base = self._router, self._base_model(model)
         run = self.accelerator.unwrap_model(model)  # not DDP's: no collective in the pass
         skip = "logits_to_keep" in inspect.signature(base.forward).parameters
+        batches = self._window_batches
         assigned, rows, tokens = None, 0.0, 0
         model.train()
         with torch.no_grad(), self.compute_loss_context_manager():
-            for batch in self._window_batches:
+            for batch in self.oom.arrange(batches) if self.oom is not None else batches:
+                self._pass_size = batch_size(batch)
                 inputs = self._prepare_inputs(batch)
                 tokens = tokens + _next_token_count(inputs)
                 rest = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
