@@ -191,7 +191,7 @@ def load_sharded(acc: Accumulator, path: str | Path) -> None:
         )
     if problem is None:
         try:  # DCP would log each refusal with its traceback, then raise its own
-            _safe_reader()(path).read_metadata()
+            safe_reader()(path).read_metadata()
         except Exception as err:  # noqa: BLE001 - damaged or unsafe: the same answer
             reason = (str(err).strip().splitlines() or [type(err).__name__])[-1]
             problem = (
@@ -216,7 +216,7 @@ def load_sharded(acc: Accumulator, path: str | Path) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(shards, storage_reader=_safe_reader()(path))
+        dcp.load(shards, storage_reader=safe_reader()(path))
     except (Exception, CheckpointException) as err:  # (DCP's is a BaseException)
         # Every rank reads the same .metadata: each fails alike, and says so in one line.
         first = next(iter(getattr(err, "failures", {}).values()), err)
@@ -232,7 +232,7 @@ SHARDED = "torch.distributed.checkpoint"  # where rank-R.pt's model and optimize
 
 
 @functools.cache
-def _safe_reader() -> type:
+def safe_reader() -> type:
     """torch.distributed.checkpoint's file reader, reading .metadata (a pickle) with only
     DCP's own metadata types, torch sizes, dtypes and layouts, and paths: like
     ``torch.load(weights_only=True)``, a checkpoint folder can describe tensors and cannot

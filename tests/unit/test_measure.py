@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gradaccum.app.measure import _evaluation
+from gradaccum.app.measure import recipe_evaluation
 from gradaccum.app.recipes import get_recipe
 
 
@@ -15,7 +15,7 @@ def test_a_language_model_is_evaluated_by_its_held_out_loss_on_the_sample():
     torch.manual_seed(0)
     model = recipe.build_model().train()
     batch = recipe.sample_batch(3)  # fewer than two micro-batches of 2: rows repeated
-    got = _evaluation(recipe, 0, batch, 2)(model)
+    got = recipe_evaluation(recipe, 0, batch, 2)(model)
     assert model.training  # as it was
     # torch alone: next-token cross-entropy per predicted byte over the 4 sequences
     ids = torch.cat([batch["input_ids"], batch["input_ids"][:1]])
@@ -37,7 +37,7 @@ def test_a_recipe_with_its_own_evaluation_runs_it_on_the_sample(name):
     model = recipe.build_model()
     model.train()
     batch = recipe.sample_batch(4)
-    got = _evaluation(recipe, 0, batch, 2)(model)
+    got = recipe_evaluation(recipe, 0, batch, 2)(model)
     assert model.training
     model.eval()
     with torch.no_grad():
@@ -57,6 +57,6 @@ def test_a_recipe_without_one_evaluates_its_data():
     assert recipe.logits is None and recipe.evaluate is None
     torch.manual_seed(0)
     model = recipe.build_model()
-    got = _evaluation(recipe, 0, recipe.sample_batch(2), 1)(model)
+    got = recipe_evaluation(recipe, 0, recipe.sample_batch(2), 1)(model)
     data = recipe.make_data(0)
     assert got == data.evaluate(model, 1, limit=2)

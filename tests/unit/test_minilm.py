@@ -168,11 +168,11 @@ def test_the_recipe_brings_its_defaults_and_flags_and_files_override_them(tmp_pa
 
 
 def test_the_summary_sets_the_run_against_its_baseline():
-    from gradaccum.app.report.summary import _against_baseline, _baseline_rows
+    from gradaccum.app.report.summary import against_baseline, baseline_rows
 
     baseline = {"name": "linear probe on the frozen pretrained encoder", "accuracy": 0.6}
-    against = _against_baseline(baseline, {"held_out_accuracy": 0.85, "held_out_loss": 0.5})
+    against = against_baseline(baseline, {"held_out_accuracy": 0.85, "held_out_loss": 0.5})
     assert against["accuracy_margin"] == pytest.approx(0.25)
-    [(label, text)] = _baseline_rows(against)
+    [(label, text)] = baseline_rows(against)
     assert label == "baseline accuracy"
     assert text == "0.6000 (linear probe on the frozen pretrained encoder); this run +0.2500"

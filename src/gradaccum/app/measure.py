@@ -84,7 +84,7 @@ class _Built:
             batch = to_device(batch, torch.device("cuda"))
         if checkpointing:
             enable_checkpointing(model)
-        evaluate = _evaluation(recipe, self.seed, batch, micro)
+        evaluate = recipe_evaluation(recipe, self.seed, batch, micro)
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
         optimizer = torch.optim.AdamW(trainable, lr=1e-3)
         acc = Accumulator(model, optimizer, precision=precision)
@@ -106,7 +106,7 @@ class _Built:
         return memory.peak()
 
 
-def _evaluation(recipe: Any, seed: int, batch: Any, micro: int):
+def recipe_evaluation(recipe: Any, seed: int, batch: Any, micro: int):
     """The run's held-out evaluation, two micro-batches of it, through the arithmetic the
     run's evaluation runs: a language model's ``held_out_loss`` or the recipe's
     ``evaluate`` on the sample, else the recipe's data's own ``evaluate``. An evaluation by

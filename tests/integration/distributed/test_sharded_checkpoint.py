@@ -10,7 +10,7 @@ import torch
 import workers
 from launch import launch
 
-from gradaccum.checkpoint import _safe_reader
+from gradaccum.checkpoint import safe_reader
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_a_sharded_checkpoint_resumes_bitwise_and_rolls_back_to_an_empty_optimiz
 
 def test_checkpoint_metadata_that_names_other_code_is_refused(sharded, tmp_path):
     out, _ = sharded
-    reader = _safe_reader()(out / "step-2")
+    reader = safe_reader()(out / "step-2")
     metadata = reader.read_metadata()  # the real one reads
     assert "model.head.weight" in metadata.state_dict_metadata
 
@@ -46,4 +46,4 @@ def test_checkpoint_metadata_that_names_other_code_is_refused(sharded, tmp_path)
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload()))
     with pytest.raises(pickle.UnpicklingError, match="builtins.print"):
-        _safe_reader()(tmp_path).read_metadata()
+        safe_reader()(tmp_path).read_metadata()

@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from gradaccum.app.cli import out
+from gradaccum.app.process import out
 from gradaccum.diagnose import audit
 
 

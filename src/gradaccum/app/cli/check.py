@@ -6,8 +6,9 @@ import argparse
 
 import torch
 
-from gradaccum.app.cli import options, out
+from gradaccum.app.cli import options
 from gradaccum.app.config import CheckConfig
+from gradaccum.app.process import out
 from gradaccum.app.recipes import get_recipe, hf_recipe
 from gradaccum.diagnose import check
 from gradaccum.diagnose.check import float64_batch

@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 
 from gradaccum.app import plan_cache
-from gradaccum.app.cli import options, out
+from gradaccum.app.cli import options
 from gradaccum.app.config import PlanConfig
 from gradaccum.app.measure import FreshProcessVerifier, fresh_process_verifier
+from gradaccum.app.process import out
 from gradaccum.app.recipes import get_recipe
 from gradaccum.batching import to_device
 from gradaccum.memory import parse_bytes

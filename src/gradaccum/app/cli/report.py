@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gradaccum.app.cli import out
+from gradaccum.app.process import out
 from gradaccum.app.report import REPORT, write_report
 
 

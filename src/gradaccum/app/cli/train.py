@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from gradaccum.app.cli import options, say
+from gradaccum.app.cli import options
+from gradaccum.app.process import say
 
 try:
     import tomllib

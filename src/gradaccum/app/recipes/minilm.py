@@ -228,7 +228,7 @@ class DocstringData:
     accuracy; and the linear-probe baseline on the frozen pretrained encoder."""
 
     def __init__(self, seed: int) -> None:
-        from gradaccum.app.recipes import epoch_order
+        from gradaccum.app.recipes.base import epoch_order
 
         self._order = epoch_order
         data = corpus()

@@ -108,7 +108,7 @@ class PairData:
     """The training pairs in a fresh seeded order each epoch; held-out retrieval."""
 
     def __init__(self, seed: int) -> None:
-        from gradaccum.app.recipes import epoch_order
+        from gradaccum.app.recipes.base import epoch_order
 
         self._order = epoch_order
         self.seed = seed

@@ -28,7 +28,7 @@ from torch import nn
 from gradaccum.loss import sample_mean
 
 if TYPE_CHECKING:
-    from gradaccum.app.recipes import Recipe
+    from gradaccum.app.recipes.base import Recipe
 
 __all__ = [
     "DEFAULTS",
@@ -278,7 +278,7 @@ def segmentation_loss(
 
 def segmentation_recipe(norm: str = "group") -> Recipe:
     """The ``segment`` recipe with GroupNorm (exact under accumulation) or BatchNorm."""
-    from gradaccum.app.recipes import Recipe  # here: the recipes' registry may import this module
+    from gradaccum.app.recipes.base import Recipe
 
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {norm!r}")

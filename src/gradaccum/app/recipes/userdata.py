@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from gradaccum.app.recipes import epoch_order, held_out_loss
+from gradaccum.app.recipes.base import epoch_order, held_out_loss
 
 __all__ = [
     "DataError",

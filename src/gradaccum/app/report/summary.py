@@ -60,14 +60,14 @@ def report(
         }
     )
     if (out / BASELINE).is_file():
-        summary["baseline"] = _against_baseline(run.folder.read_json(BASELINE), summary)
+        summary["baseline"] = against_baseline(run.folder.read_json(BASELINE), summary)
     run.folder.write_json(SUMMARY_JSON, summary)
     plots.draw(out, lines, incidents)
     from gradaccum.app.report import write_report
 
     page = write_report(out, summary=summary, metrics=lines)
     if table:
-        log(_summary_table(summary))
+        log(summary_table(summary))
         if cfg.batch.noise_scale:
             log(summary["noise_advice"])
             if summary["noise_tradeoff"]:
@@ -78,7 +78,7 @@ def report(
     return summary
 
 
-def _against_baseline(baseline: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+def against_baseline(baseline: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     """The baseline's numbers beside the run's held-out ones, with the margin of each."""
     out = dict(baseline)
     for metric, value in baseline.items():
@@ -113,7 +113,7 @@ def _summarize(
     return summary
 
 
-def _summary_table(s: dict[str, Any]) -> str:
+def summary_table(s: dict[str, Any]) -> str:
     def fmt(v: Any, unit: str = "") -> str:
         if unit == "bytes":
             return format_bytes(v)
@@ -137,7 +137,7 @@ def _summary_table(s: dict[str, Any]) -> str:
             rows += [
                 (k.replace("_", " "), fmt(v)) for k, v in s.items() if k.startswith("held_out")
             ]
-            rows += _baseline_rows(s.get("baseline"))
+            rows += baseline_rows(s.get("baseline"))
             continue
         rows.append((m.label, fmt(s[m.name], m.unit)))
     rows += [
@@ -152,7 +152,7 @@ def _summary_table(s: dict[str, Any]) -> str:
     return "\n".join(["", "summary", "-" * (width + 24)] + [f"{k:<{width}}  {v}" for k, v in rows])
 
 
-def _baseline_rows(baseline: dict[str, Any] | None) -> list[tuple[str, str]]:
+def baseline_rows(baseline: dict[str, Any] | None) -> list[tuple[str, str]]:
     if not baseline:
         return []
     return [
