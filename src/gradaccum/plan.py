@@ -40,7 +40,7 @@ from gradaccum.memory import (
 from gradaccum.precision import Precision
 from gradaccum.recompute import checkpointing_enabled, disable_checkpointing, enable_checkpointing
 from gradaccum.stats import fit_line
-from gradaccum.sync import SYNC_MODES, is_sharded
+from gradaccum.sync import SYNC_MODES, is_sharded, one_process
 from gradaccum.validate import int_problem
 
 __all__ = ["Fit", "Phase", "Plan", "Probe", "plan"]
@@ -307,6 +307,7 @@ def _fit_with(xs: Sequence[float], ys: Sequence[float], intercept: float, slope:
     return Fit(intercept=intercept, slope=slope, max_error=max(errors, default=0.0))
 
 
+@one_process()  # rank 0 plans for every rank on its own, plain model
 def plan(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

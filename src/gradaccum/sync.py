@@ -37,12 +37,24 @@ accumulates the unsharded gradient in fp32 between micro-batches and reduce-scat
 micro-batch: under FSDP2 the gradient then stays sharded between micro-batches (one shard of
 every gradient held, against a whole unsharded gradient with ``"window"``) at the price of N
 reduce-scatters per step; under DDP it only costs communication and exists for comparisons.
+
+Why wrappers are seen through: a model often reaches the Accumulator inside another
+framework's module (Lightning Fabric's ``_FabricModule``, torch.compile's ``OptimizedModule``,
+PEFT's ``PeftModel``) with the DDP or FSDP2 module one or more levels down. Taken at face
+value it is one process's model: every micro-batch would reduce and the count would be this
+rank's alone. ``Sync.of`` follows the wrappers it knows, by their real class, down to the DDP
+or FSDP2 module whose sync it controls; the forward still goes through the module the user
+calls, and the forward count proves that it reached the DDP module. A module of a class it
+does not know that holds a DDP or FSDP2 module is refused: what its forward does with that
+module cannot be known.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -71,14 +83,151 @@ def _is_fsdp(model: Any) -> bool:
     return isinstance(model, FSDPModule)
 
 
+# Wrappers that run a module held under another name: (the module their class lives in, the
+# class, the attribute holding the module their forward calls). A class counts only where its
+# framework is already imported (sys.modules): gradaccum imports no framework, and a model
+# cannot be an instance of a class whose module was never imported. Subclasses count
+# (PeftModelForCausalLM, LoraModel).
+_WRAPPERS = (
+    ("lightning.fabric.wrappers", "_FabricModule", "_forward_module"),
+    ("lightning_fabric.wrappers", "_FabricModule", "_forward_module"),
+    ("torch._dynamo.eval_frame", "OptimizedModule", "_orig_mod"),
+    ("peft.peft_model", "PeftModel", "base_model"),
+    ("peft.tuners.tuners_utils", "BaseTuner", "model"),
+)
+
+# Modules that reduce gradients across processes in a way this module does not control:
+# (the module their class lives in, the class, why and what to do instead).
+_REFUSED = (
+    (
+        "torch.distributed.fsdp.fully_sharded_data_parallel",
+        "FullyShardedDataParallel",
+        "FSDP1's gradient sync is not one gradaccum controls; shard the model with "
+        "torch.distributed.fsdp.fully_shard (FSDP2) instead",
+    ),
+    (
+        "deepspeed.runtime.engine",
+        "DeepSpeedEngine",
+        "DeepSpeed reduces and normalizes the accumulated gradient itself; use its own "
+        "accumulation (gradaccum plan --export deepspeed gives the batch shape)",
+    ),
+)
+
+
+def _class(module_name: str, class_name: str) -> type | None:
+    module = sys.modules.get(module_name)
+    return getattr(module, class_name, None) if module is not None else None
+
+
+def _wrapped(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a known wrapper's forward calls, or None for any other module."""
+    for module_name, class_name, attribute in _WRAPPERS:
+        cls = _class(module_name, class_name)
+        if cls is not None and isinstance(model, cls):
+            inner = getattr(model, attribute, None)
+            if isinstance(inner, torch.nn.Module):
+                return inner
+    return None
+
+
+def _distributed(model: torch.nn.Module) -> str | None:
+    """The class name of a module that reduces gradients across processes, or None."""
+    if isinstance(model, DistributedDataParallel):
+        return "DistributedDataParallel"
+    if _is_fsdp(model):
+        return f"fully_shard's {type(model).__name__}"
+    for module_name, class_name, _ in _REFUSED:
+        cls = _class(module_name, class_name)
+        if cls is not None and isinstance(model, cls):
+            return class_name
+    return None
+
+
+def _unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module | None, tuple[str, ...]]:
+    """The DDP or FSDP2 module that ``model`` is or holds through known wrappers, and those
+    wrappers' class names, outermost first; ``(None, ())`` for a model that is not
+    distributed. A refused kind (FSDP1, DeepSpeed), or a module of unknown class holding a
+    distributed module, raises ValueError in one line."""
+    via: list[str] = []
+    current = model
+    while _distributed(current) is None:
+        inner = _wrapped(current)
+        if inner is None:
+            break
+        via.append(type(current).__name__)
+        current = inner
+    where = f" (inside {' > '.join(via)})" if via else ""
+    kind = _distributed(current)
+    if kind is None:
+        for name, sub in current.named_modules():
+            held = _distributed(sub) if name else None
+            if held is not None:
+                raise ValueError(
+                    f"{type(current).__name__}{where} holds a {held} module at {name!r} and "
+                    "is not a wrapper gradaccum can see through (Lightning Fabric's, "
+                    "torch.compile's, PEFT's): its forward may not run that module's gradient "
+                    f"sync; hand the Accumulator the {held.split()[-1]} module itself or a "
+                    "known wrapper of it"
+                )
+        return None, ()
+    for _, class_name, why in _REFUSED:
+        if kind == class_name:
+            raise ValueError(f"the model is a {class_name}{where}: {why}")
+    return current, tuple(via)
+
+
+class LocalModelWarning(UserWarning):
+    """A model that is not distributed, handed over in a process group of several
+    processes: each process steps on its own items alone."""
+
+
+_ONE_PROCESS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "gradaccum_one_process", default=False
+)
+
+
+@contextlib.contextmanager
+def one_process() -> Iterator[None]:
+    """Inside it (or a function it decorates), a model that is not distributed is one
+    process's on purpose, even in an initialised process group of several processes: rank
+    0 planning a micro-batch for all of them, ``ga.check`` on one rank, or ranks that each
+    train a model of their own. Outside it, such a model gives a ``LocalModelWarning``."""
+    token = _ONE_PROCESS.set(True)
+    try:
+        yield
+    finally:
+        _ONE_PROCESS.reset(token)
+
+
+def _warn_if_not_distributed(model: torch.nn.Module) -> None:
+    """A model that is not distributed where other processes are: legitimate (evaluation,
+    ranks that each train their own model, rank 0 planning), so a warning, not a refusal;
+    Python's default filter shows it once per place the model is handed over."""
+    if _ONE_PROCESS.get() or not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    if world > 1:
+        warnings.warn(
+            f"{type(model).__name__} is not distributed (no DistributedDataParallel or "
+            f"fully_shard in it) in a process group of {world} processes: each process steps "
+            "on its own items and count alone; wrap it in DistributedDataParallel or "
+            "fully_shard, or hand it over inside `with gradaccum.sync.one_process():` where "
+            "each process trains on its own on purpose",
+            LocalModelWarning,
+            stacklevel=4,  # this function, Sync.of, the Accumulator, the user's line
+        )
+
+
 __all__ = [
     "SYNC_MODES",
     "DDPSync",
     "FSDPSync",
+    "LocalModelWarning",
     "PipelineSync",
     "Sync",
     "collective_device",
     "is_sharded",
+    "one_process",
 ]
 
 SYNC_MODES = ("window", "micro")
@@ -104,18 +253,31 @@ class Sync:
         self.ranks = 1  # the processes the window's numbers are summed over
         self.rank = 0  # this process's place among them
         self.reduce_at_end = False  # DDP: the Accumulator reduces the window's sums (configure)
+        self.via: tuple[str, ...] = ()  # the wrappers seen through to reach ``model``
 
     @staticmethod
     def of(model: torch.nn.Module, mode: str = "window") -> Sync:
-        """The Sync for ``model`` as it is wrapped: DDP, FSDP2's fully_shard, or neither."""
-        if isinstance(model, DistributedDataParallel):
-            return DDPSync(model, mode)
-        if _is_fsdp(model):
-            return FSDPSync(model, mode)
-        return Sync(model, mode)
+        """The Sync for ``model`` as it is wrapped: DDP, FSDP2's fully_shard, or neither,
+        seen through the wrappers gradaccum knows (Lightning Fabric's, torch.compile's,
+        PEFT's, at any depth). A module of unknown class holding a DDP or FSDP2 module, or
+        FSDP1 or DeepSpeed's engine, is refused (ValueError); a model that is not
+        distributed in a process group of several processes gives a LocalModelWarning."""
+        found, via = _unwrap(model)
+        if found is None:
+            _warn_if_not_distributed(model)
+            return Sync(model, mode)
+        sync: _Collective
+        if isinstance(found, DistributedDataParallel):
+            sync = DDPSync(found, mode)
+        else:
+            sync = FSDPSync(found, mode)
+        if via:
+            sync.called_through(model, via)
+        return sync
 
     def __repr__(self) -> str:
-        return f"Sync({self.name}, mode={self.mode!r}, world={self.world})"
+        via = f", via={' > '.join(self.via)}" if self.via else ""
+        return f"Sync({self.name}, mode={self.mode!r}, world={self.world}{via})"
 
     def configure(self, precision: Any, oom: Any, noise: Any) -> None:
         """Decide where the window's gradient is reduced (``reduce_at_end``), and refuse what
@@ -238,23 +400,35 @@ class _Collective(Sync):
         self.rank = dist.get_rank(group)
         self._device = collective_device(group)
         self._pad: Any = None  # one sample of a micro-batch this rank held, to pad with
-        self._forwards: int | None = None  # forwards in the micro-batch in progress
+        # forwards in the micro-batch in progress: of the distributed module, and of the
+        # wrapper the user calls (``called_through``)
+        self._forwards: list[int] | None = None
         if model is not None:
-            ref = weakref.ref(self)
+            self._count_forwards(model, 0)
 
-            def count_forward(module: torch.nn.Module, args: Any) -> None:
-                sync = ref()
-                if sync is not None and sync._forwards is not None:
-                    sync._forwards += 1
+    def _count_forwards(self, module: torch.nn.Module, slot: int) -> None:
+        ref = weakref.ref(self)
 
-            handle = model.register_forward_pre_hook(count_forward)
-            weakref.finalize(self, handle.remove)
+        def count_forward(module: torch.nn.Module, args: Any) -> None:
+            sync = ref()
+            if sync is not None and sync._forwards is not None:
+                sync._forwards[slot] += 1
+
+        handle = module.register_forward_pre_hook(count_forward)
+        weakref.finalize(self, handle.remove)
+
+    def called_through(self, outer: torch.nn.Module, via: tuple[str, ...]) -> None:
+        """The user calls ``outer``, a wrapper (``via``: its chain of classes) around this
+        Sync's module: its forwards are counted too, so that a wrapper whose forward does
+        not run the distributed module is told apart from a loss computed outside."""
+        self.via = via
+        self._count_forwards(outer, 1)
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
         """DDP decides in forward whether the backward communicates, FSDP2 in backward: the
         context wraps both."""
-        self._forwards = 0
+        self._forwards = [0, 0]
         restore = self._communicate(self.communicates(last))
         try:
             yield
@@ -267,7 +441,17 @@ class _Collective(Sync):
         raise NotImplementedError
 
     def check_forward(self, index: int) -> None:
-        if not self._forwards:
+        forwards, outer = self._forwards or (0, 0)
+        if not forwards and outer:
+            kind = type(self.model).__name__
+            raise RuntimeError(
+                f"micro-batch {index}: the forward of {self.via[0]} ran but did not run the "
+                f"{kind} inside it ({' > '.join(self.via)} > {kind}); {kind} decides in its "
+                "forward whether the backward communicates, so gradaccum cannot control it "
+                f"through this wrapper: hand the Accumulator a model whose forward runs the "
+                f"{kind} module"
+            )
+        if not forwards:
             raise RuntimeError(
                 f"micro-batch {index}: no forward of the {self.name.upper()} model ran inside "
                 "`with acc.micro_batch(...)`; the loss was computed outside it. The forward "

@@ -30,6 +30,7 @@ from gradaccum.batching import split
 from gradaccum.batchnorm import batchnorm_modules
 from gradaccum.checkpoint import preserved_rng
 from gradaccum.engine import Accumulator, LossFn
+from gradaccum.sync import one_process
 
 __all__ = ["CheckResult", "ROUNDING_HEADROOM", "TOLERANCES", "check", "float64_batch"]
 
@@ -136,6 +137,7 @@ class _Outputs:
             h.remove()
 
 
+@one_process()  # a check in one process, whatever group it runs in
 def check(
     model: nn.Module,
     batch: Any,
