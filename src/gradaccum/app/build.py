@@ -249,12 +249,13 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> Run:
 
 def _resume_from(kind: RunKind, folder: RunFolder, device: torch.device, log):
     """The checkpoint a resume continues from: checkpoint.pt, verified; when it is damaged or
-    missing, the newest kept checkpoint that is intact, said in one line with the step the
-    run goes back to (the steps after it are trained again, exactly); None when the run
-    stopped before its first checkpoint. Every rank tries the same files and takes the same
-    one (a rank whose part of a checkpoint is damaged rules that checkpoint out for all)."""
+    missing, the newest kept checkpoint that is intact, said in one line naming each one
+    passed over and the step the run goes back to (the steps after it are trained again,
+    exactly); None when the run stopped before its first checkpoint. Every rank tries the
+    same files and takes the same one (a rank whose part of a checkpoint is damaged rules
+    that checkpoint out for all)."""
     kept = [file for _, file in reversed(Checkpoints(folder).kept())]
-    lost = None  # what was wrong with the newest checkpoint
+    passed: list[str] = []  # what was wrong with each checkpoint passed over, newest first
     for file in [None, *kept]:
         saved, problem = None, None
         try:
@@ -267,16 +268,16 @@ def _resume_from(kind: RunKind, folder: RunFolder, device: torch.device, log):
             problem = f"{folder.path / CHECKPOINT} is missing"
         told = launch.first_message(problem)
         if told is not None:
-            lost = lost or told
+            passed.append(told)
             continue
-        if lost is not None:
+        if passed:
             log(
-                f"{lost}; resuming from {file} instead, the newest intact checkpoint (step "
-                f"{saved['step']}): the steps after it are trained again"
+                f"{'; '.join(passed)}; resuming from {file} instead, the newest intact "
+                f"checkpoint (step {saved['step']}): the steps after it are trained again"
             )
         return saved
     raise ValueError(
-        f"{lost}"
+        "; ".join(passed)
         + ("; no kept checkpoint under checkpoints/ is intact either" if kept else "")
         + ". Restore it, or move it away to resume the run from step 0 with its saved "
         "configuration"
