@@ -118,7 +118,7 @@ class RunFolder:
             self.check_usable(resume=resume)  # a file, or no run to resume: nothing made
         self.made = not self.path.exists()
         lock_made = not (self.path / LOCK).exists()
-        self.create()
+        self.create(resume=resume)
         try:
             self.check_usable(resume=resume)
         except BaseException:
@@ -168,14 +168,23 @@ class RunFolder:
         finally:
             self.release()
 
-    def create(self) -> None:
-        """Make the folder (if new) and take its lock: one training process per folder."""
+    def create(self, *, resume: bool = False) -> None:
+        """Make the folder (if new) and take its lock: one training process per folder. A
+        folder that exists but cannot be written is said as such (not "cannot create")."""
+        existed = self.path.is_dir()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
+            if not existed:
+                raise ValueError(
+                    f"cannot create run folder {self.path}: {write_failure(err)}"
+                ) from None
+            where = f"--resume {self.path}" if resume else f"run folder {self.path}"
+            other = "" if resume else ", or choose another --out"
             raise ValueError(
-                f"cannot create run folder {self.path}: {write_failure(err)}"
+                f"{where} exists but cannot be written ({write_failure(err)}: gradaccum "
+                f"creates {LOCK} and the run's files in it); make it writable{other}"
             ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
