@@ -680,8 +680,10 @@ class PipelineSync(_Collective):
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is wrapped by FSDP2's fully_shard."""
-    return _is_fsdp(model)
+    """Whether ``model`` is wrapped by FSDP2's fully_shard, seen through the wrappers that
+    ``Sync.of`` sees through (and refused where it refuses)."""
+    found, _ = _unwrap(model)
+    return found is not None and _is_fsdp(found)
 
 
 def collective_device(group: Any = None) -> torch.device:

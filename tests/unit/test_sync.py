@@ -14,7 +14,7 @@ from helpers import MLP, capture_step_grads, make_model, mlp_loss, regression_ba
 from torch.nn.parallel import DistributedDataParallel
 
 import gradaccum as ga
-from gradaccum.sync import DDPSync, FSDPSync, Sync
+from gradaccum.sync import DDPSync, FSDPSync, Sync, is_sharded
 
 
 class Holder(torch.nn.Module):
@@ -87,6 +87,8 @@ def test_fsdp2_under_torch_compile_is_seen_through(one_process_group):
     fully_shard(net)
     sync = Sync.of(compiled(net))
     assert isinstance(sync, FSDPSync) and sync.model is net and sync.via == ("OptimizedModule",)
+    assert is_sharded(compiled(net)) and is_sharded(net)  # what the planner asks
+    assert not is_sharded(compiled(DistributedDataParallel(make_model(MLP))))
 
 
 def test_a_module_of_unknown_class_holding_ddp_is_refused_in_one_line_naming_it(
