@@ -12,7 +12,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -20,12 +19,13 @@ from typing import Any
 
 import torch
 
-from gradaccum.app import launch, plan_cache
+from gradaccum.app import launch
 from gradaccum.app.checkpoints import sealed
 from gradaccum.app.config import TrainConfig
 from gradaccum.app.exports import write_exports
 from gradaccum.app.folder import PLAN, RunFolder
 from gradaccum.app.measure import FreshProcessVerifier, fresh_process_verifier
+from gradaccum.app.planner import Planner
 from gradaccum.app.recipes import Recipe
 from gradaccum.app.recipes.userdata import SequenceData
 from gradaccum.checkpoint import preserved_rng
@@ -136,47 +136,49 @@ def window_plan(
     per_rank = math.ceil(cfg.batch.effective_batch / world)
     info = None
     if rank == 0 or each_rank:
-        began = time.perf_counter()
         sample = recipe.sample_batch(8)
         # (FSDP2's plans are collectives of every rank: each rank plans, never from a file)
-        parts = (
-            None
-            if each_rank
-            else plan_cache.signature(
-                model,
-                optimizer,
-                sample,
-                device,
-                {
-                    "recipe": cfg.source.recipe if not cfg.source.hf_model else "hf",
-                    "effective_batch": per_rank,
-                    "budget": cfg.memory.budget_bytes,
-                    "margin": cfg.memory.margin,
-                    "meter": cfg.memory.meter,
-                    "checkpointing": cfg.memory.checkpointing,
-                    "precision": cfg.numerics.precision,
-                    "world": world,
-                    # the phases measured beside the window: a merge copies the model
-                    "merge_lora": cfg.output.merge_lora,
-                },
-                (cfg.source.hf_model, cfg.source.data),
-            )
+        planner = Planner(
+            model,
+            optimizer,
+            sample,
+            device,
+            {
+                "recipe": cfg.source.recipe if not cfg.source.hf_model else "hf",
+                "effective_batch": per_rank,
+                "budget": cfg.memory.budget_bytes,
+                "margin": cfg.memory.margin,
+                "meter": cfg.memory.meter,
+                "checkpointing": cfg.memory.checkpointing,
+                "precision": cfg.numerics.precision,
+                "world": world,
+                # the phases measured beside the window: a merge copies the model
+                "merge_lora": cfg.output.merge_lora,
+            },
+            (cfg.source.hf_model, cfg.source.data),
+            log=log,
+            replan=cfg.memory.replan,
+            cached=not each_rank,
         )
-        cached = None if parts is None or cfg.memory.replan else plan_cache.load(parts)
-        if cached is not None:
-            planned, info, path = cached
-            took = time.perf_counter() - began
-            log(f"the plan is the cached one ({path}, read in {took:.2f} s; --replan plans again)")
-            log(planned.summary())
-        elif here or each_rank or world > 1 or device.type != "cpu":
-            args = (cfg, model, optimizer, recipe, device, sample, per_rank, log)
-            # (FSDP2's evaluation is a collective of every rank: its plan is the window's)
-            phases = None if each_rank or data is None else run_phases(cfg, model, optimizer, data)
-            info = _plan_now(*args, each_rank=each_rank, phases=phases, started=started)
-            if parts is not None:
-                plan_cache.store(parts, info)
+        if here or each_rank or world > 1 or device.type != "cpu":
+
+            def make() -> dict[str, Any]:
+                args = (cfg, model, optimizer, recipe, device, sample, per_rank, log)
+                # (FSDP2's evaluation is a collective of every rank: its plan is the window's)
+                phases = (
+                    None if each_rank or data is None else run_phases(cfg, model, optimizer, data)
+                )
+                return _plan_now(*args, each_rank=each_rank, phases=phases, started=started)
+
+            info = planner.plan(make)
         else:
-            info = _plan_elsewhere(cfg, data, log)
+            # the plan process stores what it makes in the cache itself
+            found = planner.stored()
+            if found is not None:
+                planned, info = found
+                log(planned.summary())
+            else:
+                info = _plan_elsewhere(cfg, data, log)
     if world > 1 and not each_rank:
         info = launch.broadcast(info)
     return info

@@ -133,15 +133,15 @@ def audit(
 
 
 def _audit_trainer(trainer: Any, tolerance: float) -> AuditResult:
-    from gradaccum.integrations.transformers import _preference_trainer, _rl_trainer
+    from gradaccum.integrations.transformers import is_preference_trainer, is_rl_trainer
 
-    if _rl_trainer(trainer):
+    if is_rl_trainer(trainer):
         raise TypeError(
             "audit of a GRPOTrainer: its micro-batches are completions it generates inside "
             "training_step, so one window cannot be replayed as one batch; its mixin's "
             "exactness is measured in tests/integration/test_trl.py"
         )
-    paired = _preference_trainer(trainer)  # rows: the chosen completions, then the rejected
+    paired = is_preference_trainer(trainer)  # rows: the chosen completions, then the rejected
     steps = trainer.args.gradient_accumulation_steps
     iterator = iter(trainer.get_train_dataloader())
     batches, items = trainer.get_batch_samples(iterator, steps, trainer.args.device)

@@ -185,9 +185,9 @@ class ExactAccumulationMixin:
         self.oom_replays = 0  # windows replayed, in all
         self.loss_fn, self.counts = loss_fn, counts
         self.items = items
-        if items is None and loss_fn is None and _preference_trainer(self):
+        if items is None and loss_fn is None and is_preference_trainer(self):
             self.items = preference_pairs
-        self._rl = _rl_trainer(self)  # TRL's GRPOTrainer: its loss, normalized over the window
+        self._rl = is_rl_trainer(self)  # TRL's GRPOTrainer: its loss, normalized over the window
         self._window: FrameworkWindow | None = None
         self._router: _RouterTerm | None = None  # the model's router loss, as its own term
         self._pass_size: int | None = None  # the routing pass's micro-batch running now
@@ -781,7 +781,7 @@ _PER_PAIR_LOSSES = frozenset(
 )
 
 
-def _preference_trainer(trainer: Any) -> bool:
+def is_preference_trainer(trainer: Any) -> bool:
     """TRL's DPOTrainer (or a subclass of it), found without importing TRL."""
     return any(
         c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.")
@@ -815,7 +815,7 @@ def _preference_problems(trainer: Any) -> list[str]:
     return problems
 
 
-def _rl_trainer(trainer: Any) -> bool:
+def is_rl_trainer(trainer: Any) -> bool:
     """TRL's GRPOTrainer (or a subclass of it), found without importing TRL."""
     return any(
         c.__name__ == "GRPOTrainer" and c.__module__.startswith("trl.")

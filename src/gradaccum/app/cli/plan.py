@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-from gradaccum.app import plan_cache
 from gradaccum.app.cli import options
 from gradaccum.app.config import PlanConfig
 from gradaccum.app.measure import FreshProcessVerifier, fresh_process_verifier
-from gradaccum.app.process import out
+from gradaccum.app.planner import Planner
+from gradaccum.app.process import out, say
 from gradaccum.app.recipes import get_recipe
 from gradaccum.batching import to_device
 from gradaccum.memory import parse_bytes
@@ -59,16 +58,14 @@ def _run(cfg: PlanConfig, verify: FreshProcessVerifier) -> int:
         **{k: getattr(cfg, k) for k in ("checkpointing", "precision")},
         "budget": parse_bytes(cfg.budget),
     }
-    parts = plan_cache.signature(model, optimizer, sample, device, settings)
-    cached = None if cfg.replan else plan_cache.load(parts)
-    if cached is not None:
-        result, _, path = cached
-        print(f"the plan is the cached one ({path}; --replan plans again)", file=sys.stderr)
+    planner = Planner(
+        model, optimizer, sample, device, settings, log=say, replan=cfg.replan
+    )  # fmt: skip
+    found = planner.stored()
+    if found is not None:
+        result = found[0]
     else:
-        print(
-            f"planning {recipe.name}: {recipe.summary}; probing micro-batch sizes 1, 2, 4, 8",
-            file=sys.stderr,
-        )
+        say(f"planning {recipe.name}: {recipe.summary}; probing micro-batch sizes 1, 2, 4, 8")
         result = plan(
             model,
             optimizer,
@@ -83,7 +80,7 @@ def _run(cfg: PlanConfig, verify: FreshProcessVerifier) -> int:
             meter=cfg.meter,
             verify=verify,
         )
-        plan_cache.store(parts, result.to_dict())
+        planner.keep(result.to_dict())
     try:
         exported = result.export(cfg.export) if cfg.export else None
     except ValueError:

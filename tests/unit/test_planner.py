@@ -1,0 +1,54 @@
+"""gradaccum.app.planner: one planner for `plan` and `train`: a stored plan answers, a new
+one is made once and stored, --replan makes it anew, a plan of every rank never touches the
+cache."""
+
+import json
+
+import pytest
+import torch
+from helpers import make_plan
+
+from gradaccum.app.planner import Planner
+
+SETTINGS = {"recipe": "gpt", "effective_batch": 64, "budget": 200_000_000}
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "plans"))
+
+
+def planner(said, **options):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    sample = (torch.zeros(8, 4), torch.zeros(8))
+    return Planner(model, optimizer, sample, torch.device("cpu"), SETTINGS, log=said.append,
+                   **options)  # fmt: skip
+
+
+def test_a_plan_is_made_once_then_read_from_the_cache():
+    made = []
+
+    def make():
+        made.append(1)
+        return make_plan(64, micro=16).to_dict()
+
+    said = []
+    first = planner(said).plan(make)
+    again = planner(said).plan(make)
+    assert made == [1] and again == json.loads(json.dumps(first)) and again["micro_size"] == 16
+    assert said[0].startswith("the plan is the cached one (") and "--replan" in said[0]
+    planner(said, replan=True).plan(make)
+    assert made == [1, 1]
+
+
+def test_a_plan_every_rank_makes_together_never_reads_or_writes_the_cache(tmp_path):
+    made = []
+
+    def make():
+        made.append(1)
+        return make_plan(64, micro=8).to_dict()
+
+    for _ in range(2):
+        planner([], cached=False).plan(make)
+    assert made == [1, 1] and not (tmp_path / "plans").exists()
