@@ -81,7 +81,7 @@ class Fit:
     def line(self) -> str:
         """``10.4 MiB + 32.2 KiB per sample``, each sign as it is (``1.9 MiB - 111 B``)."""
         start = ("-" if self.intercept < 0 else "") + format_bytes(abs(self.intercept))
-        return f"{start} {_signed(self.slope)} per sample"
+        return f"{start} {signed_bytes(self.slope)} per sample"
 
     def activations(self) -> str:
         """This fit as the activations' line, or what was measured when the probes give no
@@ -245,7 +245,7 @@ class Plan:
                 if self.batch_bytes
                 else ""
             )
-            + f"{_signed(self.peak_fit.intercept)} + "
+            + f"{signed_bytes(self.peak_fit.intercept)} + "
             f"{format_bytes(self.bytes_per_sample)} per sample; {self.peak_fit.quality()}",
             f"activations saved for backward: {self.activation_fit.activations()}; planned in "
             f"{self.seconds:.1f} s",
@@ -293,7 +293,7 @@ class Plan:
         return "\n".join(rows)
 
 
-def _signed(n: float) -> str:
+def signed_bytes(n: float) -> str:
     """``+ 1.2 MiB`` or ``- 26.3 KiB`` (never ``+ -26.3 KiB``)."""
     return f"- {format_bytes(-n)}" if n < 0 else f"+ {format_bytes(n)}"
 
@@ -469,7 +469,7 @@ def plan(
                 # micro-batch: with "auto", try recomputing activations before refusing.
                 if checkpointing != "auto" or use_ckpt:
                     raise ValueError(
-                        _too_small(model, budget_bytes, margin, use_ckpt, need, measured)
+                        too_small(model, budget_bytes, margin, use_ckpt, need, measured)
                     )
                 use_ckpt = True
                 _restore(model, optimizer, saved)
@@ -678,7 +678,7 @@ def _measure_phases(
     return tuple(out)
 
 
-def _too_small(
+def too_small(
     model: torch.nn.Module, budget: int, margin: float, ckpt: bool, need: float, measured: bool
 ) -> str:
     usable = budget * (1 - margin)

@@ -131,13 +131,13 @@ def test_a_fault_that_recurs_after_every_rollback_stops_at_its_last_good_checkpo
     """Every sample from window 25 on is non-finite (its inputs NaN): every replay skips
     window after window again, whatever is set aside. After 3 rollbacks the guard stops the
     run where it was good, and the command says how to train through it."""
-    from gradaccum.app.cli.train import _guard_stop
+    from gradaccum.app.cli.train import guard_stop
 
     out = tmp_path / "nan"
     nan = corrupt_samples([(24 * BATCH, 10**9)], kind="scale", factor=float("nan"))
     summary = run(out, faults=nan, steps=60)
     assert summary["stopped_by"] == "guard"
-    assert _guard_stop(out) == (
+    assert guard_stop(out) == (
         f"gradaccum: the incident guard stopped the run (see {out / 'incidents.jsonl'}); "
         f"to train through it: gradaccum train --resume {out} --no-guard"
     )

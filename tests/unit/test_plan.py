@@ -274,9 +274,9 @@ def test_the_summary_reads_as_written_and_names_measured_and_predicted():
     assert "measured at micro-batch 8" in one and "the fit's prediction" in one
     many = make_plan(64, micro=8).summary()
     assert "8 micro-batches per window" in many
-    from gradaccum.plan import _signed
+    from gradaccum.plan import signed_bytes
 
-    assert _signed(-26.3 * 1024) == "- 26.3 KiB" and _signed(2048) == "+ 2.0 KiB"
+    assert signed_bytes(-26.3 * 1024) == "- 26.3 KiB" and signed_bytes(2048) == "+ 2.0 KiB"
 
 
 def test_a_plot_path_without_a_format_is_written_as_png_and_said_so(tmp_path):

@@ -185,7 +185,7 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
-def _guard_stop(folder: Path) -> str:
+def guard_stop(folder: Path) -> str:
     """What to do after the guard stopped a run: its last incident says why."""
     incidents = folder / "incidents.jsonl"
     last = RunFolder(folder).lines("incidents.jsonl")[-1:] if incidents.is_file() else []
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         summary = train(cfg)
         if summary.get("stopped_by") == "guard":  # it gave up: the run did not finish
             if is_main():
-                say(_guard_stop(Path(summary["run_folder"])))
+                say(guard_stop(Path(summary["run_folder"])))
             return 1
     except Interrupted as stop:
         if is_main():  # every rank stops; one says so
