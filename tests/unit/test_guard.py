@@ -133,3 +133,49 @@ def test_without_gradient_judgement_only_the_loss_counts():
     losses = noisy(100)
     losses[80] = 4.5
     assert feed(IncidentGuard(gradient=False), losses, norms) == [(80, "loss spike")]
+
+
+def test_a_rollback_restores_the_kept_state_sets_the_samples_aside_and_records_it(tmp_path):
+    """A real digits run: its step-0 checkpoint kept, the model then changed (a window gone
+    bad), an incident blamed on the window of samples 0 to 16: the run is back at step 0 with
+    those samples set aside, and incidents.jsonl says so."""
+    from types import SimpleNamespace
+
+    import torch
+    from support.runs import digits_run
+
+    from gradaccum.app.checkpoints import Checkpointer, Checkpoints
+    from gradaccum.app.guard import Incident, Probe, Rollback
+
+    run = digits_run(tmp_path / "run")
+    said = []
+    try:
+        store = Checkpoints(run.folder)
+        saver = Checkpointer(store, run.kind, run.acc, run.state_dict, every=3, keep=2, start=0)
+        saver.save(0)
+        good = {k: v.clone() for k, v in run.model.state_dict().items()}
+        with torch.no_grad():
+            for p in run.model.parameters():
+                p.add_(1.0)
+        run.progress.schedule.step, run.progress.schedule.samples = 1, 16
+        probe = Probe(run.folder, run.data, run.model, run.recipe.loss_fn, 6, run.device, run.kind)
+        rollback = Rollback(
+            run.guard, store, saver, run.restore, run.progress, probe, said.append
+        )  # fmt: skip
+        window = SimpleNamespace(loss=9.0, grad_norm=1.0, skipped=None)
+        rollback.check(1, 0, 16, window)
+        spike = Incident("loss spike", 1, {"loss": 9.0, "median": 2.0})
+        assert rollback.roll_back(spike) is False  # not given up: training goes on
+        assert all(torch.equal(run.model.state_dict()[k], v) for k, v in good.items())
+        p = run.progress
+        assert p.step == 0 and p.skips == [[0, 16]] and p.schedule.samples == 16
+        assert p.retries == 1 and p.last_incident == 1
+        [record] = run.folder.lines("incidents.jsonl")
+        assert record["kind"] == "loss spike" and record["rolled_back_to"] == 0
+        assert record["samples"] == [0, 16] and record["retry"] == 1
+        assert said == [
+            "incident at step 1: loss spike (loss 9, median 2); rolled back to step 0; samples "
+            "0 to 16 set aside (rollback 1 of at most 3 in a row)"
+        ]
+    finally:
+        run.folder.release()
