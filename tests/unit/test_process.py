@@ -46,7 +46,7 @@ def test_the_loading_handler_is_installed_only_over_pythons_own_and_then_replace
         signal.signal(signal.SIGINT, signal.default_int_handler)
         process.watch_loading()
         assert signal.getsignal(signal.SIGINT) is process.stop_while_loading
-        fired = process.watch_ctrl_c()
+        fired = process.watch_stops()
         assert signal.getsignal(signal.SIGINT) not in (
             process.stop_while_loading,
             signal.default_int_handler,
@@ -54,13 +54,27 @@ def test_the_loading_handler_is_installed_only_over_pythons_own_and_then_replace
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
         assert fired == [signal.SIGINT]
-        process.unwatch_ctrl_c()
+        process.unwatch_stops()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # started ignoring it: left alone
         process.watch_loading()
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_sigterm_and_sighup_outside_training_stop_as_ctrl_c_does_and_are_put_back():
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    fired = process.watch_stops()
+    try:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            with pytest.raises(KeyboardInterrupt) as stop:
+                signal.raise_signal(signum)
+            assert isinstance(stop.value, process.Stopped) and stop.value.signum == signum
+        assert fired == [signal.SIGTERM, signal.SIGHUP]
+    finally:
+        process.unwatch_stops()
+    assert {s: signal.getsignal(s) for s in before} == before
 
 
 def test_out_on_a_full_disk_is_one_line():

@@ -1,8 +1,9 @@
 """The command's process: its signals, exit codes and output. All of it lives here.
 
 Exit codes: 0 done, 1 a check that failed (or the incident guard gave up), 2 bad input or an
-unusable file (one line on stderr), 3 a helper process whose parent is gone, 130 Ctrl-C
-outside training, 128 + N a training run stopped by signal N after its checkpoint.
+unusable file (one line on stderr), 3 a helper process whose parent is gone, 4 a process of a
+torchrun job whose peer died, 128 + N stopped by signal N (a training run after its
+checkpoint; before training, a start abandoned as any failed start is; Ctrl-C: 130).
 
 Output survives a closed pipe (``gradaccum train | head``) and a stream that cannot be
 written (stdout on a full disk): the exit status must stay the one that says why the run
@@ -28,6 +29,7 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_INTERRUPTED",
     "EXIT_ORPHANED",
+    "EXIT_PEER_GONE",
     "Output",
     "exit_on_end_of_input",
     "exit_with_parent",
@@ -35,15 +37,17 @@ __all__ = [
     "out",
     "quiet",
     "say",
-    "unwatch_ctrl_c",
-    "watch_ctrl_c",
+    "Stopped",
+    "unwatch_stops",
     "watch_loading",
+    "watch_stops",
 ]
 
 EXIT_FAILED = 1  # a check that failed, or the incident guard gave up
 EXIT_BAD_INPUT = 2  # bad input or an unusable file: one line on stderr
 EXIT_ORPHANED = 3  # a helper process (planning, measuring) whose parent is gone
-EXIT_INTERRUPTED = 130  # Ctrl-C outside training
+EXIT_PEER_GONE = 4  # under torchrun: another process of the job died
+EXIT_INTERRUPTED = 130  # Ctrl-C outside training (128 + SIGINT, as for any stop signal)
 
 
 def say(text: str) -> None:
@@ -119,40 +123,62 @@ def stop_while_loading(signum: int, frame: Any) -> None:
 
 def watch_loading() -> None:
     """The command's entry point, first thing: ``stop_while_loading`` for Ctrl-C until
-    ``watch_ctrl_c`` takes over. A SIGINT the process was started ignoring stays ignored."""
+    ``watch_stops`` takes over. A SIGINT the process was started ignoring stays ignored."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         with contextlib.suppress(ValueError):  # not the main thread (an embedding program)
             signal.signal(signal.SIGINT, stop_while_loading)
 
 
-_WATCHING: list = []  # the handler watch_ctrl_c installed, until unwatch_ctrl_c
+class Stopped(KeyboardInterrupt):  # noqa: N818 - a stop, as Ctrl-C's KeyboardInterrupt is
+    """A stop signal (SIGINT, SIGTERM, SIGHUP) outside training, where the command's handler
+    (``watch_stops``) turns it into an exception. A KeyboardInterrupt on purpose: whatever
+    handles Ctrl-C while a run starts (the planning child killed, the new folder abandoned,
+    one line said) handles SIGTERM and SIGHUP the same way, in the same places."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
-def watch_ctrl_c() -> list[int]:
-    """Python's own Ctrl-C handler (KeyboardInterrupt), noting that it fired: the list is
-    non-empty once it has. It takes over from ``stop_while_loading``; a SIGINT the process
-    was started ignoring stays ignored."""
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_WATCHING: dict[int, Any] = {}  # signal -> the handler watch_stops installed
+
+
+def watch_stops() -> list[int]:
+    """The command's handler for SIGINT, SIGTERM and SIGHUP outside training: it raises
+    ``Stopped`` (a KeyboardInterrupt), noting the signal in the list returned. It takes over
+    from Python's own Ctrl-C handler and ``stop_while_loading``, and from the default action
+    of SIGTERM and SIGHUP (which ended the process where it stood, leaving a starting run's
+    lock and config.json and saying nothing). A signal the process was started ignoring, or
+    one its embedding program handles, is left alone. Training takes the three over itself
+    while it runs (``gradaccum.app.stops.StopSignals``) and puts these back after."""
     fired: list[int] = []
-    if signal.getsignal(signal.SIGINT) not in (signal.default_int_handler, stop_while_loading):
-        return fired
+    ours = {signal.SIGINT: (signal.default_int_handler, stop_while_loading)}
 
     def handler(signum, frame):
         fired.append(signum)
-        raise KeyboardInterrupt
+        raise Stopped(signum)
 
-    try:
-        signal.signal(signal.SIGINT, handler)
-        _WATCHING.append(handler)
-    except ValueError:  # not the main thread (an embedding program): leave it alone
-        pass
+    for sig in STOPS:
+        if signal.getsignal(sig) not in ours.get(sig, (signal.SIG_DFL,)):
+            continue
+        try:
+            signal.signal(sig, handler)
+        except ValueError:  # not the main thread (an embedding program): leave it alone
+            return fired
+        _WATCHING[sig] = handler
     return fired
 
 
-def unwatch_ctrl_c() -> None:
-    """Python's own handler back (the command may run again in one process: the tests)."""
-    while _WATCHING:
-        if signal.getsignal(signal.SIGINT) is _WATCHING.pop():
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+def unwatch_stops() -> None:
+    """The handlers ``watch_stops`` replaced, back (the command may run again in one
+    process: the tests)."""
+    for sig, handler in list(_WATCHING.items()):
+        del _WATCHING[sig]
+        if signal.getsignal(sig) is handler:
+            signal.signal(
+                sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            )
 
 
 def exit_with_parent(fd: int) -> None:

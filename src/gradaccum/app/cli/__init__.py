@@ -6,19 +6,20 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 from typing import NoReturn
 
 from gradaccum import __version__
 from gradaccum.app.process import (
     EXIT_BAD_INPUT,
-    EXIT_INTERRUPTED,
+    Stopped,
     leave,
     out,
     say,
-    unwatch_ctrl_c,
-    watch_ctrl_c,
+    unwatch_stops,
     watch_loading,
+    watch_stops,
 )
 
 __all__ = ["main", "out", "parser", "say"]
@@ -71,16 +72,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    """Exit codes: 0 done, 1 a check that failed, 2 bad input or an unusable file (one line
-    on stderr), 130 Ctrl-C outside training, 128 + N a training run stopped by signal N after
-    its checkpoint. GRADACCUM_DEBUG=1 (or --debug) shows the traceback behind a one-liner."""
+    """Exit codes (gradaccum.app.process): 0 done, 1 a check that failed, 2 bad input or an
+    unusable file (one line on stderr), 4 a torchrun job's peer died, 128 + N stopped by
+    signal N (after its checkpoint in training; before it, the start abandoned; Ctrl-C 130).
+    GRADACCUM_DEBUG=1 (or --debug) shows the traceback behind a one-liner."""
     for name in ("stdout", "stderr"):  # started with it closed (`>&-`): output goes nowhere
         if getattr(sys, name) is None:
             setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 - for the process
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     given = sys.argv[1:] if argv is None else argv
     debug = os.environ.get("GRADACCUM_DEBUG", "") not in ("", "0") or "--debug" in given
-    interrupted = watch_ctrl_c()
+    interrupted = watch_stops()
     try:
         try:
             args = parser().parse_args(argv)  # --help prints here: output that fails is one line
@@ -94,17 +96,15 @@ def _main(argv: list[str] | None) -> int:
                 raise
             say(f"gradaccum: error: {err}")
             return EXIT_BAD_INPUT
-        except KeyboardInterrupt:  # Ctrl-C before training began (planning, loading)
+        except KeyboardInterrupt as stop:  # a stop outside training (planning, loading)
             if debug:
                 raise
-            say("gradaccum: interrupted")
-            return EXIT_INTERRUPTED
+            return _stopped(stop.signum if isinstance(stop, Stopped) else signal.SIGINT)
         except OSError as err:  # what no message of ours names: the output, or a system refusal
             if debug:
                 raise
             if interrupted:
-                say("gradaccum: interrupted")
-                return EXIT_INTERRUPTED
+                return _stopped(interrupted[0])
             say(f"gradaccum: error: {_system_error(err)}")
             return EXIT_BAD_INPUT
         except Exception:
@@ -112,11 +112,20 @@ def _main(argv: list[str] | None) -> int:
             # module half made, and what fails next is not a KeyboardInterrupt: the stop was
             # the user's, said as such. Anything else is a bug, with its traceback.
             if interrupted and not debug:
-                say("gradaccum: interrupted")
-                return EXIT_INTERRUPTED
+                return _stopped(interrupted[0])
             raise
     finally:
-        unwatch_ctrl_c()
+        unwatch_stops()
+
+
+def _stopped(signum: int) -> int:
+    """A stop signal outside training, said in one line: its exit status, 128 + N."""
+    say(
+        "gradaccum: interrupted"
+        if signum == signal.SIGINT
+        else f"gradaccum: stopped by {signal.Signals(signum).name}"
+    )
+    return 128 + signum
 
 
 def _system_error(err: OSError) -> str:
