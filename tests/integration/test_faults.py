@@ -491,8 +491,7 @@ def test_planning_children_die_with_their_parent_and_ctrl_c_is_one_line():
 def test_resume_reapplies_the_runs_activation_checkpointing(tmp_path):
     """Checkpointing is part of the plan and of the checkpoint; a resumed run (from either)
     recomputes the same blocks it did before the stop."""
-    from gradaccum.app import TrainConfig
-    from gradaccum.app import build_run
+    from gradaccum.app import TrainConfig, build_run
     from gradaccum.recompute import checkpointing_enabled
 
     run = tmp_path / "x"

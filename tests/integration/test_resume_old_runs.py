@@ -1,7 +1,7 @@
 """A run folder written by an earlier release resumes under this one (tests/fixtures/run-0.5
-and run-0.7, made by gradaccum 0.5.0 and 0.7.0; their READMEs say how). The run is the same run: the fixture's
-recorded losses are what this version computes for those steps, and the steps trained after
-the resume are what a straight run of this version trains."""
+and run-0.7, made by gradaccum 0.5.0 and 0.7.0; their READMEs say how). The run is the same
+run: the fixture's recorded losses are what this version computes for those steps, and the
+steps trained after the resume are what a straight run of this version trains."""
 
 import shutil
 from pathlib import Path

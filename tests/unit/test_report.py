@@ -93,9 +93,7 @@ def test_the_printed_summary_counts_with_thousands_separators(trained):
 
     summary = json.loads((trained / "summary.json").read_text())
     summary["items"], summary["samples"] = 1_219_200, 9_600  # a demo's counts
-    rows = dict(
-        line.split("  ", 1) for line in summary_table(summary).splitlines() if "  " in line
-    )
+    rows = dict(line.split("  ", 1) for line in summary_table(summary).splitlines() if "  " in line)
     assert rows["items seen"].strip() == "1,219,200" and rows["samples seen"].strip() == "9,600"
     assert rows["optimizer steps"].strip() == "4"
 
