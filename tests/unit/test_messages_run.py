@@ -16,6 +16,7 @@ from support.faults import flip_tensor_bit
 from support.runs import digits_config, quiet
 
 from gradaccum.app import Trainer, build_run
+from gradaccum.app.checkpoints import Checkpointer, Checkpoints
 from gradaccum.app.folder import CHECKPOINT, CONFIG, RunFolder
 
 
@@ -93,3 +94,103 @@ def test_a_read_only_run_folder_is_said_to_exist_and_be_unwritable(shared_tmp, r
     assert "cannot create" not in said and "\n" not in said
     assert said.endswith("make it writable" + ("" if resume else ", or choose another --out"))
     assert sorted(p.name for p in folder.iterdir()) == ([CONFIG] if resume else [])
+
+
+def test_the_resume_command_is_the_launch_it_needs(tmp_path, monkeypatch):
+    from gradaccum.app.launch import resume_command
+    from gradaccum.app.stops import StopSignals
+
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert resume_command(tmp_path) == f"gradaccum train --resume {tmp_path}"
+    assert resume_command("my runs/a") == "gradaccum train --resume 'my runs/a'"
+    # a worker of `torchrun --nproc-per-node 2 -m gradaccum train ...`, as torchrun starts it
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr("sys.orig_argv", ["python", "-u", "-m", "gradaccum", "train"])
+    line = f"torchrun --nproc-per-node 2 -m gradaccum train --resume {tmp_path}"
+    assert resume_command(tmp_path) == line
+    assert str(StopSignals([15]).interrupted(7, tmp_path)).endswith(f"continue with: {line}")
+    # two nodes of 4, the console script run by `torchrun --no-python gradaccum`
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr("sys.orig_argv", ["python", "/venv/bin/gradaccum", "train"])
+    monkeypatch.setattr("sys.argv", ["/venv/bin/gradaccum", "train"])
+    assert resume_command("run") == (
+        "torchrun --nnodes 2 --nproc-per-node 4 /venv/bin/gradaccum train --resume run"
+    )
+
+
+def test_a_failed_checkpoint_write_under_torchrun_says_the_launch_it_needs(tmp_path, monkeypatch):
+    run = build_run(digits_config(tmp_path / "run"), log=quiet)
+    try:
+        saver = Checkpointer(
+            Checkpoints(run.folder), run.kind, run.acc, run.state_dict, every=3, keep=None,
+            start=0,
+        )  # fmt: skip
+        (run.folder.path / "metrics.jsonl").write_text('{"step": 1}\n')  # it trained
+        saver.save(0)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setattr("sys.orig_argv", ["python", "-u", "-m", "gradaccum", "train"])
+        said = saver.stopped("disk full")
+        assert "its last checkpoint (step 0) is kept" in said, said
+        assert said.endswith(
+            f"continue with: torchrun --nproc-per-node 2 -m gradaccum train --resume "
+            f"{run.folder.path}"
+        ), said
+    finally:
+        run.folder.release()
+
+
+def saved_processes(run: Path, processes: int | None) -> None:
+    """config.json as a run trained by ``processes`` processes leaves it (None: as
+    gradaccum wrote it before the count was recorded)."""
+    config = json.loads((run / CONFIG).read_text())
+    config.pop("processes")
+    if processes is not None:
+        config["processes"] = processes
+    (run / CONFIG).write_text(json.dumps(config))
+
+
+def test_a_resume_on_another_process_count_that_keeps_the_batch_is_said_and_recorded(tmp_path):
+    run = tmp_path / "run"
+    Trainer(build_run(digits_config(run, steps=3), log=quiet), quiet).fit()
+    assert json.loads((run / CONFIG).read_text())["processes"] == 1
+    saved_processes(run, 2)  # a run of `torchrun --nproc-per-node 2`, resumed alone
+    said: list[str] = []
+    Trainer(build_run(digits_config(run, steps=6, resume=str(run)), log=said.append), quiet).fit()
+    [line] = [x for x in said if "not bit for bit" in x]
+    assert "not bit for bit: 2 processes then, 1 now" in line, line
+    assert json.loads((run / "resumes.jsonl").read_text()) == {
+        "step": 3, "changed": {"steps": [3, 6]}, "processes": [2, 1],
+    }  # fmt: skip
+    assert json.loads((run / CONFIG).read_text())["processes"] == 1
+
+
+def test_a_resume_on_another_process_count_that_would_change_the_batch_is_refused(tmp_path):
+    run = tmp_path / "run"
+    schedule = {"batch_schedule": "steps:2=32"}
+    Trainer(build_run(digits_config(run, steps=3, **schedule), log=quiet), quiet).fit()
+    saved_processes(run, 2)
+    with pytest.raises(ValueError) as refused:
+        build_run(digits_config(run, steps=6, resume=str(run), **schedule), log=quiet)
+    said = str(refused.value)
+    assert said.startswith(f"--resume {run}: the run trained with 2 processes, this job has 1;")
+    assert "--batch-schedule steps:2=32 rounds its batches" in said, said
+    assert said.endswith(
+        f"Resume it with: torchrun --nproc-per-node 2 -m gradaccum train --resume {run}"
+    )
+    assert not (run / "resumes.jsonl").exists()  # nothing written
+
+
+def test_a_run_folder_from_before_the_count_was_recorded_resumes_as_before(tmp_path):
+    run = tmp_path / "run"
+    Trainer(build_run(digits_config(run, steps=3), log=quiet), quiet).fit()
+    saved_processes(run, None)
+    said: list[str] = []
+    Trainer(build_run(digits_config(run, steps=6, resume=str(run)), log=said.append), quiet).fit()
+    assert not [x for x in said if "bit for bit" in x]
+    assert json.loads((run / "resumes.jsonl").read_text()) == {
+        "step": 3, "changed": {"steps": [3, 6]},
+    }  # fmt: skip

@@ -26,6 +26,8 @@ from gradaccum.checkpoint import preserved_rng
 from gradaccum.memory import Resident
 from gradaccum.schedule import BatchSchedule
 
+PROCESSES = "processes"  # config.json's record of how many processes the run trains with
+
 
 def _signature(recipe: Recipe, model: torch.nn.Module) -> dict[str, Any]:
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
@@ -81,6 +83,7 @@ def build_run(cfg: TrainConfig, rank: int = 0, world: int = 1, log=print) -> Run
             if resuming:
                 saved_cfg = folder.read_json(CONFIG, needs=("effective_batch",))
                 _check_unchanged(saved_cfg, cfg, folder.path)
+                _check_processes(saved_cfg, cfg, kind, folder.path)
                 folder.check_resumable()
         except ValueError as err:
             problem = str(err)
@@ -182,9 +185,9 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> Run:
                 f"--steps, --samples or --epochs of at least that"
             )
     if main and resuming:
-        _record_resume(folder, saved_cfg, cfg, saved["step"] if saved else 0)
+        _record_resume(folder, saved_cfg, cfg, saved["step"] if saved else 0, kind.world, log)
     elif main:
-        folder.write_json(CONFIG, cfg.flat())  # first: a crash is resumable
+        folder.write_json(CONFIG, {**cfg.flat(), PROCESSES: kind.world})  # first: resumable
     if main and loaded is not None:
         save_cache(loaded, folder.path)  # a resume reads the sequences back
     # What the untrained model scores (minilm's probe), once, on rank 0's whole model.
@@ -375,9 +378,51 @@ def _check_unchanged(saved: dict[str, Any], cfg: TrainConfig, path: Path) -> Non
         )
 
 
-def _record_resume(folder: RunFolder, saved: dict[str, Any], cfg: TrainConfig, start: int) -> None:
-    """config.json becomes what the run now trains with; resumes.jsonl says what changed."""
+def _check_processes(saved: dict[str, Any], cfg: TrainConfig, kind: RunKind, path: Path) -> None:
+    """A resume with another number of processes than the run trained with (config.json's
+    ``processes``; a run folder from before it was recorded resumes as before) is allowed
+    where every window keeps its effective batch exactly: DDP replicas (each holds the whole
+    model and its share of the window; the sum over ranks is the same sum, added in another
+    order) and a constant batch (a schedule rounds its batches to micro-batch x processes).
+    Anything else is refused, with the launch that resumes it as it was."""
+    then, now = saved.get(PROCESSES), kind.world
+    if then is None or then == now:
+        return
+    why = None
+    if not kind.resumes_on_any_count:
+        why = "its checkpoint is split across its processes (--shard fsdp, --pipeline-stages)"
+    elif cfg.batch.batch_schedule != "constant":
+        why = (
+            f"--batch-schedule {cfg.batch.batch_schedule} rounds its batches to whole "
+            "micro-batches on every process, which another count would change"
+        )
+    if why is not None:
+        raise ValueError(
+            f"--resume {path}: the run trained with {_processes(then)}, this job has "
+            f"{now}; {why}. Resume it with: {launch.resume_command(path, then)}"
+        )
+
+
+def _processes(n: int) -> str:
+    return f"{n} process{'es' if n != 1 else ''}"
+
+
+def _record_resume(
+    folder: RunFolder, saved: dict[str, Any], cfg: TrainConfig, start: int, processes: int, log
+) -> None:
+    """config.json becomes what the run now trains with; resumes.jsonl says what changed
+    (another process count too, said in one line: ``_check_processes`` allowed it)."""
     mine = cfg.flat()
     changed = {k: [saved.get(k), mine[k]] for k in RESUMABLE if saved.get(k) != mine[k]}
-    folder.append_line(RESUMES, {"step": start, "changed": changed})
-    folder.write_json(CONFIG, {**saved, **{k: mine[k] for k in RESUMABLE}})
+    line: dict[str, Any] = {"step": start, "changed": changed}
+    then = saved.get(PROCESSES)
+    if then is not None and then != processes:
+        line[PROCESSES] = [then, processes]
+        log(
+            f"resuming with the same effective batch, exact, but not bit for bit: "
+            f"{_processes(then)} then, {processes} now (the gradient's sum over processes "
+            "is added in another order)"
+        )
+    folder.append_line(RESUMES, line)
+    mine_now = {k: mine[k] for k in RESUMABLE}
+    folder.write_json(CONFIG, {**saved, **mine_now, PROCESSES: processes})

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from gradaccum.app import launch
 from gradaccum.app.folder import CHECKPOINT, KEPT, RunFolder, write_failure
 from gradaccum.checkpoint import state_digest
 
@@ -132,6 +133,7 @@ class Checkpointer:
         """Step ``step``'s checkpoint, every process's part, committed by checkpoint.pt; the
         parts of steps no checkpoint names any more are pruned."""
         folder = self.store.folder
+        problem = None
         try:
             accumulator = self.kind.save_parts(self.window, folder, step)
             if self.writes:
@@ -140,7 +142,13 @@ class Checkpointer:
                     self.store.keep(step, self.keep)
                 self.kind.prune(folder, {step, *(s for s, _ in self.store.kept())})
         except ValueError as err:
-            raise ValueError(self.stopped(str(err))) from None
+            problem = self.stopped(str(err))
+        # Under torchrun a write that failed on one rank (rank 0's checkpoint.pt) stops every
+        # rank here, with its words: rank 0 says them once, and no rank is left waiting in
+        # the next window's collective for a process that has gone.
+        problem = launch.first_message(problem)
+        if problem is not None:
+            raise ValueError(problem)
         self.last = step
 
     def stopped(self, what: str) -> str:
@@ -158,5 +166,5 @@ class Checkpointer:
         )
         return (
             f"{what}; training stopped, {kept}; free the space and continue with: "
-            f"gradaccum train --resume {folder.path}"
+            f"{launch.resume_command(folder.path)}"
         )

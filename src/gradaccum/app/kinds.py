@@ -38,6 +38,9 @@ class RunKind:
     together = False
     #: the model is held in parts that ``gather`` joins into a whole state_dict (FSDP2)
     gathers = False
+    #: a resume may run on another number of processes (each holds the whole model and its
+    #: checkpoint is whole in checkpoint.pt): not when the checkpoint is split by process
+    resumes_on_any_count = True
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
@@ -163,6 +166,7 @@ class Sharded(RunKind):
 
     together = True
     gathers = True
+    resumes_on_any_count = False
 
     def __init__(self, rank: int, world: int) -> None:
         if world < 2:
@@ -198,8 +202,9 @@ class Sharded(RunKind):
                 _save_shards(acc, tmp)
             except ValueError as err:
                 problem = str(err)
-        if launch.any_rank(problem is not None):
-            raise ValueError(problem or "another rank could not write its shards")
+        problem = launch.first_message(problem)  # the failing rank's own words, on every rank
+        if problem is not None:
+            raise ValueError(problem)
         if not self.main:
             return {"shards": None}
         name = _commit_shards(folder, step)
@@ -259,6 +264,7 @@ class Pipelined(RunKind):
     checkpoint; evaluation chains the stages."""
 
     together = True
+    resumes_on_any_count = False
 
     def __init__(self, rank: int, world: int, distributed: Any) -> None:
         stages = distributed.pipeline_stages
@@ -345,8 +351,9 @@ class Pipelined(RunKind):
                 folder.write_file(name, lambda tmp: torch.save(sealed(state), tmp))
             except ValueError as err:
                 problem = str(err)
-        if launch.any_rank(problem is not None):  # every stage's part, or no commit
-            raise ValueError(problem or "another stage could not write its part")
+        problem = launch.first_message(problem)  # every stage's part, or no commit
+        if problem is not None:
+            raise ValueError(problem)
         return None
 
     def load_saved(

@@ -9,13 +9,28 @@ from __future__ import annotations
 
 import gc
 import os
+import shlex
+import sys
+from pathlib import Path
 
 import torch
+import torch.autograd.graph as _autograd_graph
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 
 from gradaccum.sync import collective_device
 
-__all__ = ["any_rank", "broadcast", "init_from_env", "is_main", "main_int", "shutdown"]
+__all__ = [
+    "any_rank",
+    "broadcast",
+    "first_message",
+    "init_from_env",
+    "is_main",
+    "main_int",
+    "peer_gone",
+    "resume_command",
+    "shutdown",
+]
 
 
 def init_from_env() -> tuple[int, int]:
@@ -87,3 +102,67 @@ def main_int(value: int) -> int:
     t = torch.tensor([int(value)], device=collective_device())
     dist.broadcast(t, src=0)
     return int(t.item())
+
+
+def resume_command(folder: str | Path, processes: int | None = None) -> str:
+    """The command that resumes the run in ``folder`` as this job was launched: under
+    torchrun (WORLD_SIZE and LOCAL_WORLD_SIZE in the environment), torchrun with its
+    process count and the program it ran (``-m gradaccum``, or the script's path);
+    otherwise ``gradaccum train --resume DIR``. With ``processes``: the launch of that many
+    processes on one machine instead. Every "continue with" line is this one."""
+    resume = f"train --resume {shlex.quote(str(folder))}"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    want = world if processes is None else processes
+    if want <= 1:
+        return f"gradaccum {resume}"
+    program = "-m gradaccum"
+    argv = getattr(sys, "orig_argv", sys.argv)
+    if world > 1 and "-m" not in argv[:-1]:  # torchrun SCRIPT, torchrun --no-python gradaccum
+        program = shlex.quote(sys.argv[0])
+    elif world > 1:  # torchrun -m gradaccum: the worker is python -u -m gradaccum
+        program = f"-m {argv[argv.index('-m') + 1]}"
+    if processes is None and world > local:
+        return f"torchrun --nnodes {world // local} --nproc-per-node {local} {program} {resume}"
+    return f"torchrun --nproc-per-node {want} {program} {resume}"
+
+
+def peer_gone(err: BaseException) -> str | None:
+    """What to say when ``err`` (or an exception it was raised while handling: torchrun's
+    SIGTERM lands while the first unwinds) is a collective that failed because another
+    process of the job is gone: torch.distributed's DistBackendError (nccl), or the
+    RuntimeError that gloo raises from inside a collective (its connection to the peer
+    reset or closed): raised in torch.distributed's collectives, or in the autograd engine,
+    where DDP's and FSDP2's gradient hooks run theirs. None for anything else. The peer's
+    rank is known in a job of two."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, dist.DistBackendError) or (
+            isinstance(err, RuntimeError) and _raised_in_a_collective(err)
+        ):
+            rank = int(os.environ.get("RANK", "0"))
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            peer = f" (rank {1 - rank})" if world == 2 else ""
+            return (
+                f"another process of this job{peer} died while rank {rank} waited on it in "
+                f"a collective ({type(err).__name__}), so rank {rank} stops too; the "
+                "launcher's report says how that process ended"
+            )
+        err = err.__cause__ or err.__context__
+    return None
+
+
+# Where a collective's failure surfaces in Python: c10d's ``work.wait()``, and the autograd
+# engine (the backward's gradient all-reduce or reduce-scatter runs in its hooks).
+_COLLECTIVES = {Path(_c10d.__file__), Path(_autograd_graph.__file__)}
+
+
+def _raised_in_a_collective(err: BaseException) -> bool:
+    """The innermost frame of ``err``'s traceback is one where a collective waits."""
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename) in _COLLECTIVES

@@ -38,6 +38,7 @@ __all__ = [
     "quiet",
     "say",
     "Stopped",
+    "ending",
     "unwatch_stops",
     "watch_loading",
     "watch_stops",
@@ -142,6 +143,7 @@ class Stopped(KeyboardInterrupt):  # noqa: N818 - a stop, as Ctrl-C's KeyboardIn
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _WATCHING: dict[int, Any] = {}  # signal -> the handler watch_stops installed
+_ENDING: list[bool] = []  # non-empty once the command is ending (``ending``)
 
 
 def watch_stops() -> list[int]:
@@ -157,7 +159,8 @@ def watch_stops() -> list[int]:
 
     def handler(signum, frame):
         fired.append(signum)
-        raise Stopped(signum)
+        if not _ENDING:
+            raise Stopped(signum)
 
     for sig in STOPS:
         if signal.getsignal(sig) not in ours.get(sig, (signal.SIG_DFL,)):
@@ -170,9 +173,17 @@ def watch_stops() -> list[int]:
     return fired
 
 
+def ending() -> None:
+    """The command is ending with its line said or being said: a stop signal from now on is
+    noted, not raised (torchrun's SIGTERM to the processes left must not turn that line
+    into a traceback)."""
+    _ENDING.append(True)
+
+
 def unwatch_stops() -> None:
     """The handlers ``watch_stops`` replaced, back (the command may run again in one
     process: the tests)."""
+    _ENDING.clear()
     for sig, handler in list(_WATCHING.items()):
         del _WATCHING[sig]
         if signal.getsignal(sig) is handler:

@@ -25,7 +25,7 @@ class Interrupted(Exception):  # noqa: N818 - it is a stop, not an error
             why = f"its output failing ({failure})"
         super().__init__(
             f"stopped by {why} at step {step}; checkpoint saved; "
-            f"continue with: gradaccum train --resume {out}"
+            f"continue with: {launch.resume_command(out)}"
         )
         self.step, self.out, self.signum = step, out, signum
 

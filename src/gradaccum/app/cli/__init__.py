@@ -13,7 +13,9 @@ from typing import NoReturn
 from gradaccum import __version__
 from gradaccum.app.process import (
     EXIT_BAD_INPUT,
+    EXIT_PEER_GONE,
     Stopped,
+    ending,
     leave,
     out,
     say,
@@ -94,38 +96,67 @@ def _main(argv: list[str] | None) -> int:
         except ValueError as err:  # bad input: one clear line, no traceback
             if debug:
                 raise
-            say(f"gradaccum: error: {err}")
+            _for_the_job(f"gradaccum: error: {err}")
             return EXIT_BAD_INPUT
         except KeyboardInterrupt as stop:  # a stop outside training (planning, loading)
             if debug:
                 raise
-            return _stopped(stop.signum if isinstance(stop, Stopped) else signal.SIGINT)
+            return _peer_gone(stop) or _stopped(
+                stop.signum if isinstance(stop, Stopped) else signal.SIGINT
+            )
         except OSError as err:  # what no message of ours names: the output, or a system refusal
             if debug:
                 raise
             if interrupted:
                 return _stopped(interrupted[0])
-            say(f"gradaccum: error: {_system_error(err)}")
+            _for_the_job(f"gradaccum: error: {_system_error(err)}")
             return EXIT_BAD_INPUT
-        except Exception:
+        except Exception as err:
             # A Ctrl-C that landed inside an import (numpy's, under sklearn's) can leave that
             # module half made, and what fails next is not a KeyboardInterrupt: the stop was
             # the user's, said as such. Anything else is a bug, with its traceback.
-            if interrupted and not debug:
+            if debug:
+                raise
+            code = _peer_gone(err)
+            if code is not None:
+                return code
+            if interrupted:
                 return _stopped(interrupted[0])
             raise
     finally:
         unwatch_stops()
 
 
+def _for_the_job(line: str) -> None:
+    """A line the whole job would say alike (a refusal every rank reaches, a stop torchrun
+    passed to every rank): under torchrun rank 0 says it, once. What one rank alone sees is
+    gathered to every rank where it happens (``launch.first_message``)."""
+    if os.environ.get("RANK", "0") == "0":
+        say(line)
+
+
 def _stopped(signum: int) -> int:
     """A stop signal outside training, said in one line: its exit status, 128 + N."""
-    say(
-        "gradaccum: interrupted"
-        if signum == signal.SIGINT
-        else f"gradaccum: stopped by {signal.Signals(signum).name}"
-    )
+    ending()
+    name = signal.Signals(signum).name
+    _for_the_job("gradaccum: interrupted" if name == "SIGINT" else f"gradaccum: stopped by {name}")
     return 128 + signum
+
+
+def _peer_gone(err: BaseException) -> int | None:
+    """Under torchrun, a collective that failed because another process of the job died:
+    one line from each process left (the one that died cannot speak), EXIT_PEER_GONE.
+    None for anything else."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from gradaccum.app import launch  # torch is loaded: a collective ran
+
+    said = launch.peer_gone(err)
+    if said is None:
+        return None
+    ending()  # torchrun's SIGTERM to the survivors must not cut this line short
+    say(f"gradaccum: error: {said}")
+    return EXIT_PEER_GONE
 
 
 def _system_error(err: OSError) -> str:
