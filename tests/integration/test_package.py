@@ -133,6 +133,8 @@ TORCH = (
 def test_the_library_imports_only_torch_and_the_standard_library():
     code = (
         f"import json, sys; {TORCH}; before = set(sys.modules); import gradaccum; "
+        # every public name, so every module they come from loads (they load on first use)
+        "[getattr(gradaccum, name) for name in gradaccum.__all__]; "
         "print(json.dumps(sorted(set(sys.modules) - before)))"
     )
     out = subprocess.run(
@@ -157,3 +159,18 @@ def test_all_lists_the_public_api_only():
     for name in ga.__all__:
         assert getattr(ga, name).__module__.startswith("gradaccum."), name
     json.dumps(ga.__all__)
+
+
+def test_importing_the_library_loads_nothing_until_a_name_is_used():
+    """``import gradaccum`` is cheap (the command installs its Ctrl-C handler before torch
+    loads); the first use of a name loads its module, and ``gradaccum.plan`` stays the
+    function when its submodule loads, as an eager import left it."""
+    code = (
+        "import json, sys; import gradaccum; a = 'torch' in sys.modules; "
+        "import gradaccum.plan; p = callable(gradaccum.plan) and gradaccum.plan.__name__; "
+        "print(json.dumps([a, p, gradaccum.Accumulator.__module__]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert json.loads(out) == [False, "plan", "gradaccum.engine"]

@@ -284,7 +284,7 @@ def test_a_plot_path_without_a_format_is_written_as_png_and_said_so(tmp_path):
 
     from helpers import make_plan
 
-    from gradaccum.app.cli.plan import draw
+    from gradaccum.app.report.plots import plan_plot as draw
     from gradaccum.plan import Probe
 
     probes = tuple(Probe(m, 10**6 + 10**4 * m, 10**4 * m, 10**6 + 10**4 * m) for m in (1, 2, 4))

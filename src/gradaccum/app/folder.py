@@ -49,6 +49,8 @@ KEPT, INCIDENTS, STAGES = "checkpoints", "incidents.jsonl", "stages"
 SHARDS, MODEL = "shards", "model.pt"
 BASELINE, SUMMARY = "baseline.json", "summary.json"
 TENSORBOARD, EXPORT = "tensorboard", "export"
+REPORT = "report.html"
+LOSS_PLOT, MEMORY_PLOT, BATCH_PLOT = "loss.png", "memory.png", "batch.png"
 
 
 class RunFolder:

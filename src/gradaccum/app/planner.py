@@ -1,21 +1,61 @@
 """One planner for `gradaccum plan` and `gradaccum train`: a plan is answered from the plan
-cache when one is stored for what it depends on, else made and stored. The commands say what
-the plan depends on and how to make it (train's covers the run's evaluations, checkpoints
-and exports, and is made in a fresh process on the CPU: app/planning.py; plan's is the window
-alone); the cache's key, its reading and its writing are here and in plan_cache.py alone."""
+cache when one is stored for what it depends on, else measured (``Planner.measure``: the
+library's ``plan()`` with its settings as one ``PlanRequest``, the planned size verified in a
+fresh process on the CPU, the run's phases when the command has them) and stored. `plan`
+plans the window alone (``plan_recipe``); `train` covers its evaluations, checkpoints and
+exports too, in a process of its own on the CPU (app/planning.py says when)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gradaccum.app import plan_cache
-from gradaccum.plan import Plan
+from gradaccum.app.measure import FreshProcessVerifier, fresh_process_verifier
+from gradaccum.batching import to_device
+from gradaccum.memory import parse_bytes
+from gradaccum.plan import Plan, plan
 
-__all__ = ["Planner"]
+__all__ = ["PlanRequest", "Planner", "plan_recipe", "verifier"]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a plan is asked: the per-rank effective batch, the budget in bytes and its margin
+    kept free, the meter, activation checkpointing, precision, the processes the batch is
+    split over, and the gradient sync ("auto": FSDP2's choice, planned)."""
+
+    effective_batch: int
+    budget: int
+    margin: float
+    meter: str = "auto"
+    checkpointing: str = "off"
+    precision: str = "fp32"
+    world_size: int = 1
+    sync: str = "window"
+
+    def settings(self) -> dict[str, Any]:
+        """The request as the plan cache keys it."""
+        return {
+            "effective_batch": self.effective_batch,
+            "budget": self.budget,
+            "margin": self.margin,
+            "meter": self.meter,
+            "checkpointing": self.checkpointing,
+            "precision": self.precision,
+        }
+
+
+def verifier(
+    recipe: str | None, precision: str, seed: int, meter: str, **source: Any
+) -> FreshProcessVerifier:
+    """The fresh process that verifies a plan of this model (a recipe's, or ``hf_model=``'s
+    with ``lora=``): its first process starts now and builds while the caller goes on."""
+    return fresh_process_verifier(recipe, precision, seed, meter, **source)
 
 
 class Planner:
@@ -38,6 +78,7 @@ class Planner:
         cached: bool = True,
     ) -> None:
         self.log, self.replan = log, replan
+        self.model, self.optimizer, self.sample = model, optimizer, sample
         self.parts = (
             plan_cache.signature(model, optimizer, sample, device, settings, paths)
             if cached
@@ -63,6 +104,33 @@ class Planner:
         if self.parts is not None:
             plan_cache.store(self.parts, info)
 
+    def measure(
+        self,
+        loss_fn: Any,
+        request: PlanRequest,
+        *,
+        verify: FreshProcessVerifier | None = None,
+        phases: dict[str, Callable[[int], Any]] | None = None,
+    ) -> Plan:
+        """A new plan, measured on this planner's model and sample (``verify``: the fresh
+        process that measures the planned size; ``phases``: the run's other parts)."""
+        return plan(
+            self.model,
+            self.optimizer,
+            self.sample,
+            loss_fn,
+            effective_batch=request.effective_batch,
+            budget=request.budget,
+            world_size=request.world_size,
+            margin=request.margin,
+            meter=request.meter,
+            precision=request.precision,
+            checkpointing=request.checkpointing,
+            verify=verify,
+            sync=request.sync,
+            phases=phases,
+        )
+
     def plan(self, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """The cached plan's record, else ``make()``'s, stored."""
         found = self.stored()
@@ -73,3 +141,40 @@ class Planner:
         info = make()
         self.keep(info)
         return info
+
+
+def plan_recipe(cfg: Any, verify: FreshProcessVerifier, log) -> tuple[Any, Plan]:
+    """(recipe, plan) for `gradaccum plan` (a PlanConfig): a built-in recipe's window alone,
+    from the cache or measured, on the device training would use (where the verifying
+    process measures too)."""
+    from gradaccum.app.recipes import get_recipe
+
+    recipe = get_recipe(cfg.recipe)
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = recipe.build_model().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sample = to_device(recipe.sample_batch(8), device)
+    request = PlanRequest(
+        effective_batch=cfg.effective_batch,
+        budget=parse_bytes(cfg.budget),
+        margin=cfg.margin,
+        meter=cfg.meter,
+        checkpointing=cfg.checkpointing,
+        precision=cfg.precision,
+        world_size=cfg.world_size,
+    )
+    settings = {
+        "command": "plan",  # the window alone: train's plans cover its evaluations too
+        "recipe": cfg.recipe,
+        **request.settings(),
+        "world_size": cfg.world_size,
+    }
+    planner = Planner(model, optimizer, sample, device, settings, log=log, replan=cfg.replan)
+    found = planner.stored()
+    if found is not None:
+        return recipe, found[0]
+    log(f"planning {recipe.name}: {recipe.summary}; probing micro-batch sizes 1, 2, 4, 8")
+    result = planner.measure(recipe.loss_fn, request, verify=verify)
+    planner.keep(result.to_dict())
+    return recipe, result

@@ -24,12 +24,12 @@ from gradaccum.app.checkpoints import sealed
 from gradaccum.app.config import TrainConfig
 from gradaccum.app.exports import write_exports
 from gradaccum.app.folder import PLAN, RunFolder
-from gradaccum.app.measure import FreshProcessVerifier, fresh_process_verifier
-from gradaccum.app.planner import Planner
+from gradaccum.app.measure import FreshProcessVerifier
+from gradaccum.app.planner import Planner, PlanRequest
+from gradaccum.app.planner import verifier as fresh_verifier
 from gradaccum.app.recipes import Recipe
 from gradaccum.app.recipes.userdata import SequenceData
 from gradaccum.checkpoint import preserved_rng
-from gradaccum.plan import plan
 from gradaccum.precision import PRECISIONS
 from gradaccum.recompute import enable_checkpointing
 
@@ -138,37 +138,26 @@ def window_plan(
     if rank == 0 or each_rank:
         sample = recipe.sample_batch(8)
         # (FSDP2's plans are collectives of every rank: each rank plans, never from a file)
+        asked = request(cfg, per_rank, each_rank)
+        settings = {
+            "recipe": cfg.source.recipe if not cfg.source.hf_model else "hf",
+            **asked.settings(),
+            "world": world,
+            # the phases measured beside the window: a merge copies the model
+            "merge_lora": cfg.output.merge_lora,
+        }
         planner = Planner(
-            model,
-            optimizer,
-            sample,
-            device,
-            {
-                "recipe": cfg.source.recipe if not cfg.source.hf_model else "hf",
-                "effective_batch": per_rank,
-                "budget": cfg.memory.budget_bytes,
-                "margin": cfg.memory.margin,
-                "meter": cfg.memory.meter,
-                "checkpointing": cfg.memory.checkpointing,
-                "precision": cfg.numerics.precision,
-                "world": world,
-                # the phases measured beside the window: a merge copies the model
-                "merge_lora": cfg.output.merge_lora,
-            },
-            (cfg.source.hf_model, cfg.source.data),
-            log=log,
-            replan=cfg.memory.replan,
-            cached=not each_rank,
-        )
+            model, optimizer, sample, device, settings, (cfg.source.hf_model, cfg.source.data),
+            log=log, replan=cfg.memory.replan, cached=not each_rank,
+        )  # fmt: skip
         if here or each_rank or world > 1 or device.type != "cpu":
 
             def make() -> dict[str, Any]:
-                args = (cfg, model, optimizer, recipe, device, sample, per_rank, log)
                 # (FSDP2's evaluation is a collective of every rank: its plan is the window's)
                 phases = (
                     None if each_rank or data is None else run_phases(cfg, model, optimizer, data)
                 )
-                return _plan_now(*args, each_rank=each_rank, phases=phases, started=started)
+                return _plan_now(cfg, planner, asked, recipe, device, log, phases, started)
 
             info = planner.plan(make)
         else:
@@ -223,12 +212,20 @@ def _plan_elsewhere(cfg: TrainConfig, data: Any, log) -> dict[str, Any]:
 
 
 def _plan_now(
-    cfg, model, optimizer, recipe, device, sample, per_rank, log, *, each_rank, phases, started
-):
-    """A new plan, measured (rank 0's, or with ``each_rank`` every rank's together)."""
+    cfg: TrainConfig,
+    planner: Planner,
+    asked: PlanRequest,
+    recipe: Recipe,
+    device: torch.device,
+    log,
+    phases: dict[str, Callable[[int], Any]] | None,
+    started: FreshProcessVerifier | None,
+) -> dict[str, Any]:
+    """A new plan, measured (rank 0's, or with sync "auto" every rank's together)."""
+    each_rank = asked.sync == "auto"
     log(
         f"planning the micro-batch{' and gradient sync' if each_rank else ''} for an "
-        f"effective batch of {per_rank} per process in {cfg.memory.budget}"
+        f"effective batch of {asked.effective_batch} per process in {cfg.memory.budget}"
         + (", each process measuring its shards" if each_rank else "")
         + f" ({recipe.summary})"
     )
@@ -237,8 +234,8 @@ def _plan_now(
         if not each_rank and device.type == "cpu":
             # On CPU the planned size is measured in a fresh process, where training will
             # run: this one's heap is shaped by the probes (CUDA's allocator is precise here).
-            verify = stack.enter_context(_verifier(cfg, sample, Path(tmp), started))
-        planned = _plan(cfg, model, optimizer, recipe, sample, per_rank, verify, each_rank, phases)
+            verify = stack.enter_context(_verifier(cfg, planner.sample, Path(tmp), started))
+        planned = planner.measure(recipe.loss_fn, asked, verify=verify, phases=phases)
     log(planned.summary())
     return {**planned.to_dict(), "source": "planned"}
 
@@ -247,7 +244,7 @@ def verifier(cfg: TrainConfig) -> FreshProcessVerifier:
     """The fresh-process verification of this run's model: a recipe's, or --hf-model's with
     its LoRA adapters. Its first process starts now and builds while the caller goes on."""
     src = cfg.source
-    return fresh_process_verifier(
+    return fresh_verifier(
         src.recipe, cfg.numerics.precision, src.seed, cfg.memory.meter,
         hf_model=src.hf_model, lora=cfg.model.lora_arguments(),
     )  # fmt: skip
@@ -263,21 +260,16 @@ def _verifier(cfg: TrainConfig, sample: Any, tmp: Path, started: FreshProcessVer
     return verify
 
 
-def _plan(cfg, model, optimizer, recipe, sample, per_rank, verify, each_rank, phases):
-    return plan(
-        model,
-        optimizer,
-        sample,
-        recipe.loss_fn,
+def request(cfg: TrainConfig, per_rank: int, each_rank: bool) -> PlanRequest:
+    """What a run asks of its plan: its per-rank batch in its budget, with its settings."""
+    return PlanRequest(
         effective_batch=per_rank,
         budget=cfg.memory.budget_bytes,
         margin=cfg.memory.margin,
         meter=cfg.memory.meter,
-        precision=cfg.numerics.precision,
         checkpointing=cfg.memory.checkpointing,
-        verify=verify,
+        precision=cfg.numerics.precision,
         sync="auto" if each_rank else "window",
-        phases=phases,
     )
 
 

@@ -15,7 +15,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 from gradaccum.app import Interrupted, TrainConfig, train
 from gradaccum.app.config import HINTS, OPTION_SECTION, SECTIONS, base_type
-from gradaccum.app.folder import CONFIG, RunFolder
+from gradaccum.app.folder import CONFIG, INCIDENTS, RunFolder
 from gradaccum.app.launch import is_main, shutdown
 from gradaccum.validate import invalid_configuration
 
@@ -187,8 +187,8 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
 
 def guard_stop(folder: Path) -> str:
     """What to do after the guard stopped a run: its last incident says why."""
-    incidents = folder / "incidents.jsonl"
-    last = RunFolder(folder).lines("incidents.jsonl")[-1:] if incidents.is_file() else []
+    incidents = folder / INCIDENTS
+    last = RunFolder(folder).lines(INCIDENTS)[-1:] if incidents.is_file() else []
     if last and last[0].get("kind") == "divergence":
         return (
             f"gradaccum: the loss diverged in the warm-up (see {incidents}); start a new run "

@@ -23,22 +23,33 @@ from pathlib import Path
 from typing import Any
 
 from gradaccum import __version__
-from gradaccum.app.folder import RunFolder
+from gradaccum.app.folder import (
+    BATCH_PLOT,
+    CONFIG,
+    INCIDENTS,
+    LOSS_PLOT,
+    MEMORY_PLOT,
+    METRICS,
+    PLAN,
+    REPORT,
+    RESUMES,
+    RunFolder,
+)
+from gradaccum.app.folder import SUMMARY as SUMMARY_JSON
 from gradaccum.app.report.metrics import SUMMARY
 from gradaccum.memory import format_bytes
 from gradaccum.plan import Fit
 
 __all__ = ["render", "write_report"]
 
-REPORT = "report.html"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 EXPECTED = "give a run folder written by gradaccum train"
 
 # The plots the trainer draws, in the page's order, with what each shows (their alt text).
 PLOTS = {
-    "loss.png": "training loss per window and held-out loss against the optimizer step",
-    "memory.png": "peak training memory so far, in MiB, against the optimizer step",
-    "batch.png": "effective batch per window and the critical batch B_simple with its "
+    LOSS_PLOT: "training loss per window and held-out loss against the optimizer step",
+    MEMORY_PLOT: "peak training memory so far, in MiB, against the optimizer step",
+    BATCH_PLOT: "effective batch per window and the critical batch B_simple with its "
     "interval, in items per step, against the samples seen",
 }
 
@@ -120,14 +131,14 @@ def render(
     from the folder. Raises ValueError (one line, naming the path) when there is no run there
     or one of its files cannot be read."""
     folder = _open(run_dir)
-    config = _object(folder, "config.json")
-    plan = _object(folder, "plan.json") if (folder.path / "plan.json").exists() else None
-    if summary is None and (folder.path / "summary.json").exists():
-        summary = _object(folder, "summary.json")
+    config = _object(folder, CONFIG)
+    plan = _object(folder, PLAN) if (folder.path / PLAN).exists() else None
+    if summary is None and (folder.path / SUMMARY_JSON).exists():
+        summary = _object(folder, SUMMARY_JSON)
     if metrics is None:
-        metrics = _lines(folder.path / "metrics.jsonl")
-    incidents = _lines(folder.path / "incidents.jsonl")
-    resumes = _lines(folder.path / "resumes.jsonl")
+        metrics = _lines(folder.path / METRICS)
+    incidents = _lines(folder.path / INCIDENTS)
+    resumes = _lines(folder.path / RESUMES)
     name = folder.path.resolve().name or str(folder.path)
 
     sections = [

@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["batch_plot", "draw"]
+from gradaccum.app.folder import BATCH_PLOT, LOSS_PLOT, MEMORY_PLOT
+
+__all__ = ["batch_plot", "draw", "plan_plot"]
 
 
 def draw(out: Path, lines: list[dict[str, Any]], incidents: list[dict[str, Any]]) -> None:
@@ -42,7 +44,7 @@ def draw(out: Path, lines: list[dict[str, Any]], incidents: list[dict[str, Any]]
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=110)
+    fig.savefig(out / LOSS_PLOT, dpi=110)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot([x["step"] for x in lines], [x["peak_memory"] / 2**20 for x in lines])
@@ -51,7 +53,7 @@ def draw(out: Path, lines: list[dict[str, Any]], incidents: list[dict[str, Any]]
     ax.set_title(f"{out.name}: memory")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "memory.png", dpi=110)
+    fig.savefig(out / MEMORY_PLOT, dpi=110)
     plt.close(fig)
     batch_plot(plt, out, lines)
 
@@ -99,5 +101,50 @@ def batch_plot(plt, out: Path, lines: list[dict[str, Any]]) -> None:
     ax.legend(loc="best")
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(out / "batch.png", dpi=110)
+    fig.savefig(out / BATCH_PLOT, dpi=110)
     plt.close(fig)
+
+
+def plan_plot(result: Any, path: str) -> Path:
+    """The plan's plot, written to ``path`` (PNG when it names no format: matplotlib would
+    add .png); returns the file written."""
+    import matplotlib  # imported here: slow to import, and only --plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mib = 2**20
+    top = max(result.micro_size, max(p.micro_size for p in result.probes))
+    xs = list(range(1, top + 1))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(xs, [result.predict(x) / mib for x in xs], label="predicted peak")
+    ax.scatter(
+        [p.micro_size for p in result.probes],
+        [(result.base_bytes + p.peak_bytes) / mib for p in result.probes],
+        color="black",
+        zorder=3,
+        label="measured (probes)",
+    )
+    ax.axhline(result.budget / mib, color="red", linestyle="--", label="budget")
+    ax.axhline(
+        result.budget * (1 - result.margin) / mib,
+        color="red",
+        linestyle=":",
+        label=f"budget less {result.margin:.0%} margin",
+    )
+    ax.axvline(
+        result.micro_size,
+        color="green",
+        linestyle="-.",
+        label=f"planned micro-batch {result.micro_size}",
+    )
+    ax.set_xlabel("micro-batch size (samples)")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title(f"plan: effective batch {result.effective_batch} on {result.device}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    written = Path(path) if Path(path).suffix else Path(path).with_suffix(".png")
+    fig.savefig(written, dpi=110)
+    plt.close(fig)
+    return written
