@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.faults import flip_tensor_bit
+from support.faults import flip_tensor_bit, rewrite_checkpoint
 from support.runs import digits_config, quiet
 
 from gradaccum.app import Trainer, build_run
@@ -144,19 +144,21 @@ def test_a_failed_checkpoint_write_under_torchrun_says_the_launch_it_needs(tmp_p
 
 
 def saved_processes(run: Path, processes: int | None) -> None:
-    """config.json as a run trained by ``processes`` processes leaves it (None: as
+    """The checkpoint as a run trained by ``processes`` processes leaves it (None: as
     gradaccum wrote it before the count was recorded)."""
-    config = json.loads((run / CONFIG).read_text())
-    config.pop("processes")
-    if processes is not None:
-        config["processes"] = processes
-    (run / CONFIG).write_text(json.dumps(config))
+
+    def change(state: dict) -> None:
+        state.pop("processes")
+        if processes is not None:
+            state["processes"] = processes
+
+    rewrite_checkpoint(run / CHECKPOINT, change)
 
 
 def test_a_resume_on_another_process_count_that_keeps_the_batch_is_said_and_recorded(tmp_path):
     run = tmp_path / "run"
     Trainer(build_run(digits_config(run, steps=3), log=quiet), quiet).fit()
-    assert json.loads((run / CONFIG).read_text())["processes"] == 1
+    assert torch.load(run / CHECKPOINT, weights_only=True)["processes"] == 1
     saved_processes(run, 2)  # a run of `torchrun --nproc-per-node 2`, resumed alone
     said: list[str] = []
     Trainer(build_run(digits_config(run, steps=6, resume=str(run)), log=said.append), quiet).fit()
@@ -165,7 +167,7 @@ def test_a_resume_on_another_process_count_that_keeps_the_batch_is_said_and_reco
     assert json.loads((run / "resumes.jsonl").read_text()) == {
         "step": 3, "changed": {"steps": [3, 6]}, "processes": [2, 1],
     }  # fmt: skip
-    assert json.loads((run / CONFIG).read_text())["processes"] == 1
+    assert torch.load(run / CHECKPOINT, weights_only=True)["processes"] == 1
 
 
 def test_a_resume_on_another_process_count_that_would_change_the_batch_is_refused(tmp_path):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from gradaccum.app import launch, planning
-from gradaccum.app.checkpoints import Checkpoints
+from gradaccum.app.checkpoints import PROCESSES, Checkpoints
 from gradaccum.app.config import RESUMABLE, TrainConfig
 from gradaccum.app.folder import BASELINE, CHECKPOINT, CONFIG, RESUMES, RunFolder
 from gradaccum.app.guard import IncidentGuard
@@ -25,8 +25,6 @@ from gradaccum.app.run import Progress, Run
 from gradaccum.checkpoint import preserved_rng
 from gradaccum.memory import Resident
 from gradaccum.schedule import BatchSchedule
-
-PROCESSES = "processes"  # config.json's record of how many processes the run trains with
 
 
 def _signature(recipe: Recipe, model: torch.nn.Module) -> dict[str, Any]:
@@ -83,7 +81,6 @@ def build_run(cfg: TrainConfig, rank: int = 0, world: int = 1, log=print) -> Run
             if resuming:
                 saved_cfg = folder.read_json(CONFIG, needs=("effective_batch",))
                 _check_unchanged(saved_cfg, cfg, folder.path)
-                _check_processes(saved_cfg, cfg, kind, folder.path)
                 folder.check_resumable()
         except ValueError as err:
             problem = str(err)
@@ -184,10 +181,12 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> Run:
                 f"--resume {folder.path}: the run has already trained {done} {unit}; give "
                 f"--steps, --samples or --epochs of at least that"
             )
+    then = saved.get(PROCESSES) if saved is not None else None
+    _check_processes(then, cfg, kind, folder.path)
     if main and resuming:
-        _record_resume(folder, saved_cfg, cfg, saved["step"] if saved else 0, kind.world, log)
+        _record_resume(folder, saved_cfg, cfg, saved["step"] if saved else 0, then, kind, log)
     elif main:
-        folder.write_json(CONFIG, {**cfg.flat(), PROCESSES: kind.world})  # first: resumable
+        folder.write_json(CONFIG, cfg.flat())  # first: a crash is resumable
     if main and loaded is not None:
         save_cache(loaded, folder.path)  # a resume reads the sequences back
     # What the untrained model scores (minilm's probe), once, on rank 0's whole model.
@@ -378,14 +377,14 @@ def _check_unchanged(saved: dict[str, Any], cfg: TrainConfig, path: Path) -> Non
         )
 
 
-def _check_processes(saved: dict[str, Any], cfg: TrainConfig, kind: RunKind, path: Path) -> None:
-    """A resume with another number of processes than the run trained with (config.json's
-    ``processes``; a run folder from before it was recorded resumes as before) is allowed
-    where every window keeps its effective batch exactly: DDP replicas (each holds the whole
-    model and its share of the window; the sum over ranks is the same sum, added in another
-    order) and a constant batch (a schedule rounds its batches to micro-batch x processes).
-    Anything else is refused, with the launch that resumes it as it was."""
-    then, now = saved.get(PROCESSES), kind.world
+def _check_processes(then: int | None, cfg: TrainConfig, kind: RunKind, path: Path) -> None:
+    """A resume with another number of processes than its checkpoint's (``then``; a
+    checkpoint from before the count was recorded resumes as before) is allowed where every
+    window keeps its effective batch exactly: DDP replicas (each holds the whole model and
+    its share of the window; the sum over ranks is the same sum, added in another order) and
+    a constant batch (a schedule rounds its batches to micro-batch x processes). Anything
+    else is refused, with the launch that resumes it as it was. Every rank decides alike."""
+    now = kind.world
     if then is None or then == now:
         return
     why = None
@@ -408,21 +407,25 @@ def _processes(n: int) -> str:
 
 
 def _record_resume(
-    folder: RunFolder, saved: dict[str, Any], cfg: TrainConfig, start: int, processes: int, log
+    folder: RunFolder,
+    saved: dict[str, Any],
+    cfg: TrainConfig,
+    start: int,
+    then: int | None,
+    kind: RunKind,
+    log,
 ) -> None:
     """config.json becomes what the run now trains with; resumes.jsonl says what changed
     (another process count too, said in one line: ``_check_processes`` allowed it)."""
     mine = cfg.flat()
     changed = {k: [saved.get(k), mine[k]] for k in RESUMABLE if saved.get(k) != mine[k]}
     line: dict[str, Any] = {"step": start, "changed": changed}
-    then = saved.get(PROCESSES)
-    if then is not None and then != processes:
-        line[PROCESSES] = [then, processes]
+    if then is not None and then != kind.world:
+        line[PROCESSES] = [then, kind.world]
         log(
             f"resuming with the same effective batch, exact, but not bit for bit: "
-            f"{_processes(then)} then, {processes} now (the gradient's sum over processes "
+            f"{_processes(then)} then, {kind.world} now (the gradient's sum over processes "
             "is added in another order)"
         )
     folder.append_line(RESUMES, line)
-    mine_now = {k: mine[k] for k in RESUMABLE}
-    folder.write_json(CONFIG, {**saved, **mine_now, PROCESSES: processes})
+    folder.write_json(CONFIG, {**saved, **{k: mine[k] for k in RESUMABLE}})

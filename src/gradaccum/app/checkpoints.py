@@ -27,6 +27,9 @@ __all__ = ["CHECKPOINT_FORMAT", "Checkpointer", "Checkpoints", "sealed"]
 
 CHECKPOINT_FORMAT = "gradaccum.run/1"
 DIGEST = "sha256"  # a checkpoint's checksum, over everything else in it
+# How many processes trained the run to this checkpoint: a resume on another count is
+# allowed only where every window stays exact (gradaccum.app.build), and recorded.
+PROCESSES = "processes"
 
 
 def sealed(state: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +140,8 @@ class Checkpointer:
         try:
             accumulator = self.kind.save_parts(self.window, folder, step)
             if self.writes:
-                self.store.save(self.state(step, accumulator or self.window.state_dict()))
+                state = self.state(step, accumulator or self.window.state_dict())
+                self.store.save({**state, PROCESSES: self.kind.world})
                 if self.keep is not None:
                     self.store.keep(step, self.keep)
                 self.kind.prune(folder, {step, *(s for s, _ in self.store.kept())})

@@ -109,7 +109,7 @@ def test_a_stop_under_torchrun_says_the_launch_that_continues_it(tmp_path):
 def test_a_ddp_run_resumed_on_one_process_is_said_recorded_and_keeps_its_batch(tmp_path):
     first = [*torchrun(), "-m", "gradaccum", *DIGITS, "--steps", "4", "--eval-every", "500"]
     run([*first, "--out", "a"], tmp_path)
-    assert json.loads((tmp_path / "a" / "config.json").read_text())["processes"] == 2
+    assert torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)["processes"] == 2
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     alone = run([sys.executable, "-m", "gradaccum", "train", "--resume", "a", "--steps", "8"],
                 tmp_path)  # fmt: skip
@@ -126,3 +126,19 @@ def test_a_ddp_run_resumed_on_one_process_is_said_recorded_and_keeps_its_batch(t
     want = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["accumulator"]["model"]
     print("max relative difference of the weights:", max_rel_err(got, want))
     assert max_rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.slow
+def test_sigterm_while_rank_0_plans_is_one_line_for_the_job_and_no_folder(tmp_path):
+    planned = [*DIGITS[:3], "--effective-batch", "64", "--steps", "400", "--out", "run"]
+    proc = start([*torchrun(), "-m", "gradaccum", *planned], tmp_path)
+    deadline = time.monotonic() + 90
+    while not (tmp_path / "run" / "config.json").exists():  # rank 0 plans after writing it
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the job never began planning"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # to torchrun, which passes it to both ranks
+    _, err = proc.communicate(timeout=90)
+    assert ours(err) == ["gradaccum: stopped by SIGTERM"], err[-4000:]
+    assert "gradaccum/app" not in err  # no traceback of ours
+    assert not (tmp_path / "run").exists()

@@ -101,7 +101,7 @@ def _main(argv: list[str] | None) -> int:
         except KeyboardInterrupt as stop:  # a stop outside training (planning, loading)
             if debug:
                 raise
-            return _peer_gone(stop) or _stopped(
+            return _peer_gone(stop, interrupted) or _stopped(
                 stop.signum if isinstance(stop, Stopped) else signal.SIGINT
             )
         except OSError as err:  # what no message of ours names: the output, or a system refusal
@@ -117,7 +117,7 @@ def _main(argv: list[str] | None) -> int:
             # the user's, said as such. Anything else is a bug, with its traceback.
             if debug:
                 raise
-            code = _peer_gone(err)
+            code = _peer_gone(err, interrupted)
             if code is not None:
                 return code
             if interrupted:
@@ -131,7 +131,7 @@ def _for_the_job(line: str) -> None:
     """A line the whole job would say alike (a refusal every rank reaches, a stop torchrun
     passed to every rank): under torchrun rank 0 says it, once. What one rank alone sees is
     gathered to every rank where it happens (``launch.first_message``)."""
-    if os.environ.get("RANK", "0") == "0":
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("RANK", "0") == "0":
         say(line)
 
 
@@ -143,11 +143,15 @@ def _stopped(signum: int) -> int:
     return 128 + signum
 
 
-def _peer_gone(err: BaseException) -> int | None:
+def _peer_gone(err: BaseException, signalled: list[int]) -> int | None:
     """Under torchrun, a collective that failed because another process of the job died:
     one line from each process left (the one that died cannot speak), EXIT_PEER_GONE.
-    None for anything else."""
+    None for anything else, and for a rank other than 0 that a stop signal reached too:
+    torchrun passes a stop to every rank, and rank 0 says it (when rank 0 is the one that
+    ends first, the others' collectives fail in the middle of that same stop)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    if signalled and os.environ.get("RANK", "0") != "0":
         return None
     from gradaccum.app import launch  # torch is loaded: a collective ran
 
