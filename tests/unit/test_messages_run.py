@@ -196,3 +196,24 @@ def test_a_run_folder_from_before_the_count_was_recorded_resumes_as_before(tmp_p
     assert json.loads((run / "resumes.jsonl").read_text()) == {
         "step": 3, "changed": {"steps": [3, 6]},
     }  # fmt: skip
+
+
+def test_a_failed_write_after_the_step_0_checkpoint_says_that_one_is_kept(tmp_path):
+    run = build_run(digits_config(tmp_path / "run"), log=quiet)
+    try:
+        saver = Checkpointer(
+            Checkpoints(run.folder), run.kind, run.acc, run.state_dict, every=3, keep=2,
+            start=0,
+        )  # fmt: skip
+        saver.save(0)  # the guard's checkpoint of step 0, before training
+        (run.folder.path / "metrics.jsonl").write_text('{"step": 1}\n')  # it trained
+        (run.folder.path / "checkpoint.pt.tmp").mkdir()  # the next write fails for real
+        with pytest.raises(ValueError) as failed:
+            saver.save(3)
+        said = str(failed.value)
+        assert said.startswith(f"cannot write {run.folder.path / CHECKPOINT}"), said
+        assert "training stopped, its last checkpoint (step 0) is kept" in said, said
+        assert "no checkpoint yet" not in said
+        assert said.endswith(f"continue with: gradaccum train --resume {run.folder.path}")
+    finally:
+        run.folder.release()
