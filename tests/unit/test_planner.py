@@ -10,7 +10,7 @@ from helpers import make_plan
 
 from gradaccum.app.planner import Planner
 
-SETTINGS = {"recipe": "gpt", "effective_batch": 64, "budget": 200_000_000}
+SETTINGS = {"recipe": "gpt", "effective_batch": 64, "budget": 2**30}  # make_plan(64)'s budget
 
 
 @pytest.fixture(autouse=True)

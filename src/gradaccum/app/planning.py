@@ -181,7 +181,8 @@ def _plan_elsewhere(cfg: TrainConfig, data: Any, log) -> dict[str, Any]:
     the read end of a pipe only this process writes to: if this process dies, it exits."""
     with tempfile.TemporaryDirectory(prefix="gradaccum-plan-") as tmp:
         config, out = Path(tmp) / "config.json", Path(tmp) / "plan.json"
-        config.write_text(json.dumps(cfg.flat()))
+        # this process has just read the cache (and named an entry it could not use)
+        config.write_text(json.dumps({**cfg.flat(), "replan": True}))
         cmd = [sys.executable, "-m", "gradaccum.app.plan_process", str(config), str(out)]
         if isinstance(data, SequenceData):
             sequences = Path(tmp) / "sequences.pt"
