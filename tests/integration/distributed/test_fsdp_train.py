@@ -164,7 +164,7 @@ def test_tampered_shard_metadata_of_a_checkpoint_without_checksums_is_one_line(f
     import pickle
     import shutil
 
-    from gradaccum.app.folder import DIGEST
+    from gradaccum.app.checkpoints import DIGEST
 
     root, _ = fsdp_run
     old = root / "old"
