@@ -42,4 +42,6 @@ def _tokenizer(path: str):
         return None
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return transformers.AutoTokenizer.from_pretrained(
+        path, local_files_only=True, trust_remote_code=False
+    )

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -208,14 +209,13 @@ def _digits_evaluate(
 
 def hf_recipe(path: str) -> Recipe:
     """A ``transformers`` causal LM from a local directory (weights, or a config.json only:
-    random init) or a config JSON file; never the hub. Data: the stdlib corpus, tokenized
-    with the directory's tokenizer when it has one, else bytes modulo the vocabulary."""
+    random init) or a config JSON file; never the hub, and never the folder's own code: a
+    config.json or tokenizer_config.json with ``auto_map`` is refused before transformers
+    reads anything, and every load passes ``trust_remote_code=False``. Data: the stdlib
+    corpus, tokenized with the directory's tokenizer when it has one, else bytes modulo the
+    vocabulary."""
     from pathlib import Path
 
-    try:
-        import transformers
-    except ImportError as err:
-        raise ValueError("--hf-model needs transformers: pip install 'gradaccum[hf]'") from err
     source = Path(path)
     if not source.exists():
         raise ValueError(f"--hf-model {path}: no such file or directory")
@@ -226,12 +226,31 @@ def hf_recipe(path: str) -> Recipe:
             "model folder (models are read from local files only, never the hub)"
         )
     try:
-        json.loads(config_file.read_text())
-        config = transformers.AutoConfig.from_pretrained(str(config_file), local_files_only=True)
+        raw = json.loads(config_file.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as err:
         reason = err.msg if isinstance(err, json.JSONDecodeError) else type(err).__name__
         raise ValueError(
             f"--hf-model {path}: {config_file} is not a model configuration JSON ({reason})"
+        ) from None
+    _refuse_custom_code(path, config_file, raw)
+    tokenizer_config = source / "tokenizer_config.json"
+    if source.is_dir() and tokenizer_config.is_file():
+        try:
+            _refuse_custom_code(path, tokenizer_config, json.loads(tokenizer_config.read_text()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            pass  # not this check's to judge: the tokenizer's own load says what is wrong
+    try:
+        import transformers
+    except ImportError as err:
+        raise ValueError("--hf-model needs transformers: pip install 'gradaccum[hf]'") from err
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            str(config_file), local_files_only=True, trust_remote_code=False
+        )
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"--hf-model {path}: {config_file} is not a model configuration JSON "
+            f"({type(err).__name__})"
         ) from None
     has_weights = source.is_dir() and any(
         (source / n).exists() for n in ("model.safetensors", "pytorch_model.bin")
@@ -244,11 +263,13 @@ def hf_recipe(path: str) -> Recipe:
     def build() -> torch.nn.Module:
         auto = transformers.AutoModelForCausalLM
         if not has_weights:
-            return auto.from_config(config)
+            return auto.from_config(config, trust_remote_code=False)
         try:
             # By its absolute path: the model records it (config's _name_or_path), and so
             # does a LoRA adapter saved from it, which then finds its base from anywhere.
-            return auto.from_pretrained(str(source.resolve()), local_files_only=True)
+            return auto.from_pretrained(
+                str(source.resolve()), local_files_only=True, trust_remote_code=False
+            )
         except Exception as err:
             if "weights_only" not in str(err) and "Unpickl" not in type(err).__name__:
                 raise
@@ -272,7 +293,7 @@ def hf_recipe(path: str) -> Recipe:
 
         text = corpus_bytes(400_000)
         if source.is_dir() and (source / "tokenizer.json").exists():
-            tok = transformers.AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+            tok = _tokenizer(transformers, source)
             return torch.tensor(tok(text.decode("utf-8", "replace"))["input_ids"])
         return torch.frombuffer(bytearray(text), dtype=torch.uint8).long() % config.vocab_size
 
@@ -288,7 +309,7 @@ def hf_recipe(path: str) -> Recipe:
                 f"--data with --hf-model {path}: no tokenizer.json in that folder; save the "
                 "model's tokenizer beside it (tokenizer.save_pretrained)"
             )
-        tok = transformers.AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+        tok = _tokenizer(transformers, source)
         eos = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
         if eos is None:
             raise DataError(f"--hf-model {path}: its tokenizer has no end-of-text token")
@@ -309,6 +330,27 @@ def hf_recipe(path: str) -> Recipe:
         signature={"recipe": "hf", "model_type": config.model_type},
         encoder=encoder,
         logits=logits,
+    )
+
+
+def _refuse_custom_code(path: str, file: Any, read: Any) -> None:
+    """A model folder's JSON that names code of its own (``auto_map``: transformers'
+    trust_remote_code) is refused, in one line naming the file: gradaccum runs no code that
+    comes with a model."""
+    if isinstance(read, dict) and "auto_map" in read:
+        names = read["auto_map"]
+        named = ", ".join(sorted(names)) if isinstance(names, dict) else repr(names)
+        raise ValueError(
+            f"--hf-model {path}: {file} has auto_map ({named}): the model needs custom code "
+            "from its folder, and gradaccum never runs a model's own code "
+            "(trust_remote_code=False); use a model class that transformers ships"
+        )
+
+
+def _tokenizer(transformers: Any, source: Any) -> Any:
+    """The folder's tokenizer, from its files alone, none of its code."""
+    return transformers.AutoTokenizer.from_pretrained(
+        str(source), local_files_only=True, trust_remote_code=False
     )
 
 
