@@ -195,3 +195,101 @@ def test_a_negative_size_is_a_value_refused_with_its_reason():
     problems = TrainConfig.of(budget=args.budget).problems()
     assert problems == ["budget: a memory size must be positive, got '-5MB'"]
     assert args.max_memory == "-1GB"
+
+
+def problem_of(path, *flags):
+    """The one ValueError `gradaccum train --config PATH FLAGS` is refused with, resolved in
+    process as the command resolves it."""
+    with pytest.raises(ValueError) as err:
+        resolve(parser().parse_args(["train", "--config", str(path), *map(str, flags)]))
+    return str(err.value)
+
+
+def test_resume_and_config_in_a_config_file_are_refused_as_flags_only(tmp_path):
+    """docs/cli.md: they cannot be set from a file (both were taken before)."""
+    file = tmp_path / "c.toml"
+    file.write_text('resume = "runs/old"\n[output]\nconfig = "other.toml"\n')
+    with pytest.raises(ValueError) as err:
+        read_config_file(str(file))
+    said = str(err.value)
+    assert f"--config {file}: resume cannot be set in a config file: it is a flag only " in said
+    assert "(--resume DIR)" in said and "[output] config cannot be set in a config file" in said
+    assert "(--config FILE)" in said
+
+
+def test_resume_and_out_naming_one_folder_two_ways_are_one_folder(tmp_path, monkeypatch):
+    """`--resume cfgres2 --out /abs/path/cfgres2` was refused as "different folders"."""
+    import json
+
+    run = tmp_path / "cfgres2"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(TrainConfig.of(recipe="digits").flat()))
+    monkeypatch.chdir(tmp_path)
+    for out in (run, "./cfgres2/", tmp_path / "x" / ".." / "cfgres2"):
+        cfg = resolve(parser().parse_args(["train", "--resume", "cfgres2", "--out", str(out)]))
+        assert cfg.output.resume == "cfgres2"
+    with pytest.raises(ValueError, match=r"--out other and --resume cfgres2 name different"):
+        resolve(parser().parse_args(["train", "--resume", "cfgres2", "--out", "other"]))
+
+
+def test_a_binary_config_file_is_named_and_said_not_to_be_text(tmp_path):
+    file = tmp_path / "c.toml"
+    file.write_bytes(b"steps = 2\n\xc2\x00\xff\n")
+    with pytest.raises(ValueError) as err:
+        read_config_file(str(file))
+    assert str(err.value) == (
+        f"--config {file}: not UTF-8 text (byte 0xc2 at offset 10); a config file is TOML or "
+        "YAML text"
+    )
+
+
+def test_every_problem_of_a_config_file_comes_in_one_error(tmp_path):
+    """Unknown keys, a flag-only key, a section as a value, a wrong type and a bad value, in
+    the file and in the flags: all in one message (steps = 1.5 came only after the others
+    were fixed)."""
+    for suffix, text in (
+        (".toml", 'zzz = 1\nbatch = 5\nresume = "r"\nsteps = 1.5\nlr = -1.0\n'),
+        (".yaml", "zzz: 1\nbatch: 5\nresume: r\nsteps: 1.5\nlr: -1.0\n"),
+    ):
+        file = tmp_path / f"c{suffix}"
+        file.write_text(text)
+        said = problem_of(file, "--seed", -1)
+        assert said.startswith("invalid configuration:\n  - "), said
+        for part in (
+            "unknown option zzz;",
+            "batch is a section (a table), not an option",
+            "resume cannot be set in a config file",
+            "steps must be int, got 1.5",
+            "lr must be a positive finite number, got -1.0",
+            "seed must be an integer >= 0, got -1",
+        ):
+            assert said.count(part) == 1, (part, said)
+
+
+def test_a_section_given_a_value_is_said_to_be_a_section_with_its_form(tmp_path):
+    """`batch = 5` was answered "did you mean micro-batch?"."""
+    toml, yaml = tmp_path / "c.toml", tmp_path / "c.yaml"
+    toml.write_text("batch = 5\n")
+    yaml.write_text("memory: 2GB\n")
+    with pytest.raises(ValueError) as err:
+        read_config_file(str(toml))
+    said = str(err.value)
+    assert "batch is a section (a table), not an option; write `[batch]` then " in said
+    assert "`effective_batch = ...`" in said and "did you mean" not in said
+    with pytest.raises(ValueError) as err:
+        read_config_file(str(yaml))
+    said = str(err.value)
+    assert "memory is a section (a table), not an option; write `memory:` then " in said
+    assert "`  budget: ...`" in said and "did you mean" not in said
+
+
+def test_a_folder_given_as_the_config_file_is_said_to_be_a_folder(tmp_path):
+    folder = tmp_path / "configs.toml"
+    folder.mkdir()
+    with pytest.raises(ValueError) as err:
+        read_config_file(str(folder))
+    assert str(err.value) == (
+        f"--config {folder}: is a directory; --config takes a file (.toml, .yaml or .yml)"
+    )
+    with pytest.raises(ValueError, match="no such file"):
+        read_config_file(str(tmp_path / "missing.toml"))

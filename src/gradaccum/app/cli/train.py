@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from gradaccum.app.folder import CONFIG, INCIDENTS, RunFolder
 from gradaccum.app.launch import is_main, shutdown
 from gradaccum.validate import invalid_configuration
 
-_FILE_KEYS = set(OPTION_SECTION) - {"config", "resume"}
+_FLAGS_ONLY = {"config": "--config FILE", "resume": "--resume DIR"}  # docs/cli.md says so
+_FILE_KEYS = set(OPTION_SECTION) - set(_FLAGS_ONLY)
 _LENGTH = ("steps", "epochs", "samples")  # how long the run trains: one of them
 
 
@@ -37,34 +39,40 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def read_config_file(path: str) -> dict[str, Any]:
     """TOML or YAML, parsed safely, into option names: flat keys, or keys under their
-    section's table (``[batch]`` then ``effective_batch = 256``); dashes or underscores;
-    unknown keys and an option given twice refused."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--config {path}: no such file")
-    text = file.read_text()
-    if file.suffix == ".toml":
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as err:
-            raise ValueError(f"--config {path}: not valid TOML: {err}") from err
-    elif file.suffix in (".yaml", ".yml"):
-        import yaml
+    section's table (``[batch]`` then ``effective_batch = 256``); dashes or underscores.
+    Every problem of its keys (unknown, given twice, a flag only, a section as a value) is
+    refused in one ValueError."""
+    values, problems = parse_config_file(path)
+    if problems:
+        raise ValueError(invalid_configuration(problems))
+    return values
 
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ValueError(f"--config {path}: not valid YAML: {_yaml_problem(err)}") from err
-    else:
-        raise ValueError(f"--config {path}: use a .toml, .yaml or .yml file")
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: expected a table of options, got {type(data).__name__}")
+
+def parse_config_file(path: str) -> tuple[dict[str, Any], list[str]]:
+    """(option name -> value, every problem of the file's keys): the options it gives well,
+    and what is wrong with the rest, each problem naming the file, so the caller reports
+    them with the values' own problems in one pass. A file that cannot be read or parsed at
+    all is a ValueError of its own."""
+    data = _load_config_file(path)
     found: dict[str, tuple[str, Any]] = {}  # option -> (as written, value)
-    twice, unknown = [], []
+    twice, unknown, problems = [], [], []
+    example = "[{0}]` then `{1} = ...`" if path.endswith(".toml") else "{0}:` then `  {1}: ...`"
 
     def add(key: str, value: Any, written: str, section: str | None = None) -> None:
         name = key.replace("-", "_")
-        if name not in OPTION_SECTION or (section and OPTION_SECTION[name] != section):
+        if name in _FLAGS_ONLY:
+            problems.append(
+                f"--config {path}: {written} cannot be set in a config file: it is a flag "
+                f"only ({_FLAGS_ONLY[name]})"
+            )
+        elif name in SECTIONS and section is None:  # a section, given a value
+            first = fields(SECTIONS[name])[0].name
+            problems.append(
+                f"--config {path}: {written} is a section (a table), not an option; write "
+                f"`" + example.format(name, first) + f" (its options: "
+                f"{', '.join(f.name for f in fields(SECTIONS[name]))})"
+            )
+        elif name not in OPTION_SECTION or (section and OPTION_SECTION[name] != section):
             home = OPTION_SECTION.get(name)
             unknown.append(written + (f" (it belongs under [{home}])" if home else ""))
         elif name in found:
@@ -80,18 +88,56 @@ def read_config_file(path: str) -> dict[str, Any]:
         else:
             add(str(key), value, str(key))
     if twice:
-        raise ValueError(f"--config {path}: the same option given twice: {'; '.join(twice)}")
+        problems.append(f"--config {path}: the same option given twice: {'; '.join(twice)}")
     if unknown:
         near = [_nearest(u.split(" ")[-1]) for u in unknown]
         said = [
             u + (f" (did you mean {n}?)" if n and "belongs" not in u else "")
             for u, n in zip(unknown, near, strict=True)
         ]
-        raise ValueError(
+        problems.append(
             f"--config {path}: unknown option{'s' if len(unknown) > 1 else ''} "
             f"{', '.join(said)}; every option is listed in gradaccum train --help"
         )
-    return {name: _coerce(name, value) for name, (_, value) in found.items()}
+    return {name: _coerce(name, value) for name, (_, value) in found.items()}, problems
+
+
+def _load_config_file(path: str) -> dict[Any, Any]:
+    """The file's table, parsed (TOML, or YAML with safe_load); ValueError naming the file
+    when it is not one: a folder, missing, not UTF-8 text, not valid TOML or YAML."""
+    file = Path(path)
+    if file.is_dir():
+        raise ValueError(
+            f"--config {path}: is a directory; --config takes a file (.toml, .yaml or .yml)"
+        )
+    if not file.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    if file.suffix not in (".toml", ".yaml", ".yml"):
+        raise ValueError(f"--config {path}: use a .toml, .yaml or .yml file")
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"--config {path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+            f"{err.start}); a config file is TOML or YAML text"
+        ) from None
+    except OSError as err:
+        raise ValueError(f"--config {path}: cannot be read ({err.strerror or err})") from None
+    if file.suffix == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"--config {path}: not valid TOML: {err}") from err
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"--config {path}: not valid YAML: {_yaml_problem(err)}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a table of options, got {type(data).__name__}")
+    return data
 
 
 def _nearest(key: str) -> str | None:
@@ -159,8 +205,10 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         values.update({k: v for k, v in saved.items() if k in _FILE_KEYS})
         values["out"] = flags["resume"]
     from_file: dict[str, Any] = {}
+    problems: list[str] = []
     if flags.get("config"):
-        from_file = read_config_file(flags["config"])
+        # the file's own problems are reported with every other one, in one pass
+        from_file, problems = parse_config_file(flags["config"])
         values.update(from_file)
     values.update(flags)
     given = [k for k in _LENGTH if k in flags or k in from_file]
@@ -169,20 +217,27 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         # begun with --epochs continues with --steps 300.
         values.update({k: None for k in _LENGTH if k not in given})
     cfg = TrainConfig.of(**values)
-    problems = cfg.problems()
+    problems += cfg.problems()
     for other in ("epochs", "samples"):
         if ("steps" in flags or "steps" in from_file) and values.get(other) is not None:
             problems.append(
                 f"steps and {other} (here {values[other]!r}) both given: {other} decides how "
                 "long the run trains, so give one of them"
             )
+    resume, out = cfg.output.resume, cfg.output.out
+    if isinstance(resume, str) and isinstance(out, str) and not _same_folder(resume, out):
+        problems.append(
+            f"--out {out} and --resume {resume} name different folders; a resumed run stays "
+            "in its folder"
+        )
     if problems:
         raise ValueError(invalid_configuration(problems))
-    if cfg.output.resume and cfg.output.out != cfg.output.resume:
-        raise ValueError(
-            "--out and --resume name different folders; a resumed run stays in its folder"
-        )
     return cfg
+
+
+def _same_folder(a: str, b: str) -> bool:
+    """Whether two spellings name one folder (relative or absolute, through links)."""
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 def guard_stop(folder: Path) -> str:
