@@ -7,13 +7,14 @@ import pytest
 
 from gradaccum.app import TrainConfig
 from gradaccum.app.cli import parser
-from gradaccum.app.cli.train import read_config_file, resolve
+from gradaccum.app.cli.train import resolve
 from gradaccum.app.config import (
     OPTION_SECTION,
     SECTIONS,
     CheckConfig,
     PlanConfig,
     RecipeDefault,
+    read_config_file,
 )
 from gradaccum.app.recipes import RECIPES, minilm
 
