@@ -203,7 +203,7 @@ def _entry(text: str, parts: dict[str, Any]) -> tuple[Plan, dict[str, Any]]:
     info = stored["plan"]
     if not isinstance(info, dict):
         raise ValueError("holds no plan")
-    problems = plan_problems(info, parts)
+    problems = _plan_problems(info, parts)
     if problems:
         raise ValueError("is not a valid plan: " + "; ".join(problems))
     try:  # its remaining fields and their types
@@ -212,7 +212,7 @@ def _entry(text: str, parts: dict[str, Any]) -> tuple[Plan, dict[str, Any]]:
         raise ValueError(f"is not a valid plan: {err}") from None
 
 
-def plan_problems(info: dict[str, Any], asked: dict[str, Any]) -> list[str]:
+def _plan_problems(info: dict[str, Any], asked: dict[str, Any]) -> list[str]:
     """Every way ``info`` (a plan's record) is not a plan ``plan()`` makes for the request
     ``asked`` (the cache key's settings): sizes that are not integers >= 1, a window that does
     not add up to the batch, a budget or setting other than the one asked."""
