@@ -10,7 +10,7 @@ from gradaccum.app import Interrupted, TrainConfig, train
 from gradaccum.app.cli import options
 from gradaccum.app.config import resolve_train
 from gradaccum.app.folder import INCIDENTS, RunFolder
-from gradaccum.app.launch import is_main, shutdown
+from gradaccum.app.launch import is_main, resume_command, shutdown
 from gradaccum.app.process import say
 
 
@@ -43,7 +43,7 @@ def guard_stop(folder: Path) -> str:
         )
     return (
         f"gradaccum: the incident guard stopped the run (see {incidents}); to train through "
-        f"it: gradaccum train --resume {folder} --no-guard"
+        f"it: {resume_command(folder)} --no-guard"
     )
 
 
