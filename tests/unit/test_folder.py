@@ -110,3 +110,27 @@ def test_the_second_of_two_starts_is_told_another_process_trains_there(tmp_path)
     first.release()
     with pytest.raises(ValueError, match="already holds a run; continue it with --resume"):
         _opened(tmp_path / "run")
+
+
+def test_every_run_folder_file_name_is_written_once_in_folder_py():
+    """The run folder's names (config.json, checkpoint.pt, ...) appear as literals in
+    folder.py alone; everything else names them by its constants. (The recipes read a Hugging
+    Face model folder, whose config.json is another folder's file.)"""
+    import ast
+    from pathlib import Path
+
+    from gradaccum.app import folder
+
+    app = Path(folder.__file__).parent
+    # the files' names (a folder's name, "shards" or "export", is also a key or an option's)
+    names = {v for k, v in vars(folder).items() if k.isupper() and isinstance(v, str)}
+    names = {v for v in names if "." in v}
+    assert {"config.json", "checkpoint.pt", "metrics.jsonl", "report.html"} <= names
+    found = []
+    for file in app.rglob("*.py"):
+        if file.name == "folder.py" or "recipes" in file.parts:
+            continue
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{file.relative_to(app)}:{node.lineno} {node.value!r}")
+    assert found == []

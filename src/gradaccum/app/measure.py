@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from gradaccum.app.checkpoints import sealed
+from gradaccum.app.folder import CHECKPOINT
 from gradaccum.app.process import exit_on_end_of_input
 from gradaccum.app.recipes import get_recipe, hf_recipe
 from gradaccum.batching import split, take, to_device
@@ -98,7 +99,7 @@ class _Built:
         evaluate(model)
         with tempfile.TemporaryDirectory(prefix="gradaccum-measure-") as tmp:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-            torch.save(sealed(state), Path(tmp) / "checkpoint.pt")  # as the run writes one
+            torch.save(sealed(state), Path(tmp) / CHECKPOINT)  # as the run writes one
             del state
         for _ in range(windows):
             acc.step(split(batch, micro), recipe.loss_fn)

@@ -23,7 +23,7 @@ from gradaccum.app import launch
 from gradaccum.app.checkpoints import sealed
 from gradaccum.app.config import TrainConfig
 from gradaccum.app.exports import write_exports
-from gradaccum.app.folder import PLAN, RunFolder
+from gradaccum.app.folder import CHECKPOINT, CONFIG, PLAN, RunFolder
 from gradaccum.app.measure import FreshProcessVerifier
 from gradaccum.app.planner import Planner, PlanRequest
 from gradaccum.app.planner import verifier as fresh_verifier
@@ -180,7 +180,7 @@ def _plan_elsewhere(cfg: TrainConfig, data: Any, log) -> dict[str, Any]:
     log lines; its refusal (a budget too small) is this run's, in one line. The child gets
     the read end of a pipe only this process writes to: if this process dies, it exits."""
     with tempfile.TemporaryDirectory(prefix="gradaccum-plan-") as tmp:
-        config, out = Path(tmp) / "config.json", Path(tmp) / "plan.json"
+        config, out = Path(tmp) / CONFIG, Path(tmp) / PLAN  # (named as the run names them)
         # this process has just read the cache (and named an entry it could not use)
         config.write_text(json.dumps({**cfg.flat(), "replan": True}))
         cmd = [sys.executable, "-m", "gradaccum.app.plan_process", str(config), str(out)]
@@ -292,7 +292,7 @@ def run_phases(
 
     def checkpoint(size: int) -> None:
         with tempfile.TemporaryDirectory(prefix="gradaccum-plan-") as tmp:
-            file = Path(tmp) / "checkpoint.pt"
+            file = Path(tmp) / CHECKPOINT
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
             torch.save(sealed(state), file)
             del state

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from gradaccum.app.folder import TENSORBOARD
 from gradaccum.app.report.metrics import STEP
 
 __all__ = ["EventLog", "available", "scalars"]
@@ -80,7 +81,7 @@ class EventLog:
         from torch.utils.tensorboard import SummaryWriter
 
         _quiet_writer_threads()
-        self.path = Path(folder) / "tensorboard"
+        self.path = Path(folder) / TENSORBOARD
         self.max_grad_norm = max_grad_norm
         self._writer = SummaryWriter(str(self.path), purge_step=start + 1 if start else None)
         self._failed = False
