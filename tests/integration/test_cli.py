@@ -1,4 +1,5 @@
-"""`gradaccum plan` and `gradaccum check` as a user runs them: real subprocesses."""
+"""`gradaccum plan` and `gradaccum check` as a user runs them: real subprocesses where what
+is shown needs one (a fresh process, its exit), else the command's own main in this process."""
 
 import json
 import subprocess
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers import cli
+from test_faults import in_process
 
 from gradaccum.memory import parse_bytes
 
@@ -83,13 +85,9 @@ def test_the_planned_micro_batch_fits_its_budget_in_a_fresh_process(tmp_path):
 
 
 def test_cli_plan_help_and_bad_budget():
-    out = subprocess.run(
-        [sys.executable, "-m", "gradaccum", "plan", "--help"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=True,
-    ).stdout
+    # in this process: the command's own main, its exit status and output (test_faults)
+    helped = in_process("plan", "--help")
+    assert helped.returncode == 0
     for flag in (
         "--effective-batch",
         "--budget",
@@ -100,27 +98,15 @@ def test_cli_plan_help_and_bad_budget():
         "--margin",
         "--world-size",
     ):
-        assert flag in out
-    bad = subprocess.run(
-        [sys.executable, "-m", "gradaccum", "plan", "--budget", "lots"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    )
+        assert flag in helped.stdout
+    bad = in_process("plan", "--budget", "lots")
     assert bad.returncode == 2
     assert "cannot read 'lots' as a memory size" in bad.stderr
     assert "Traceback" not in bad.stderr
 
 
 def test_cli_check_passes_a_groupnorm_recipe():
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradaccum", "check", "--recipe", "digits"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    )
+    proc = in_process("check", "--recipe", "digits")
     assert proc.returncode == 0, proc.stderr
     assert "PASS: the accumulated gradient (4 micro-batches) equals" in proc.stdout
 
@@ -198,14 +184,7 @@ def test_check_turns_off_the_dropout_of_a_default_gpt2_config(tmp_path):
     transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256).save_pretrained(
         model_dir
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradaccum", "check", "--hf-model", str(model_dir)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-        timeout=300,
-    )
+    proc = in_process("check", "--hf-model", model_dir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout and "attn.c_proj" not in proc.stdout
 

@@ -232,11 +232,11 @@ def test_three_config_mistakes_are_reported_together(tmp_path, suffix, text):
 def test_unknown_config_keys_and_wrong_types_are_refused(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text("learning_rate = 0.1\nsteps = 5\n")
-    proc = cli("train", "--config", config, check=False)
+    proc = in_process("train", "--config", config)
     assert proc.returncode == 2, proc.stderr
     assert "unknown option learning_rate (did you mean lr?); every option is listed" in proc.stderr
     config.write_text('steps = "five"\n')
-    proc = cli("train", "--config", config, check=False)
+    proc = in_process("train", "--config", config)
     assert proc.returncode == 2 and "steps must be int, got 'five'" in proc.stderr
 
 
