@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from gradaccum.app import plan_cache
-from gradaccum.app.measure import FreshProcessVerifier, fresh_process_verifier
+from gradaccum.app.measure import FreshProcessVerifier
 from gradaccum.batching import to_device
 from gradaccum.memory import parse_bytes
 from gradaccum.plan import Plan, plan
 
-__all__ = ["PlanRequest", "Planner", "plan_recipe", "verifier"]
+__all__ = ["PlanRequest", "Planner", "plan_recipe"]
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,6 @@ class PlanRequest:
             "checkpointing": self.checkpointing,
             "precision": self.precision,
         }
-
-
-def verifier(
-    recipe: str | None, precision: str, seed: int, meter: str, **source: Any
-) -> FreshProcessVerifier:
-    """The fresh process that verifies a plan of this model (a recipe's, or ``hf_model=``'s
-    with ``lora=``): its first process starts now and builds while the caller goes on."""
-    return fresh_process_verifier(recipe, precision, seed, meter, **source)
 
 
 class Planner:
@@ -131,15 +123,17 @@ class Planner:
             phases=phases,
         )
 
-    def plan(self, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """The cached plan's record, else ``make()``'s, stored."""
+    def plan(self, make: Callable[[], dict[str, Any]], *, keep: bool = True) -> dict[str, Any]:
+        """The cached plan's record, else ``make()``'s, stored (``keep=False``: ``make``
+        stores it itself, as train's plan process does)."""
         found = self.stored()
         if found is not None:
             planned, info = found
             self.log(planned.summary())
             return info
         info = make()
-        self.keep(info)
+        if keep:
+            self.keep(info)
         return info
 
 

@@ -24,9 +24,8 @@ from gradaccum.app.checkpoints import sealed
 from gradaccum.app.config import TrainConfig
 from gradaccum.app.exports import write_exports
 from gradaccum.app.folder import CHECKPOINT, CONFIG, PLAN, RunFolder
-from gradaccum.app.measure import FreshProcessVerifier
+from gradaccum.app.measure import FreshProcessVerifier, fresh_process_verifier
 from gradaccum.app.planner import Planner, PlanRequest
-from gradaccum.app.planner import verifier as fresh_verifier
 from gradaccum.app.recipes import Recipe
 from gradaccum.app.recipes.userdata import SequenceData
 from gradaccum.checkpoint import preserved_rng
@@ -160,14 +159,8 @@ def window_plan(
                 return _plan_now(cfg, planner, asked, recipe, device, log, phases, started)
 
             info = planner.plan(make)
-        else:
-            # the plan process stores what it makes in the cache itself
-            found = planner.stored()
-            if found is not None:
-                planned, info = found
-                log(planned.summary())
-            else:
-                info = _plan_elsewhere(cfg, data, log)
+        else:  # the plan process stores what it makes in the cache itself
+            info = planner.plan(lambda: _plan_elsewhere(cfg, data, log), keep=False)
     if world > 1 and not each_rank:
         info = launch.broadcast(info)
     return info
@@ -245,7 +238,7 @@ def verifier(cfg: TrainConfig) -> FreshProcessVerifier:
     """The fresh-process verification of this run's model: a recipe's, or --hf-model's with
     its LoRA adapters. Its first process starts now and builds while the caller goes on."""
     src = cfg.source
-    return fresh_verifier(
+    return fresh_process_verifier(
         src.recipe, cfg.numerics.precision, src.seed, cfg.memory.meter,
         hf_model=src.hf_model, lora=cfg.model.lora_arguments(),
     )  # fmt: skip

@@ -159,7 +159,8 @@ class Trainer:
         if incident is not None:
             gave_up = self.rollback.roll_back(incident)
             self.sink.restart(p.step)
-            p.stopped_by = "guard" if gave_up else p.stopped_by
+            if gave_up:
+                p.stopped_by = "guard"
             return not gave_up
         p.skip_ahead()
         p.passed(step)
@@ -232,8 +233,8 @@ class Trainer:
         """The held-out numbers at the last step, then the summary, plots and report (rank
         0; the other ranks take part in a collective evaluation and return their rank)."""
         run = self.run
-        last = run.folder.metrics()[-1:] if run.main else []
-        last_eval = self.evaluator.final(last[0] if last else None)
+        lines = run.folder.metrics() if run.main else []  # read once, for both
+        last_eval = self.evaluator.final(lines[-1] if lines else None)
         if not run.main:
             return {"rank": run.kind.rank}
-        return report(run, self.log, seconds, last_eval, table=table)
+        return report(run, self.log, seconds, lines, last_eval, table=table)

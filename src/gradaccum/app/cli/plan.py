@@ -8,7 +8,8 @@ from pathlib import Path
 
 from gradaccum.app.cli import options
 from gradaccum.app.config import PlanConfig
-from gradaccum.app.planner import plan_recipe, verifier
+from gradaccum.app.measure import fresh_process_verifier
+from gradaccum.app.planner import plan_recipe
 from gradaccum.app.process import out, say
 from gradaccum.app.report.plots import plan_plot
 from gradaccum.validate import invalid_configuration
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--plot {cfg.plot}: folder {Path(cfg.plot).parent} does not exist")
     # the fresh process that verifies a new plan imports and builds while this one does (a
     # cached plan ends it unasked)
-    with verifier(cfg.recipe, cfg.precision, cfg.seed, cfg.meter) as verify:
+    with fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed, cfg.meter) as verify:
         recipe, result = plan_recipe(cfg, verify, say)
     try:
         exported = result.export(cfg.export) if cfg.export else None

@@ -17,12 +17,16 @@ from gradaccum.noise import advice, tradeoff_advice
 
 
 def report(
-    run: Run, log, seconds: float, last_eval: dict[str, float], table: bool = True
+    run: Run,
+    log,
+    seconds: float,
+    lines: list[dict[str, Any]],
+    last_eval: dict[str, float],
+    table: bool = True,
 ) -> dict[str, Any]:
-    """summary.json, the plots and the summary table, from metrics.jsonl and the counters
-    (``last_eval``: the held-out numbers at the last step, ``Evaluator.final``'s)."""
+    """summary.json, the plots and the summary table, from metrics.jsonl's ``lines`` and the
+    counters (``last_eval``: the held-out numbers at the last step, ``Evaluator.final``'s)."""
     cfg, acc, out = run.cfg, run.acc, run.folder.path
-    lines = run.folder.metrics()
     progress = run.progress
     if progress.step == progress.start and progress.stopped_by == "length":
         log(f"{out} already trained {progress.length()}; nothing to do")
