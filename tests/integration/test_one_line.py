@@ -149,6 +149,36 @@ def test_a_broken_yaml_config_is_one_line(tmp_path):
     one_line(in_process("train", "--config", bad), "c.yaml: not valid YAML", "line")
 
 
+# The command, with Ctrl-C pressed at the moment torch's C side imports numpy: the signal
+# arrives inside that import, whose exceptions torch drops.
+CTRL_C_IN_NUMPYS_IMPORT = """
+import importlib.abc, os, signal, sys
+
+class CtrlC(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "numpy":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["gradaccum", "check", "--recipe", "digits"]
+from gradaccum.app.cli import main
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_inside_numpys_import_under_torch_stops_the_command():
+    # (CI saw it once: the interrupt was swallowed and the run trained to its end, exit 0)
+    proc = subprocess.run(
+        [sys.executable, "-c", CTRL_C_IN_NUMPYS_IMPORT],
+        capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 130, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == ["gradaccum: interrupted"], proc.stderr
+    assert proc.stdout == ""
+
+
 def test_ctrl_c_while_the_command_loads_is_one_line():
     # (a SIGINT in the interpreter's first milliseconds, before Python installs its Ctrl-C
     # handler, ends the process as the signal's default does: no program can speak then).

@@ -84,12 +84,16 @@ def _main(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     given = sys.argv[1:] if argv is None else argv
     debug = os.environ.get("GRADACCUM_DEBUG", "") not in ("", "0") or "--debug" in given
+    # The subcommands import torch here. Ctrl-C stays stop_while_loading's until they are
+    # loaded: a KeyboardInterrupt raised inside numpy's import, which torch's C side makes,
+    # is swallowed there and the command ran on as if never stopped.
+    root = parser()
     interrupted = watch_stops()
     try:
         try:
-            args = parser().parse_args(argv)  # --help prints here: output that fails is one line
+            args = root.parse_args(argv)  # --help prints here: output that fails is one line
             if not hasattr(args, "run"):
-                parser().print_help()
+                root.print_help()
                 return EXIT_BAD_INPUT
             debug = debug or args.debug
             return args.run(args)
