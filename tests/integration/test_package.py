@@ -164,13 +164,17 @@ def test_all_lists_the_public_api_only():
 def test_importing_the_library_loads_nothing_until_a_name_is_used():
     """``import gradaccum`` is cheap (the command installs its Ctrl-C handler before torch
     loads); the first use of a name loads its module, and ``gradaccum.plan`` stays the
-    function when its submodule loads, as an eager import left it."""
+    function when its package loads, and when the package's own modules load after it, as
+    an eager import left it."""
     code = (
         "import json, sys; import gradaccum; a = 'torch' in sys.modules; "
         "import gradaccum.plan; p = callable(gradaccum.plan) and gradaccum.plan.__name__; "
-        "print(json.dumps([a, p, gradaccum.Accumulator.__module__]))"
+        "import gradaccum.plan.pipeline, gradaccum.plan.prober; "
+        "from gradaccum.plan import Plan; from gradaccum.plan.core import plan; "
+        "q = gradaccum.plan is plan is sys.modules['gradaccum.plan'].plan; "
+        "print(json.dumps([a, p, q, Plan.__module__, gradaccum.Accumulator.__module__]))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
-    assert json.loads(out) == [False, "plan", "gradaccum.engine"]
+    assert json.loads(out) == [False, "plan", True, "gradaccum.plan.result", "gradaccum.engine"]

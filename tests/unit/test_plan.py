@@ -430,3 +430,26 @@ def test_the_runs_other_phases_are_measured_and_one_too_big_gets_its_own_micro_b
     with pytest.raises(ValueError, match="the run's merge: whatever the micro-batch it needs"):
         ga.plan(model, optimizer, batch, loss_fn, budget=budget, phases={"merge": merge}, **kw)
     assert len(held) == 2  # measured twice, not down to one sample
+
+
+@pytest.mark.parametrize(
+    "old, name, new",
+    [
+        ("gradaccum.export", "export", "gradaccum.plan.exports"),
+        ("gradaccum.export", "FRAMEWORKS", "gradaccum.plan.exports"),
+        ("gradaccum.export", "Export", "gradaccum.plan.exports"),
+        ("gradaccum.pipeline", "plan_micro_batches", "gradaccum.plan.pipeline"),
+        ("gradaccum.pipeline", "measure_stage", "gradaccum.plan.pipeline"),
+        ("gradaccum.pipeline", "PipelinePlan", "gradaccum.plan.pipeline"),
+    ],
+)
+def test_a_name_that_moved_into_the_plan_package_answers_from_its_old_home_with_a_warning(
+    old, name, new
+):
+    import importlib
+
+    moved = getattr(importlib.import_module(new), name)
+    with pytest.warns(DeprecationWarning, match=f"{old}.{name} moved to {new}.{name}"):
+        assert getattr(importlib.import_module(old), name) is moved
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        importlib.import_module(old).nothing_here  # noqa: B018 (the access is the test)

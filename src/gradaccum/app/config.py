@@ -37,10 +37,9 @@ except ModuleNotFoundError:  # Python 3.10
 from gradaccum.app.folder import CONFIG, RunFolder
 from gradaccum.app.recipes import GPT_SHAPE, RECIPES
 from gradaccum.app.targets import Targets, parse_seconds
-from gradaccum.export import FRAMEWORKS
 from gradaccum.memory import METERS, parse_bytes
 from gradaccum.pipeline import SCHEDULES
-from gradaccum.plan import CHECKPOINTING
+from gradaccum.plan import CHECKPOINTING, FRAMEWORKS
 from gradaccum.precision import PRECISIONS
 from gradaccum.schedule import LR_RULES, schedule_problems
 from gradaccum.validate import invalid_configuration

@@ -311,7 +311,7 @@ def pipeline_plan(cfg: TrainConfig, module: Any, log) -> dict[str, Any]:
     import torch.distributed as dist
 
     from gradaccum.loss import causal_lm_loss
-    from gradaccum.pipeline import measure_stage, plan_micro_batches
+    from gradaccum.plan.pipeline import measure_stage, plan_micro_batches
 
     def loss(out: torch.Tensor) -> torch.Tensor:
         if module.is_last:

@@ -1,0 +1,399 @@
+"""plan(): the largest micro-batch that fits a memory budget, measured, not guessed.
+
+One warm-up step, then a few probe micro-batch sizes, each a real window through the real
+Accumulator (forward, backward, normalization, optimizer step). Each probe measures the
+peak memory above its start and the activation bytes saved for backward. A straight line
+through the peaks, plus the static memory (parameters, optimizer state, buffers, counted
+tensor by tensor after the warm-up step), predicts the peak of any micro-batch size. The
+largest size whose prediction, times (1 + margin), fits the budget is the plan; the
+effective batch stays exact (micro-batches balanced, the last one may be smaller).
+
+The model, the optimizer and the random state are restored afterwards: planning leaves no
+trace. Lives above the engine because it drives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from gradaccum.batching import batch_size, map_tensors
+from gradaccum.checkpoint import preserved_rng
+from gradaccum.engine import LossFn
+from gradaccum.memory import METERS, MemoryMeter, format_bytes, parse_bytes
+from gradaccum.plan.phases import measure_phases
+from gradaccum.plan.prober import Measured, Prober
+from gradaccum.plan.result import Plan, Probe
+from gradaccum.recompute import checkpointing_enabled, disable_checkpointing, enable_checkpointing
+from gradaccum.sync import SYNC_MODES, is_sharded, one_process
+from gradaccum.validate import int_problem
+
+__all__ = ["CHECKPOINTING", "plan", "too_small"]
+
+CHECKPOINTING = ("off", "on", "auto")
+
+
+@one_process()  # rank 0 plans for every rank on its own, plain model
+def plan(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sample_batch: Any,
+    loss_fn: LossFn,
+    effective_batch: int,
+    budget: int | str,
+    world_size: int = 1,
+    *,
+    margin: float = 0.15,
+    probe_sizes: Sequence[int] | None = None,
+    checkpointing: str = "off",
+    precision: str = "fp32",
+    accumulate_dtype: Any = "auto",
+    verify: Callable[[int, int, bool], int] | None = None,
+    meter: str = "auto",
+    sync: str = "window",
+    phases: Mapping[str, Callable[[int], Any]] | None = None,
+) -> Plan:
+    """Plan the micro-batch for ``effective_batch`` samples (over all ranks) in ``budget``.
+
+    ``sample_batch``: a batch at its largest shape (longest sequences); its samples are
+    repeated when a probe needs more of them (memory depends on shapes, not values).
+    ``budget``: bytes, or a string such as "2GiB" or "1500MB"; on CUDA it bounds the
+    allocator's peak, on CPU the resident memory of training: parameters, buffers and
+    optimizer state, plus what the process's RSS grows by while it trains. ``margin``: the
+    fraction of the budget kept free for what the measurement cannot see: on CPU, fresh
+    runs of the same training peak several percent apart (glibc's heap layout varies from
+    process to process), so the default keeps 15% free. ``checkpointing``: "off", "on"
+    (checkpoint the model's repeated blocks) or "auto" (only if nothing fits without).
+    ``probe_sizes``: micro-batch sizes to measure (default 1, 2, 4, 8, capped by the
+    per-rank batch). After the fit, a window at the planned size is measured too, and the
+    size steps down until it fits:
+    in this process by default, or by ``verify(micro_size, micro_batches, checkpointing) ->
+    peak bytes``,
+    which ``gradaccum plan`` points at a fresh process (where training will run, and where
+    CPU memory is not shaped by the probes before it). ``meter``: "auto" (CUDA's allocator
+    on a GPU, resident memory on CPU), "rss", or "tensors" (live tensor bytes: deterministic,
+    blind to the allocator's own overheads).
+
+    ``sync``: for a DDP or FSDP2 model, the gradient sync the probes run under (every rank
+    calls ``plan`` together, and the fullest rank's measurements decide), or "auto": under
+    FSDP2 both are measured, and ``"window"`` (one reduce-scatter per window, the whole
+    unsharded gradient held between micro-batches) is chosen when it fits, else ``"micro"``
+    (one per micro-batch, one shard held); the plan's notes give both predictions and why.
+
+    ``phases``: the run's other parts, ``{"evaluation": fn, "checkpoint": fn, ...}``, each
+    ``fn(micro_size)`` run in this process after the planned window (the optimizer state
+    held, as in training) and measured: the plan's ``phases`` and ``run_peak`` cover the
+    whole run. A phase over the usable budget at the planned micro-batch is measured again
+    at half the size, and half again, and gets a micro-batch of its own
+    (``plan.phase_size(name)``); one that does not fit at one sample is refused.
+    """
+    if sync == "auto":
+        return _plan_sync(
+            model,
+            optimizer,
+            sample_batch,
+            loss_fn,
+            effective_batch,
+            budget,
+            world_size,
+            margin=margin,
+            probe_sizes=probe_sizes,
+            checkpointing=checkpointing,
+            precision=precision,
+            accumulate_dtype=accumulate_dtype,
+            verify=verify,
+            meter=meter,
+            phases=phases,
+        )
+    problems: list[str] = []
+    if sync not in SYNC_MODES:
+        problems.append(f"sync must be one of {', '.join([*SYNC_MODES, 'auto'])}, got {sync!r}")
+    for value, name in ((effective_batch, "effective_batch"), (world_size, "world_size")):
+        if (problem := int_problem(value, name)) is not None:
+            problems.append(problem)
+    try:
+        budget_bytes = parse_bytes(budget)
+    except ValueError as err:
+        problems.append(f"budget: {err}")
+        budget_bytes = 0
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        problems.append(f"margin must be a fraction in [0, 1), got {margin!r}")
+    if meter not in METERS:
+        problems.append(f"meter must be one of {', '.join(METERS)}, got {meter!r}")
+    if checkpointing not in CHECKPOINTING:
+        problems.append(
+            f"checkpointing must be one of {', '.join(CHECKPOINTING)}, got {checkpointing!r}"
+        )
+    if not problems and effective_batch % world_size:
+        problems.append(
+            f"effective_batch {effective_batch} does not divide over world_size {world_size} "
+            f"ranks ({effective_batch} = {world_size} x {effective_batch // world_size} + "
+            f"{effective_batch % world_size}); choose a multiple of {world_size}"
+        )
+    sample_n = 0
+    try:
+        sample_n = batch_size(sample_batch)
+    except (TypeError, ValueError) as err:
+        problems.append(f"sample_batch: {err}")
+    if problems:
+        raise ValueError("cannot plan: " + "; ".join(problems))
+    per_rank = effective_batch // world_size
+
+    if sample_n == 0:
+        raise ValueError("cannot plan: sample_batch holds no sample")
+    if probe_sizes is None:
+        probe_sizes = [s for s in (1, 2, 4, 8) if s <= max(2, per_rank)]
+    else:
+        probe_sizes = sorted(set(probe_sizes))
+        bad = [s for s in probe_sizes if int_problem(s, "a probe size") is not None]
+        if bad or len(probe_sizes) < 2:
+            raise ValueError(
+                f"probe_sizes must be two or more different integers >= 1, got {list(probe_sizes)}"
+            )
+
+    device = next(p for p in model.parameters()).device
+    memory = MemoryMeter(device, meter)
+    started = time.perf_counter()
+    saved = {
+        "model": copy.deepcopy(model.state_dict()),
+        "optimizer": copy.deepcopy(optimizer.state_dict()),
+        "checkpointing": checkpointing_enabled(model),
+    }
+    usable = budget_bytes * (1 - margin)
+    # The window's input batch is held while it trains (``acc.step(ga.split(batch, m))``):
+    # its bytes, per sample as in the sample batch, are part of the window's need.
+    batch_bytes = round(_input_bytes(sample_batch) / sample_n * per_rank)
+    # the probes' dropout and data order must not advance any generator
+    with preserved_rng(), _heap_set_aside():
+        try:
+            use_ckpt = checkpointing == "on"
+            while True:
+                prober = Prober(
+                    model,
+                    optimizer,
+                    sample_batch,
+                    loss_fn,
+                    use_ckpt,
+                    precision,
+                    accumulate_dtype,
+                    memory,
+                    sync,
+                    batch_bytes,
+                )
+                m = prober.measure(probe_sizes, usable)
+                need, measured = m.need(1), False
+                if need <= usable:
+                    largest = min(per_rank, int((usable - m.need(0)) // max(m.peak_fit.slope, 1.0)))
+                    largest, micro, checked = _verify(prober, m, per_rank, largest, usable, verify)
+                    need, measured = m.base + checked[-1].peak_bytes, True
+                    if need <= usable:
+                        measured_phases = measure_phases(
+                            phases or {}, memory, m, micro, usable, budget_bytes, margin
+                        )
+                        break
+                # Nothing fits as it is, by the line or measured at one sample per
+                # micro-batch: with "auto", try recomputing activations before refusing.
+                if checkpointing != "auto" or use_ckpt:
+                    raise ValueError(
+                        too_small(model, budget_bytes, margin, use_ckpt, need, measured)
+                    )
+                use_ckpt = True
+                _restore(model, optimizer, saved)
+        finally:
+            _restore(model, optimizer, saved)
+    measured_peak = need
+
+    micro_batches = math.ceil(per_rank / micro)
+    last = per_rank - (micro_batches - 1) * micro
+    notes = list(m.notes)
+    if m.peak_fit.max_error > 0.05 and not m.peak_fit.bound:
+        notes.append(
+            f"note: the memory fit is off by up to {m.peak_fit.max_error:.0%} on the probes; "
+            "the planned size was measured directly"
+        )
+    return Plan(
+        effective_batch=effective_batch,
+        world_size=world_size,
+        per_rank_batch=per_rank,
+        micro_size=micro,
+        micro_batches=micro_batches,
+        last_micro_size=last,
+        budget=budget_bytes,
+        margin=float(margin),
+        # what training will peak at is what the planned size peaked at, measured as it
+        # will run; the fit only chose the size to measure
+        predicted_peak=measured_peak,
+        static_bytes=m.static,
+        overhead_bytes=m.overhead,
+        batch_bytes=m.batch,
+        bytes_per_sample=m.peak_fit.slope,
+        peak_fit=m.peak_fit,
+        activation_fit=m.activation_fit,
+        probes=m.probes + checked,
+        checkpointing=bool(m.blocks),
+        checkpointed_blocks=m.blocks,
+        device=str(device),
+        seconds=time.perf_counter() - started,
+        largest_fitting=largest,
+        notes=tuple(notes),
+        precision=precision,
+        sync=sync,
+        phases=measured_phases,
+    )
+
+
+def _plan_sync(model, optimizer, sample_batch, loss_fn, effective_batch, budget, world_size, **kw):
+    """``plan(sync="auto")``: under FSDP2, both sync modes measured; "window" when it fits."""
+    args = (model, optimizer, sample_batch, loss_fn, effective_batch, budget, world_size)
+    if not is_sharded(model):  # DDP holds the whole gradient either way
+        return plan(*args, **kw)
+    plans: dict[str, Plan | ValueError] = {}
+    for mode in SYNC_MODES:
+        try:
+            plans[mode] = plan(*args, sync=mode, **kw)
+        except ValueError as err:  # the budget is too small for this mode
+            plans[mode] = err
+    window, micro = plans["window"], plans["micro"]
+    if isinstance(window, Plan):
+        chosen = window
+    elif isinstance(micro, Plan):
+        chosen = micro
+    else:
+        raise window
+    size = chosen.micro_size
+
+    def predicted(p: Plan | ValueError) -> str:
+        if not isinstance(p, Plan):
+            return "does not fit at micro-batch 1"
+        at = p.predicted_peak if p.micro_size == size else p.predict(size)
+        return f"{format_bytes(at)} at micro-batch {size}"
+
+    why = (
+        "it fits, with one reduce-scatter per window"
+        if chosen is window
+        else "holding the whole unsharded gradient between micro-batches does not fit"
+    )
+    line = (
+        f"gradient sync {chosen.sync}: predicted per rank, window {predicted(window)}, micro "
+        f"{predicted(micro)}, of {format_bytes(chosen.budget * (1 - chosen.margin))} usable; "
+        f"{why}"
+    )
+    return replace(chosen, notes=(*chosen.notes, line))
+
+
+def _input_bytes(batch: Any) -> int:
+    """Bytes of every tensor in a batch as its own (a repeated or expanded sample counts as
+    many times as it appears: the run's batches are made of distinct samples)."""
+    sizes: list[int] = []
+    map_tensors(batch, lambda t: sizes.append(t.numel() * t.element_size()))
+    return sum(sizes)
+
+
+@contextlib.contextmanager
+def _heap_set_aside():
+    """While planning, the objects that existed before it (the program's modules and data)
+    are set aside from the collector (``gc.freeze``), so the ``gc.collect()`` before each
+    probe walks only what planning made: a full collection of a process that imported
+    transformers takes about 0.3 s here, and planning runs a dozen. Nothing is freed or
+    kept by it; the heap is unfrozen after. A program that froze its heap itself keeps it."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect()  # today's garbage is freed, not set aside
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _verify(
+    prober: Prober,
+    m: Measured,
+    per_rank: int,
+    largest: int,
+    usable: float,
+    verify: Callable[[int, int, bool], int] | None,
+):
+    """Measure a window at the planned size itself; step down while it does not fit.
+
+    The line through small probes extrapolates; the allocator's behaviour at the planned
+    size (fragmentation, kernel workspaces) is measured, not assumed. A window of two
+    micro-batches is measured whatever the plan's count: from the second on, a window holds
+    the first's summed gradient and nothing more (bench/results/memory_vs_n.md). When the
+    measured peak is over, the line is scaled through it and the largest size that fits by
+    the scaled line is measured next; in a fresh process, planned by the scaled line, so a
+    plan starts one process at most. Returns the sizes' probes, the deciding one last.
+    """
+    checked: list[Probe] = []
+    for _ in range(8):
+        micro = math.ceil(per_rank / math.ceil(per_rank / largest))  # balanced window
+        n = min(math.ceil(per_rank / micro), 2)
+        act = int(m.activation_fit(micro))
+        if verify is not None:
+            peak = int(verify(micro, n, bool(m.blocks))) - m.static - m.overhead
+            kind = "verify, fresh process"
+        else:
+            # The planned window, twice, keeping the larger peak: on CPU, RSS grows over
+            # the first windows as malloc's free lists fragment.
+            peak, act = max(prober.window(micro, micro_batches=n)[:2] for _ in range(2))
+            kind = "verify"
+        verified = Probe(micro, peak, act, m.peak_fit(micro), kind=kind)
+        checked.append(verified)
+        if m.base + peak <= usable or micro == 1:
+            return largest, micro, tuple(checked)
+        # the line scaled to pass through this measurement (never below it)
+        scale = max(1.0, peak / max(m.peak_fit(micro), 1.0))
+        fits = [s for s in range(1, micro) if m.base + scale * m.peak_fit(s) <= usable]
+        largest = fits[-1] if fits else 1
+        if verify is not None and fits:
+            # A fresh process sits above the probes' line by what a process pays once (its
+            # allocator's first blocks, the evaluation's) and, with glibc as it comes, by a
+            # steeper slope: the scaled line reads the measured size exactly and the sizes
+            # below it within a few percent either way (bench/results/planner.md), so the
+            # size it fits is planned without a second process.
+            micro = math.ceil(per_rank / math.ceil(per_rank / largest))
+            stepped = Probe(
+                micro,
+                int(scale * m.peak_fit(micro)),
+                int(m.activation_fit(micro)),
+                m.peak_fit(micro),
+                kind=f"from the fresh process's {verified.micro_size}, the line scaled",
+            )
+            return largest, micro, (*checked, stepped)
+    return largest, micro, tuple(checked)
+
+
+def too_small(
+    model: torch.nn.Module, budget: int, margin: float, ckpt: bool, need: float, measured: bool
+) -> str:
+    usable = budget * (1 - margin)
+    return (
+        f"budget {format_bytes(budget)} is too small for {type(model).__name__}: one sample "
+        f"per micro-batch needs {'a measured' if measured else 'a predicted'} "
+        f"{format_bytes(need)}"
+        + (" even with activation checkpointing" if ckpt else "")
+        + f", above the {format_bytes(usable)} usable after the {margin:.0%} margin; give at "
+        f"least {format_bytes(need / (1 - margin))}"
+        # checkpointing "auto" has tried recomputation before this refusal
+         + ("" if ckpt else " or allow checkpointing='auto'")
+    )
+
+
+def _restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    if saved["checkpointing"]:
+        enable_checkpointing(model)
+    else:
+        disable_checkpointing(model)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
+    for p in model.parameters():
+        p.grad = None

@@ -1,0 +1,265 @@
+"""What a plan is: ``Plan`` (the window to run, its memory and how it was measured), the
+line through the probes (``Fit``), each measured window (``Probe``) and each of the run's
+other parts (``Phase``). Plain records: saved as JSON by the command, read back whole."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+
+from gradaccum.memory import format_bytes
+from gradaccum.plan.exports import Export, export
+from gradaccum.recompute import enable_checkpointing
+
+__all__ = ["Fit", "Phase", "Plan", "Probe", "signed_bytes"]
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``bytes = intercept + slope * micro_size``, least squares over the probes."""
+
+    intercept: float
+    slope: float
+    max_error: float  # largest |residual| / measured over the probes
+    bound: bool = False  # True: not least squares but the lowest line above every probe
+
+    def __call__(self, micro_size: float) -> float:
+        return self.intercept + self.slope * micro_size
+
+    @property
+    def plausible(self) -> bool:
+        """A line that says something: it grows with the micro-batch, and it misses no probe
+        by more than the probe's own value."""
+        return self.slope > 0 and self.max_error <= 1.0
+
+    def quality(self) -> str:
+        """How far to trust the line, in words (the plan's summary and the report say this)."""
+        if self.bound:
+            return "a bound above every probe"  # and a note says why
+        if not self.plausible:
+            return (
+                f"no plausible line (it misses a probe by {self.max_error:.0%}): the peak "
+                "measured at the planned size is what counts"
+            )
+        return f"fit error {self.max_error:.1%}"
+
+    def line(self) -> str:
+        """``10.4 MiB + 32.2 KiB per sample``, each sign as it is (``1.9 MiB - 111 B``)."""
+        start = ("-" if self.intercept < 0 else "") + format_bytes(abs(self.intercept))
+        return f"{start} {signed_bytes(self.slope)} per sample"
+
+    def activations(self) -> str:
+        """This fit as the activations' line, or what was measured when the probes give no
+        plausible one (a slope below zero, or a line off by more than the values)."""
+        if not self.plausible:
+            return (
+                "too small here to fit a line per sample (the probes' values do not grow "
+                "with the micro-batch); the peak is measured"
+            )
+        return f"{format_bytes(self.slope)} per sample (fit error {self.max_error:.1%})"
+
+
+@dataclass(frozen=True)
+class Probe:
+    micro_size: int
+    peak_bytes: int  # peak above the memory in use when the probe started
+    activation_bytes: int  # saved for backward; storages once, parameters excluded
+    predicted_bytes: float  # the peak fit at this size
+    # "fit": a point of the line; "verify": the planned size, measured; "from the fresh
+    # process's N, the line scaled": the line through a measurement over the budget
+    kind: str = "fit"
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A part of the run other than the training window (evaluation, a checkpoint, an
+    export), measured after the planned window: ``peak_bytes`` is the whole peak while it
+    runs (static and first-step bytes included), at micro-batch ``micro_size``."""
+
+    name: str
+    micro_size: int
+    peak_bytes: int
+    tried: tuple[tuple[int, int], ...] = ()  # (size, whole peak) of sizes that did not fit
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to run: per rank, ``micro_batches`` micro-batches of ``micro_size`` samples per
+    window, the last one ``last_micro_size``; predicted peak within the budget."""
+
+    effective_batch: int
+    world_size: int
+    per_rank_batch: int
+    micro_size: int
+    micro_batches: int
+    last_micro_size: int
+    budget: int
+    margin: float
+    predicted_peak: float
+    static_bytes: int  # parameters, buffers and optimizer state
+    overhead_bytes: int  # first-step runtime allocations of a fresh process
+    bytes_per_sample: float
+    peak_fit: Fit
+    activation_fit: Fit
+    probes: tuple[Probe, ...]
+    checkpointing: bool
+    checkpointed_blocks: tuple[str, ...]
+    device: str
+    seconds: float
+    largest_fitting: int  # before balancing the window
+    notes: tuple[str, ...] = field(default=())
+    precision: str = "fp32"  # the autocast precision it was measured under
+    sync: str = "window"  # the gradient sync it was measured under (DDP/FSDP2 models)
+    phases: tuple[Phase, ...] = ()  # the run's other parts, measured (``plan(phases=...)``)
+    batch_bytes: int = 0  # the window's input batch, held while the window trains
+
+    @property
+    def micro_sizes(self) -> list[int]:
+        """Sizes of one rank's micro-batches in a window."""
+        return [self.micro_size] * (self.micro_batches - 1) + [self.last_micro_size]
+
+    @property
+    def base_bytes(self) -> int:
+        """What every window's peak sits on: static, first-step overhead and its batch."""
+        return self.static_bytes + self.overhead_bytes + self.batch_bytes
+
+    def predict(self, micro_size: int) -> float:
+        return self.base_bytes + self.peak_fit(micro_size)
+
+    @property
+    def run_peak(self) -> float:
+        """The whole run's predicted peak: the planned window's, or a phase's above it."""
+        return max([self.predicted_peak, *(p.peak_bytes for p in self.phases)])
+
+    def phase_size(self, name: str) -> int:
+        """The micro-batch a phase was planned at (``micro_size`` when it was not)."""
+        return next((p.micro_size for p in self.phases if p.name == name), self.micro_size)
+
+    def apply(self, model: torch.nn.Module) -> None:
+        """Put the plan's activation checkpointing on ``model`` (a no-op when it has none)."""
+        if self.checkpointing:
+            enable_checkpointing(model)
+
+    def export(self, framework: str) -> Export:
+        """This plan as ``framework``'s settings: "transformers", "lightning", "accelerate"
+        or "deepspeed". ``.settings`` is a dict for the framework's own object (or
+        DeepSpeed's config), ``.snippet`` the code or JSON to paste, ``.micro_size`` and
+        ``.accumulation_steps`` the equal split, exact or refused with a ValueError."""
+        return export(self, framework)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["micro_sizes"] = self.micro_sizes
+        return out
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> Plan:
+        """The plan ``to_dict()`` gave (read back from JSON); keys it does not know are
+        ignored, a missing or mistyped field raises ValueError."""
+        try:
+            values = {f.name: saved[f.name] for f in fields(cls) if f.name in saved}
+            values["peak_fit"] = Fit(**values["peak_fit"])
+            values["activation_fit"] = Fit(**values["activation_fit"])
+            values["probes"] = tuple(Probe(**p) for p in values["probes"])
+            values["checkpointed_blocks"] = tuple(values.get("checkpointed_blocks", ()))
+            values["notes"] = tuple(values.get("notes", ()))
+            values["phases"] = tuple(
+                Phase(**{**p, "tried": tuple(map(tuple, p.get("tried", ())))})
+                for p in values.get("phases", ())
+            )
+            plan = cls(**values)
+            plan.summary()  # every number it shows is a number
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"not a saved plan: {type(err).__name__}: {err}") from None
+        return plan
+
+    def summary(self) -> str:
+        sizes = self.micro_sizes
+        shape = (
+            f"{self.micro_batches} x {self.micro_size}"
+            if self.last_micro_size == self.micro_size
+            else f"{self.micro_batches - 1} x {self.micro_size} + 1 x {self.last_micro_size}"
+        )
+        per_rank = f" per rank ({self.world_size} ranks)" if self.world_size > 1 else ""
+        windows = (
+            "1 micro-batch" if self.micro_batches == 1 else f"{self.micro_batches} micro-batches"
+        )
+        measured = self.probes[-1] if self.probes else None
+        how = f" ({measured.kind})" if measured is not None else ""
+        stepped = measured is not None and measured.kind.startswith("from")
+        lines = [
+            f"effective batch {self.effective_batch}: {shape} = {sum(sizes)} samples{per_rank}",
+            f"micro-batch {self.micro_size} (largest that fits: {self.largest_fitting}), "
+            f"{windows} per window"
+            + (
+                f", activation checkpointing on {len(self.checkpointed_blocks)} blocks"
+                if self.checkpointing
+                else ""
+            ),
+            # predicted_peak is what the planned size peaked at, measured: the fit only
+            # chose the size to measure
+            f"peak {format_bytes(self.predicted_peak)} {stepped and 'predicted' or 'measured'} "
+            f"at micro-batch "
+            f"{self.micro_size}{how}, the fit's prediction "
+            f"{format_bytes(self.predict(self.micro_size))}; budget "
+            f"{format_bytes(self.budget)} ({self.margin:.0%} margin kept free) on {self.device}",
+            f"static {format_bytes(self.static_bytes)} (parameters, buffers, optimizer state) + "
+            f"first-step overhead {format_bytes(self.overhead_bytes)} "
+            + (
+                f"+ the window's batch {format_bytes(self.batch_bytes)} "
+                if self.batch_bytes
+                else ""
+            )
+            + f"{signed_bytes(self.peak_fit.intercept)} + "
+            f"{format_bytes(self.bytes_per_sample)} per sample; {self.peak_fit.quality()}",
+            f"activations saved for backward: {self.activation_fit.activations()}; planned in "
+            f"{self.seconds:.1f} s",
+            *self._phase_lines(),
+            *self.notes,
+        ]
+        return "\n".join(lines)
+
+    def _phase_lines(self) -> list[str]:
+        """The whole run, phase by phase, and which holds the most."""
+        if not self.phases:
+            return []
+        parts = [f"training {format_bytes(self.predicted_peak)}"]
+        for p in self.phases:
+            size = f" at micro-batch {p.micro_size}" if p.micro_size != self.micro_size else ""
+            parts.append(f"{p.name} {format_bytes(p.peak_bytes)}{size}")
+        top = max(self.phases, key=lambda p: p.peak_bytes)
+        most = "training" if self.predicted_peak >= top.peak_bytes else top.name
+        lines = [f"the whole run, measured: {', '.join(parts)}; {most} holds the most"]
+        for p in self.phases:
+            if p.tried:
+                size, peak = p.tried[0]
+                lines.append(
+                    f"{p.name} has a micro-batch of its own, {p.micro_size}: at {size} it "
+                    f"peaked at {format_bytes(peak)}, above the usable budget"
+                )
+        return lines
+
+    def table(self) -> str:
+        """Predicted vs measured memory per probed size (markdown), each the whole peak as
+        the summary and the plot count it: the static and first-step bytes included."""
+        base = self.base_bytes
+        rows = [
+            "| micro-batch | probe | measured peak | the line's prediction | error | activations |",
+            "|---:|---|---:|---:|---:|---:|",
+        ]
+        for p in self.probes:
+            peak, predicted = base + p.peak_bytes, base + p.predicted_bytes
+            err = (predicted - peak) / peak if peak else 0.0
+            rows.append(
+                f"| {p.micro_size} | {p.kind} | {format_bytes(peak)} | "
+                f"{format_bytes(predicted)} | {err:+.1%} | "
+                f"{format_bytes(p.activation_bytes)} |"
+            )
+        return "\n".join(rows)
+
+
+def signed_bytes(n: float) -> str:
+    """``+ 1.2 MiB`` or ``- 26.3 KiB`` (never ``+ -26.3 KiB``)."""
+    return f"- {format_bytes(-n)}" if n < 0 else f"+ {format_bytes(n)}"
