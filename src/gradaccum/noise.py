@@ -49,9 +49,23 @@ import torch
 from gradaccum.stats import fieller, fit_line, t_quantile
 from gradaccum.window import total_norm
 
-__all__ = ["NoiseReading", "NoiseScale", "Tradeoff", "advice", "tradeoff_advice"]
+__all__ = [
+    "BatchAdvice",
+    "NoiseReading",
+    "NoiseScale",
+    "Tradeoff",
+    "advice",
+    "advise",
+    "tradeoff_advice",
+]
 
 _MERGE_ABOVE = 2048  # stored entries; beyond it, neighbours merge pairwise
+# Advice on the effective batch only from a reading that can carry it: an interval that pins
+# B_simple within this factor (the trade-off's numbers are said under the same rule) ...
+NARROW = 4.0
+# ... resting on at least this many windows (the batch-means interval's 20 groups then hold
+# a few windows each; consecutive windows are correlated through training).
+ADVICE_WINDOWS = 50
 
 
 @dataclass(frozen=True)
@@ -95,7 +109,7 @@ class NoiseReading:
             at(self.high),
         )
         # Numbers are worth saying when the interval pins B_simple within a factor of 4
-        certain = self.low > 0 and self.high <= 4 * self.low
+        certain = self.low > 0 and self.high <= NARROW * self.low
         return Tradeoff(
             batch, reference, (more, more_lo, more_hi), (fewer, fewer_lo, fewer_hi), certain
         )
@@ -321,44 +335,140 @@ class NoiseScale:
         self._entries = [[float(x) for x in e] for e in state["entries"]]
 
 
+@dataclass(frozen=True)
+class BatchAdvice:
+    """What the noise reading says about the effective batch, structured: the measurement,
+    then a direction and a batch only when the reading can carry them.
+
+    ``direction``: "larger" or "smaller" when the whole interval lies on that side of the
+    effective batch, the interval is narrow (within a factor of ``NARROW``) and rests on
+    ``ADVICE_WINDOWS`` windows or more; else None, with ``why`` in words. ``batch``: the
+    effective batch in samples nearest B_simple (None when a sample's items are not known).
+    ``tradeoff``: the effective batch against ``batch``, by McCandlish et al. (2018): what
+    moving costs (more steps toward a smaller batch, more samples toward a larger). The
+    library gives words without any command's flags: ``sentence(name)`` takes how to name
+    a batch of N samples (the command names its flag)."""
+
+    effective_batch: float  # items per step
+    reading: NoiseReading | None
+    direction: str | None = None
+    batch: int | None = None
+    tradeoff: Tradeoff | None = None
+    why: str | None = None
+    items_per_sample: float | None = None
+
+    def measurement(self) -> str:
+        """B_simple with its interval and the windows it rests on, beside the batch."""
+        head = "gradient noise scale"
+        r = self.reading
+        if r is None or (r.value is None and r.windows == 0):
+            return f"{head}: not estimated yet (needs windows of 2+ micro-batches)"
+        if r.value is None:
+            return f"{head}: no reading yet: {r.why}"
+        return (
+            f"{head} B_simple ~ {r.value:,.0f} items per step ({r.confidence:.0%} interval "
+            f"{r.low:,.0f} to {r.high:,.0f}, from the last {r.windows} windows); the effective "
+            f"batch is {self.effective_batch:,.0f} items"
+        )
+
+    def sentence(self, name: Any = None) -> str | None:
+        """The advice in words, or None where the measurement is all there is to say.
+        ``name(n)``: how to name an effective batch of ``n`` samples (default "an effective
+        batch of n samples")."""
+        r = self.reading
+        if r is None or r.value is None:
+            return None
+        if self.direction is None:
+            return f"no advice on the effective batch: {self.why}"
+        if name is None:
+
+            def name(n: int) -> str:
+                return f"an effective batch of {n:,} samples"
+
+        target = "" if self.batch is None else f" ({name(self.batch)}, about B_simple)"
+        t = self.tradeoff
+        if self.direction == "larger":
+            cost = ""
+            if t is not None:  # t: the larger batch against this one
+                cost = (
+                    f": about {_pct(t.fewer_steps)} fewer optimizer steps for "
+                    f"{_pct(t.more_samples)} more samples to the same loss"
+                )
+            return (
+                f"a larger batch{target} would make nearly the same progress per sample in "
+                f"fewer steps{cost}; that saves time where the batch runs in parallel (a "
+                "GPU), not on a CPU that runs it in turn"
+            )
+        cost = ""
+        if t is not None:  # t: this batch against the smaller one
+            more_steps = tuple(1 / (1 - f) - 1 for f in t.fewer_steps)
+            fewer_samples = tuple(1 - 1 / (1 + m) for m in t.more_samples)
+            cost = (
+                f", at a cost of about {_pct(more_steps)} more optimizer steps (for "
+                f"{_pct(fewer_samples)} fewer samples) to the same loss"
+            )
+        return (
+            f"a smaller batch{target} would reach the same loss on fewer samples{cost}; "
+            "the recipe's batch is what its learning rate was set for, and gradaccum keeps "
+            "any batch exact, so keep it unless samples are what you are short of"
+        )
+
+    def __str__(self) -> str:
+        said = self.sentence()
+        return self.measurement() if said is None else f"{self.measurement()}\n{said}"
+
+
+def _pct(x: tuple[float, float, float]) -> str:
+    return f"{x[0]:.0%} ({min(x[1], x[2]):.0%} to {max(x[1], x[2]):.0%})"
+
+
+def advise(
+    effective_batch: float, reading: NoiseReading | None, items_per_sample: float | None = None
+) -> BatchAdvice:
+    """The advice on ``effective_batch`` (in items) from ``reading``, as a ``BatchAdvice``
+    (``items_per_sample``: the items in a sample, to name the batch nearest B_simple)."""
+    base = BatchAdvice(float(effective_batch), reading, items_per_sample=items_per_sample)
+    if reading is None or reading.value is None:
+        return base
+    batch = None
+    per = items_per_sample or None
+    if per:
+        batch = max(1, round(reading.value / per))
+    low, high = reading.low, reading.high
+    if low <= effective_batch <= high:
+        why = (
+            "the effective batch lies inside B_simple's interval, so it cannot tell yet "
+            "whether larger or smaller batches would do better"
+        )
+        return BatchAdvice(**{**base.__dict__, "batch": batch, "why": why})
+    if not (low > 0 and high <= NARROW * low):
+        why = (
+            f"B_simple's interval spans more than a factor of {NARROW:g}, too wide to name a batch"
+        )
+        return BatchAdvice(**{**base.__dict__, "batch": batch, "why": why})
+    if reading.windows < ADVICE_WINDOWS:
+        why = (
+            f"the reading rests on {reading.windows} windows; advice waits for "
+            f"{ADVICE_WINDOWS} (a longer run)"
+        )
+        return BatchAdvice(**{**base.__dict__, "batch": batch, "why": why})
+    direction = "larger" if low > effective_batch else "smaller"
+    near = reading.value if batch is None else batch * per
+    tradeoff = (
+        reading.tradeoff(near, effective_batch)
+        if direction == "larger"
+        else reading.tradeoff(effective_batch, near)
+    )
+    return BatchAdvice(
+        float(effective_batch), reading, direction, batch, tradeoff, None, items_per_sample
+    )
+
+
 def advice(
     effective_batch: int, reading: NoiseReading | None, items_per_sample: float | None = None
 ) -> str:
-    """Plain words on the effective batch (in items) against the estimated critical batch: a
-    direction only when the whole interval lies on one side of it; otherwise that it cannot
-    tell yet, and why."""
-    head = "gradient noise scale"
-    if reading is None or (reading.value is None and reading.windows == 0):
-        return f"{head}: not estimated yet (needs windows of 2+ micro-batches)"
-    if reading.value is None:
-        return f"{head}: cannot tell yet: {reading.why}"
-    found = (
-        f"{head} B_simple ~ {reading.value:,.0f} items per step "
-        f"({reading.confidence:.0%} interval {reading.low:,.0f} to {reading.high:,.0f}, "
-        f"last {reading.windows} windows)"
-    )
-    batch = f"your effective batch ({effective_batch:,} items)"
-    # In the command's own terms: the effective batch (in samples) nearest B_simple.
-    near = ""
-    if items_per_sample:
-        samples = max(1, round(reading.value / items_per_sample))
-        near = f" (B_simple is about {samples:,} samples: --effective-batch {samples})"
-    if reading.low > effective_batch:
-        return (
-            f"{found}; {batch} is below the whole interval: a larger batch would make nearly "
-            "the same progress per sample in fewer steps, which saves time where a larger "
-            f"batch runs in parallel (a GPU), not on a CPU that runs it in turn{near}"
-        )
-    if reading.high < effective_batch:
-        return (
-            f"{found}; {batch} is above the whole interval: a smaller batch would reach the "
-            "same loss on fewer samples, in more steps; where a step's time grows with its "
-            f"batch (a CPU runs the batch in turn) that is less time{near}"
-        )
-    return (
-        f"{found}; {batch} lies inside the interval: cannot tell yet whether larger or "
-        "smaller batches would do better"
-    )
+    """``advise(...)`` in words: the measurement, then the advice or why there is none."""
+    return str(advise(effective_batch, reading, items_per_sample))
 
 
 def tradeoff_advice(

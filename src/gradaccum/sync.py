@@ -109,7 +109,7 @@ _REFUSED = (
         "deepspeed.runtime.engine",
         "DeepSpeedEngine",
         "DeepSpeed reduces and normalizes the accumulated gradient itself; use its own "
-        "accumulation (gradaccum plan --export deepspeed gives the batch shape)",
+        "accumulation (ga.plan(...).export('deepspeed') gives the batch shape)",
     ),
 )
 

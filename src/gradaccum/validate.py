@@ -10,7 +10,6 @@ import torch
 __all__ = [
     "check_arguments",
     "int_problem",
-    "invalid_configuration",
     "positive_int",
     "window_parameters",
 ]
@@ -22,13 +21,6 @@ def int_problem(value: Any, name: str, minimum: int = 1) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         return f"{name} must be an integer >= {minimum}, got {value!r}"
     return None
-
-
-def invalid_configuration(problems: list[str]) -> str:
-    """Every problem in one message: one line for one, a list for several."""
-    if len(problems) == 1:
-        return f"invalid configuration: {problems[0]}"
-    return "invalid configuration:\n  - " + "\n  - ".join(problems)
 
 
 def positive_int(value: Any, name: str) -> int:

@@ -38,6 +38,11 @@ def test_a_per_micro_batch_mean_compute_loss_is_reported_as_4x(tmp_path):
     assert not result.passed and result.ratio == pytest.approx(4.0, rel=0.1)
     assert "the gradient is 3.9" in result.cause or "the gradient is 4.0" in result.cause
     assert "num_items_in_batch" in result.cause
+    # what to do, in one line, with the class, the argument and the doc
+    assert result.kind == "mean_per_micro_batch" and "\n" not in result.fix
+    assert "ExactAccumulationMixin" in result.fix and "items=" in result.fix
+    assert "docs/transformers.md" in result.fix
+    assert result.summary.endswith(f"\nfix: {result.fix}")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
@@ -47,8 +52,14 @@ def test_the_stock_trainer_as_shipped_is_measured(tmp_path):
     )
     result = ga.audit(trainer)
     print(result.summary)
-    # transformers counts GPT-2's labels before the causal shift: a few percent off
-    assert not result.passed and 1e-3 < result.relative_error < 0.2
+    # transformers counts GPT-2's labels before the causal shift (its loss_type unset): the
+    # gradient is the large batch's times the shifted labels over the unshifted ones, here
+    # all 16 sequences of the window (sequential), one label fewer each after the shift
+    counted = sum(int((item["labels"] != -100).sum()) for item in padded_sequences(16))
+    assert not result.passed and result.ratio == pytest.approx((counted - 16) / counted, rel=1e-5)
+    assert result.kind == "labels_before_shift" and "before the shift" in result.cause
+    assert "gradaccum.integrations.transformers.Trainer" in result.fix
+    assert "docs/transformers.md" in result.fix and "\n" not in result.fix
 
 
 def test_gradaccums_trainer_passes(tmp_path):
@@ -93,6 +104,7 @@ def test_stock_lightning_on_a_padded_batch_is_measured_and_its_cause_named():
     print(result.summary)
     assert not result.passed and 0.05 < result.relative_error < 1.0
     assert result.micro_batches == 4 and "weighted equally" in result.cause
+    assert "ExactAccumulation()" in result.fix and "exact_output" in result.fix
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
 
 

@@ -106,3 +106,114 @@ def test_the_checks_see_a_private_import_and_a_circle(tmp_path):
     bad.write_text("def f():\n    from gradaccum.app.trainer import _x\n")
     assert private_imports(bad) == ["gradaccum.app.trainer._x"]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# -- the library knows neither the frameworks nor the command --------------------------------
+
+FRAMEWORKS = {
+    "lightning",
+    "pytorch_lightning",
+    "transformers",
+    "trl",
+    "peft",
+    "accelerate",
+    "deepspeed",
+    "sentence_transformers",
+}
+LIBRARY = {
+    m: f for m, f in MODULES.items() if m != "gradaccum.app" and not m.startswith("gradaccum.app.")
+}
+
+
+def framework_imports(file: Path) -> list[str]:
+    """The frameworks ``file`` imports, anywhere in it (inside functions too)."""
+    found = []
+    for node in run_imports(ast.parse(file.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+        if isinstance(node, ast.ImportFrom) and node.level:
+            continue
+        found += [n for n in names if n and n.split(".")[0] in FRAMEWORKS]
+    return found
+
+
+def test_only_the_integrations_import_a_framework():
+    found = {
+        m: framework_imports(f)
+        for m, f in LIBRARY.items()
+        if not m.startswith("gradaccum.integrations")
+    }
+    assert {m: names for m, names in found.items() if names} == {}
+
+
+def command_flags() -> set[str]:
+    """Every --flag of the command, from its own parser."""
+    import argparse
+
+    from gradaccum.app.cli import parser
+
+    flags: set[str] = set()
+
+    def walk(p: argparse.ArgumentParser) -> None:
+        for action in p._actions:
+            flags.update(s for s in action.option_strings if s.startswith("--"))
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    walk(sub)
+
+    walk(parser())
+    return flags - {"--help"}
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the docstring constants (documentation, never shown by the code)."""
+    found = set()
+    for node in ast.walk(tree):
+        kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        if isinstance(node, kinds) and node.body and isinstance(node.body[0], ast.Expr):
+            if isinstance(node.body[0].value, ast.Constant):
+                found.add(id(node.body[0].value))
+    return found
+
+
+def knows_the_command(file: Path, flags: set[str]) -> list[str]:
+    """The command's flags and subcommands named in ``file``'s string literals (docstrings
+    aside), and any read of sys.argv."""
+    import re
+
+    tree = ast.parse(file.read_text())
+    skip, found = docstrings(tree), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            found += [f for f in re.findall(r"(?<![\w-])--[a-z][\w-]*", node.value) if f in flags]
+            found += re.findall(r"\bgradaccum (?:train|plan|check|report|audit)\b", node.value)
+        if isinstance(node, ast.Attribute) and node.attr == "argv":
+            found.append(f"{ast.unparse(node)} (line {node.lineno})")
+        if isinstance(node, ast.ImportFrom) and node.module == "sys":
+            found += [f"from sys import {a.name}" for a in node.names if a.name == "argv"]
+    return found
+
+
+def test_no_library_module_names_a_flag_of_the_command_or_reads_argv():
+    flags = command_flags()
+    assert {"--effective-batch", "--batch-schedule", "--export"} <= flags
+    found = {m: knows_the_command(f, flags) for m, f in LIBRARY.items()}
+    assert {m: names for m, names in found.items() if names} == {}
+
+
+def test_the_checks_see_a_framework_a_flag_and_argv(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        '"""gradaccum train --effective-batch 8 in a docstring is documentation."""\n'
+        "import sys\n\n"
+        "def f():\n"
+        "    from lightning.pytorch import Callback\n"
+        "    import transformers.trainer\n"
+        "    return sys.argv[0], 'try --effective-batch 28', 'gradaccum plan', "
+        "'torchrun --nnodes'\n"
+    )
+    assert framework_imports(bad) == ["lightning.pytorch", "transformers.trainer"]
+    assert sorted(knows_the_command(bad, {"--effective-batch"})) == [
+        "--effective-batch",
+        "gradaccum plan",
+        "sys.argv (line 7)",
+    ]

@@ -432,3 +432,17 @@ def test_batch_png_leaves_a_stretch_without_a_reading_as_a_gap(tmp_path):
     ys = list(b_simple.get_ydata())
     assert [not math.isnan(y) for y in ys] == read
     assert (tmp_path / "batch.png").stat().st_size > 0
+
+
+def test_the_console_names_the_advised_batch_as_the_flag_to_give():
+    """The library's advice names no flag; the command's summary renders its batch as
+    --effective-batch N, after the measurement, with what a smaller batch costs."""
+    from gradaccum.app.report.summary import noise_advice
+    from gradaccum.noise import NoiseReading
+
+    said = noise_advice(256, NoiseReading(112.0, 80.0, 160.0, 60, 0.9), 4.0).splitlines()
+    assert said[0].startswith("gradient noise scale B_simple ~ 112 items per step")
+    assert said[1].startswith("a smaller batch (--effective-batch 28, about B_simple)")
+    assert "more optimizer steps" in said[1]
+    short = noise_advice(256, NoiseReading(112.0, 80.0, 160.0, 20, 0.9), 4.0)
+    assert "--effective-batch" not in short and "advice waits for 50" in short

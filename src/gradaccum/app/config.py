@@ -42,7 +42,6 @@ from gradaccum.pipeline import SCHEDULES
 from gradaccum.plan import CHECKPOINTING, FRAMEWORKS
 from gradaccum.precision import PRECISIONS
 from gradaccum.schedule import LR_RULES, schedule_problems
-from gradaccum.validate import invalid_configuration
 
 __all__ = [
     "RESUMABLE",
@@ -66,6 +65,7 @@ __all__ = [
     "TargetsConfig",
     "TrainConfig",
     "base_type",
+    "invalid_configuration",
     "parse_config_file",
     "read_config_file",
     "resolve_train",
@@ -73,6 +73,14 @@ __all__ = [
 ]
 
 SHARDS = ("ddp", "fsdp")
+
+
+def invalid_configuration(problems: list[str]) -> str:
+    """Every problem with the command's configuration in one message: one line for one, a
+    list for several."""
+    if len(problems) == 1:
+        return f"invalid configuration: {problems[0]}"
+    return "invalid configuration:\n  - " + "\n  - ".join(problems)
 
 
 class RecipeDefault:

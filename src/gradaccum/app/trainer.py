@@ -28,7 +28,7 @@ from typing import Any
 from gradaccum.app import launch
 from gradaccum.app.build import build_run
 from gradaccum.app.checkpoints import Checkpointer, Checkpoints
-from gradaccum.app.config import TrainConfig
+from gradaccum.app.config import TrainConfig, invalid_configuration
 from gradaccum.app.evaluation import Evaluator
 from gradaccum.app.export import Exporter
 from gradaccum.app.guard import Probe, Rollback
@@ -41,7 +41,6 @@ from gradaccum.app.stops import Interrupted, StopSignals
 from gradaccum.app.targets import TargetWatch
 from gradaccum.batching import batch_size, to_device
 from gradaccum.memory import TrainingMemory
-from gradaccum.validate import invalid_configuration
 
 __all__ = ["Trainer", "train"]
 

@@ -20,18 +20,25 @@ fit: build a new one to train.
 loop: ``step(model, micro_batches)`` accumulates the window's gradient as the user's loop
 does (without stepping), ``loss(model, batch)`` is the large batch's mean loss.
 
-The result names the likely cause in words: a gradient N times the large batch's (a mean
-per micro-batch that nothing divides by the accumulation steps), a model's auxiliary loss
-left out of the trained loss (a mixture-of-experts model's router loss: the window matches
-the large batch's gradient without it), micro-batches weighted equally whatever their item
-counts, BatchNorm.
+The result names the likely cause in words and, for each cause it knows, the fix in one
+line (the class or argument to use, and where the docs say more): a gradient N times the
+large batch's (a mean per micro-batch that nothing divides by the accumulation steps), a
+gradient the large batch's times a known factor (a Trainer that counted a causal LM's
+labels before the shift), a model's auxiliary loss left out of the trained loss (a
+mixture-of-experts model's router loss: the window matches the large batch's gradient
+without it), micro-batches weighted equally whatever their item counts, BatchNorm.
+
+Each framework's part (running its window its own way, its loss as a mean, its fixes) is an
+``AuditWindow`` built beside that framework's integration (``gradaccum.integrations``:
+``transformers.audit_window``, ``lightning.audit_window``); this module imports no framework,
+and dispatches to them by what the trainer has.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,7 +47,7 @@ from torch import nn
 from gradaccum.batchnorm import batchnorm_modules
 from gradaccum.loss import router_loss_setting
 
-__all__ = ["AuditResult", "audit"]
+__all__ = ["FIXES", "AuditResult", "AuditWindow", "audit", "compare", "join_batches"]
 
 TOLERANCE = 1e-5  # relative error below which a window is the large batch's, in fp32
 
@@ -52,7 +59,9 @@ class AuditResult:
     ``relative_error``: |g - g_big| / |g_big| over every parameter; ``ratio``: the window's
     gradient projected on the large batch's, <g, g_big> / |g_big|^2 (1.0 when exact, N for a
     loss N times too large); ``cause``: the likely cause in words (None when it passes);
-    ``micro_batches``: the window's; ``passed``: the error within ``tolerance``."""
+    ``micro_batches``: the window's; ``passed``: the error within ``tolerance``; ``fix``:
+    what to do about the cause, one line with a doc link (None when it passes); ``kind``:
+    the cause's name (a key of ``FIXES``: "unknown" when no known cause matched)."""
 
     relative_error: float
     ratio: float
@@ -60,6 +69,8 @@ class AuditResult:
     tolerance: float
     micro_batches: int
     cause: str | None
+    fix: str | None = None
+    kind: str | None = None
 
     @property
     def summary(self) -> str:
@@ -70,10 +81,52 @@ class AuditResult:
         )
         if self.passed:
             return f"{head}: PASS (within {self.tolerance:g})"
-        return f"{head}: FAIL; {self.cause}"
+        fix = f"\nfix: {self.fix}" if self.fix else ""
+        return f"{head}: FAIL; {self.cause}{fix}"
 
     def __str__(self) -> str:
         return self.summary
+
+
+@dataclass(frozen=True)
+class AuditWindow:
+    """One window to audit, as a framework's adapter (or a plain loop) builds it.
+
+    ``run()`` accumulates the window's gradient the trainer's own way, without stepping;
+    ``big()`` is the same samples as one batch under the trainer's own loss, a mean;
+    ``equal()`` the micro-batches' own means averaged with equal weights. ``micro_batches``:
+    the window's, or a function that tells them once it has run. ``scaled``: a function,
+    called after the run, of the known causes that scale the gradient by a known factor,
+    as ``{cause name: factor}`` (a Trainer that divided by labels counted before the shift:
+    the shifted count over its count). ``fixes``: cause name -> what to do, one line with a
+    doc link, in this framework's terms (``FIXES`` names the causes)."""
+
+    model: nn.Module
+    run: Callable[[], None]
+    big: Callable[[], torch.Tensor]
+    equal: Callable[[], torch.Tensor]
+    micro_batches: int | Callable[[], int]
+    fixes: Mapping[str, str] = field(default_factory=dict)
+    scaled: Callable[[], Mapping[str, float]] | None = None
+
+
+# The causes the audit knows, and the fix for a plain loop (an adapter gives its framework's).
+FIXES = {
+    "mean_per_micro_batch": "sum each micro-batch's loss and divide once by the window's item "
+    "count: ga.Accumulator(model, optimizer).step(micro_batches, loss_fn) with loss_fn "
+    "returning (loss_sum, count) (docs/api.md)",
+    "labels_before_shift": "count a causal LM's labels after the shift, as the loss does: "
+    "ga.causal_lm_loss(logits, labels) returns the sum and that count (docs/losses.md)",
+    "router_loss": "train the model's router loss as its own term of the window, with its "
+    "own count: a named term {'aux': (sum, routed rows, coefficient)} (docs/losses.md)",
+    "equal_weights": "weigh each micro-batch by its items: sum its loss and divide once by the "
+    "window's item count (ga.Accumulator, loss_fn returning (loss_sum, count); docs/api.md)",
+    "batchnorm": "gradaccum.convert_batchnorm(model), or GroupNorm, makes them exact "
+    "(docs/diagnostics.md#batchnorm)",
+    "unknown": "check that the loss is a sum over items divided once by the window's count, "
+    "and that nothing in it couples the batch's samples (in-batch negatives, a sort: "
+    "docs/losses.md); ga.check(model, batch, loss_fn, micro_size) tests gradaccum's own step",
+}
 
 
 def audit(
@@ -98,14 +151,18 @@ def audit(
                     "audit of a Lightning Trainer needs module= (the LightningModule) and "
                     "data= (its training DataLoader or LightningDataModule)"
                 )
-            return _audit_lightning(trainer, module, data, tolerance)
+            from gradaccum.integrations import lightning
+
+            return compare(lightning.audit_window(trainer, module, data), tolerance)
         if not (hasattr(trainer, "training_step") and hasattr(trainer, "get_batch_samples")):
             raise TypeError(
                 f"audit takes a transformers.Trainer (or a subclass) or a Lightning Trainer, "
                 f"got {type(trainer).__name__}; for a plain loop give step=, loss=, model= "
                 "and micro_batches="
             )
-        return _audit_trainer(trainer, tolerance)
+        from gradaccum.integrations import transformers
+
+        return compare(transformers.audit_window(trainer), tolerance)
     missing = [
         n
         for n, v in (
@@ -124,136 +181,18 @@ def audit(
         step(model, micro_batches)
 
     def big() -> torch.Tensor:
-        return loss(model, _concat(micro_batches, {}))
+        return loss(model, join_batches(micro_batches, {}))
 
     def equal() -> torch.Tensor:
         return sum(loss(model, mb) for mb in micro_batches) / len(micro_batches)
 
-    return _compare(model, window, big, equal, len(micro_batches), tolerance)
+    return compare(AuditWindow(model, window, big, equal, len(micro_batches)), tolerance)
 
 
-def _audit_trainer(trainer: Any, tolerance: float) -> AuditResult:
-    from gradaccum.integrations.transformers import is_preference_trainer, is_rl_trainer
-
-    if is_rl_trainer(trainer):
-        raise TypeError(
-            "audit of a GRPOTrainer: its micro-batches are completions it generates inside "
-            "training_step, so one window cannot be replayed as one batch; its mixin's "
-            "exactness is measured in tests/integration/test_trl.py"
-        )
-    paired = is_preference_trainer(trainer)  # rows: the chosen completions, then the rejected
-    steps = trainer.args.gradient_accumulation_steps
-    iterator = iter(trainer.get_train_dataloader())
-    batches, items = trainer.get_batch_samples(iterator, steps, trainer.args.device)
-    model = trainer.model
-    fills = {"labels": -100, "attention_mask": 0}
-    pad = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None)
-    fills["input_ids"] = pad if pad is not None else 0
-    reference = _reference_compute_loss(trainer)
-
-    def window() -> None:
-        # what the training loop sets for each window before its micro-batches
-        trainer.current_gradient_accumulation_steps = len(batches)
-        for mb in batches:
-            trainer.training_step(model, mb, items)
-
-    def mean_loss(batch: Any) -> torch.Tensor:
-        out = reference(trainer, model, trainer._prepare_inputs(batch))
-        return out[0] if isinstance(out, tuple) else out
-
-    def big() -> torch.Tensor:
-        if not paired:
-            return mean_loss(_concat(batches, fills))
-        halves = [_halves(mb) for mb in batches]  # every chosen row, then every rejected
-        return mean_loss(_concat([h[0] for h in halves] + [h[1] for h in halves], fills))
-
-    def equal() -> torch.Tensor:
-        return sum(mean_loss(mb) for mb in batches) / len(batches)
-
-    noise = getattr(trainer, "noise", None)
-    saved = None if noise is None else noise.state_dict()
-    try:
-        return _compare(model, window, big, equal, len(batches), tolerance)
-    finally:
-        if saved is not None:
-            noise.load_state_dict(saved)
-
-
-class _WindowDone(Exception):
-    """Raised by the audit's callback at the first optimizer step, to stop the fit there."""
-
-
-def _audit_lightning(trainer: Any, module: nn.Module, data: Any, tolerance: float) -> AuditResult:
-    """One window of the trainer's own fit, stopped before its optimizer step; the window's
-    micro-batches, recorded as the loop hands them over, joined for the large batch."""
-    if type(trainer).__module__.startswith("pytorch_lightning"):
-        from pytorch_lightning import Callback, LightningDataModule
-    else:
-        from lightning.pytorch import Callback, LightningDataModule
-    seen: list[Any] = []
-    stopped = []
-
-    class Capture(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            seen.append(batch)
-
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            stopped.append(len(seen))  # the window's gradient is whole here: stop the fit
-            raise _WindowDone
-
-    def window() -> None:
-        capture = Capture()
-        trainer.callbacks.append(capture)  # last: after any callback that finishes the window
-        try:
-            if isinstance(data, LightningDataModule):
-                trainer.fit(module, datamodule=data)
-            else:
-                trainer.fit(module, train_dataloaders=data)
-        except _WindowDone:
-            pass
-        finally:
-            trainer.callbacks.remove(capture)
-        if not stopped:
-            raise ValueError(
-                f"the Lightning fit ended after {len(seen)} micro-batches without an optimizer "
-                "step; give it at least accumulate_grad_batches batches"
-            )
-
-    def mean_loss(batch: Any) -> torch.Tensor:
-        out = module.training_step(batch, 0)
-        if isinstance(out, dict):
-            loss = out["loss"]
-            return loss / out["count"] if "count" in out else loss
-        return out
-
-    def big() -> torch.Tensor:
-        return mean_loss(_concat(seen, {"labels": -100, "attention_mask": 0}))
-
-    def equal() -> torch.Tensor:
-        return sum(mean_loss(mb) for mb in seen) / len(seen)
-
-    # the window's length is known once it has run
-    return _compare(module, window, big, equal, lambda: stopped[0], tolerance)
-
-
-def _reference_compute_loss(trainer: Any) -> Callable[..., Any]:
-    """The trainer's own loss, as a mean over a batch: the first ``compute_loss`` in its
-    class's order that is not gradaccum's (whose training loss is a sum)."""
-    for cls in type(trainer).__mro__:
-        if "compute_loss" in vars(cls) and not cls.__module__.startswith("gradaccum."):
-            return vars(cls)["compute_loss"]
-    raise TypeError(f"{type(trainer).__name__} has no compute_loss")
-
-
-def _compare(
-    model: nn.Module,
-    window: Callable[[], None],
-    big: Callable[[], torch.Tensor],
-    equal: Callable[[], torch.Tensor],
-    n: int | Callable[[], int],
-    tolerance: float,
-) -> AuditResult:
-    """``n``: the window's micro-batches, or a function that tells them after the window."""
+def compare(case: AuditWindow, tolerance: float = TOLERANCE) -> AuditResult:
+    """Run ``case``'s window and its large batch (dropout off, the weights restored after)
+    and compare their gradients: the ``AuditResult``, with its cause and fix."""
+    model = case.model
     params = [p for p in model.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     was_training = model.training
@@ -261,20 +200,20 @@ def _compare(
         with _no_dropout(model):
             _clear(params)
             model.train()
-            window()
+            case.run()
             got = _grads(params)
             _clear(params)
-            big().backward()
+            case.big().backward()
             want = _grads(params)
             _clear(params)
-            equal().backward()
+            case.equal().backward()
             equal_weights = _grads(params)
             _clear(params)
             router = router_loss_setting(model)
             without_router = None
             if router is not None:  # the large batch as the model computes it without it
                 with _no_router_loss(model):
-                    big().backward()
+                    case.big().backward()
                 without_router = _grads(params)
                 _clear(params)
     finally:
@@ -282,52 +221,88 @@ def _compare(
         with torch.no_grad():
             for p, b in zip(params, before, strict=True):
                 p.copy_(b)
-    n = n() if callable(n) else n
+    n = case.micro_batches() if callable(case.micro_batches) else case.micro_batches
     err = _rel(got, want)
     dot = sum(float((g.double() * w.double()).sum()) for g, w in zip(got, want, strict=True))
     norm = sum(float(w.double().square().sum()) for w in want)
     ratio = dot / norm if norm else float("nan")
     passed = err <= tolerance
-    off_router = None if without_router is None else _rel(got, without_router)
-    return AuditResult(
-        err,
+    if passed:
+        return AuditResult(err, ratio, passed, tolerance, n, None)
+    # off the large batch's direction: |g - ratio g_big| / |ratio g_big| (0 for a multiple)
+    off_line = _rel(got, [w * ratio for w in want])
+    found = Found(
         ratio,
-        passed,
-        tolerance,
         n,
-        None if passed else _cause(model, ratio, n, _rel(got, equal_weights), off_router),
+        off_line,
+        _rel(got, equal_weights),
+        None if without_router is None else _rel(got, without_router),
+        dict(case.scaled()) if case.scaled is not None else {},
     )
+    kind, cause = _cause(model, found)
+    fix = case.fixes.get(kind, FIXES[kind])
+    return AuditResult(err, ratio, passed, tolerance, n, cause, fix, kind)
 
 
-def _cause(
-    model: nn.Module, ratio: float, n: int, off_equal: float, off_router: float | None = None
-) -> str:
+@dataclass(frozen=True)
+class Found:
+    """What the comparison measured, for naming a cause: ``ratio`` and ``n`` as in the
+    result; ``off_line``: how far the window's gradient is from the large batch's direction
+    (relative, 0 when it is a multiple of it); ``off_equal``, ``off_router``: its relative
+    distance from the equal-weights mean and from the large batch without the router loss;
+    ``scaled``: the adapter's known factors."""
+
+    ratio: float
+    n: int
+    off_line: float
+    off_equal: float
+    off_router: float | None
+    scaled: dict[str, float]
+
+
+def _cause(model: nn.Module, f: Found) -> tuple[str, str]:
+    """(the cause's name, the cause in words)."""
+    ratio, n = f.ratio, f.n
     if n > 1 and abs(ratio - n) <= 0.1 * n:
-        return (
+        return "mean_per_micro_batch", (
             f"the gradient is {ratio:.2f}x the large batch's with {n} micro-batches: the loss "
             "is a mean per micro-batch and nothing divides it by the accumulation steps (a "
             "compute_loss that ignores num_items_in_batch?)"
         )
-    if off_router is not None and off_router <= 1e-4:
-        setting = router_loss_setting(model)[0]
-        return (
-            "the model's auxiliary loss is not in the trained loss: the window's gradient is "
-            f"the large batch's without the router loss ({setting}); train it as its own term "
-            "of the window (gradaccum's transformers Trainer does, docs/losses.md)"
+    factor = f.scaled.get("labels_before_shift")
+    if factor is not None and f.off_line <= 1e-4 and abs(ratio - factor) <= 1e-3 * factor:
+        return "labels_before_shift", (
+            f"the gradient is the large batch's times {ratio:.4f}, the labels a causal LM's "
+            "loss counts after its shift over the labels the trainer divided by: it counted "
+            "them before the shift (every sequence's first label, which no token predicts)"
         )
-    if off_equal <= 1e-4:
-        return (
+    if f.off_router is not None and f.off_router <= 1e-4:
+        setting = router_loss_setting(model)[0]
+        return "router_loss", (
+            "the model's auxiliary loss is not in the trained loss: the window's gradient is "
+            f"the large batch's without the router loss ({setting})"
+        )
+    if f.off_equal <= 1e-4:
+        return "equal_weights", (
             "micro-batches are weighted equally whatever their item counts: each micro-batch's "
             "loss is its own mean, so one with few items (tokens, pairs) weighs as much as one "
             "with many"
         )
     norms = batchnorm_modules(model)
     if norms:
-        return (
+        return "batchnorm", (
             f"{len(norms)} BatchNorm layer(s) normalize with each micro-batch's own "
-            "statistics (gradaccum.convert_batchnorm, or GroupNorm, makes them exact)"
+            "statistics, so the window's forward is not the large batch's"
         )
-    return "no known cause matched: the window's loss is not the large batch's mean"
+    return "unknown", (
+        f"no known cause matched. Compared: the gradient of the window's {n} micro-batches, "
+        "run the trainer's own way, against the same samples joined as one batch under its "
+        "own loss as a mean (dropout off for both). Not a mean per micro-batch left "
+        f"undivided ({ratio:.3g}x, not {n}x), not a multiple of the large batch's gradient "
+        f"({f.off_line:.1e} off its direction), not the micro-batches' means weighted "
+        f"equally ({f.off_equal:.1e} off), no BatchNorm"
+        + ("" if f.off_router is None else ", not the router loss left out")
+    )
 
 
 def _rel(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -380,14 +355,7 @@ def _no_dropout(model: nn.Module) -> Iterator[None]:
             m.p = p
 
 
-def _halves(batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A preference micro-batch's chosen rows and its rejected rows (its first and second
-    halves), each a batch of the same keys."""
-    parts = {k: v.chunk(2) if isinstance(v, torch.Tensor) else (v, v) for k, v in batch.items()}
-    return {k: v[0] for k, v in parts.items()}, {k: v[1] for k, v in parts.items()}
-
-
-def _concat(batches: list[Any], fills: dict[str, Any]) -> Any:
+def join_batches(batches: list[Any], fills: dict[str, Any]) -> Any:
     """Micro-batches as one batch: tensors joined on dim 0, padded on dim 1 to the longest
     (``fills``: each key's pad value, 0 otherwise)."""
     first = batches[0]

@@ -52,13 +52,14 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from gradaccum.batching import batch_size
+from gradaccum.diagnose.audit import AuditWindow, join_batches
 from gradaccum.integrations.window import FrameworkWindow, ScheduledWindows, noise_option
 from gradaccum.loss import router_loss_setting
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay, free_memory
 from gradaccum.schedule import BatchSchedule
 
-__all__ = ["ExactAccumulation", "exact_output"]
+__all__ = ["ExactAccumulation", "audit_window", "exact_output"]
 
 
 def exact_output(module: lightning.LightningModule, loss_sum: Any, count: Any) -> dict[str, Any]:
@@ -319,3 +320,67 @@ def _grads(module: torch.nn.Module) -> list[torch.Tensor]:
 def _loss_scale(trainer: lightning.Trainer) -> float:
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return scaler.get_scale() if scaler is not None else 1.0
+
+
+# The audit's fixes in Lightning's terms (``gradaccum.diagnose.audit.FIXES`` names them)
+_EXACT = (
+    "add gradaccum's callback, Trainer(callbacks=[ExactAccumulation()]), and return "
+    "exact_output(self, loss_sum, count) from training_step (docs/lightning.md)"
+)
+AUDIT_FIXES = {"mean_per_micro_batch": _EXACT, "equal_weights": _EXACT}
+
+
+class _WindowDone(Exception):
+    """Raised by the audit's callback at the first optimizer step, to stop the fit there."""
+
+
+def audit_window(trainer: Any, module: torch.nn.Module, data: Any) -> AuditWindow:
+    """``ga.audit``'s window for a Lightning ``Trainer`` with ``accumulate_grad_batches``:
+    one window of the trainer's own fit on ``module`` and ``data`` (a DataLoader or a
+    LightningDataModule), stopped before its optimizer step; the window's micro-batches,
+    recorded as the loop hands them over, joined for the large batch, through
+    ``training_step`` (its loss, or ``loss / count`` where it returns ``exact_output``)."""
+    seen: list[Any] = []
+    stopped = []
+
+    class Capture(lightning.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(batch)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            stopped.append(len(seen))  # the window's gradient is whole here: stop the fit
+            raise _WindowDone
+
+    def window() -> None:
+        capture = Capture()
+        trainer.callbacks.append(capture)  # last: after any callback that finishes the window
+        try:
+            if isinstance(data, lightning.LightningDataModule):
+                trainer.fit(module, datamodule=data)
+            else:
+                trainer.fit(module, train_dataloaders=data)
+        except _WindowDone:
+            pass
+        finally:
+            trainer.callbacks.remove(capture)
+        if not stopped:
+            raise ValueError(
+                f"the Lightning fit ended after {len(seen)} micro-batches without an optimizer "
+                "step; give it at least accumulate_grad_batches batches"
+            )
+
+    def mean_loss(batch: Any) -> torch.Tensor:
+        out = module.training_step(batch, 0)
+        if isinstance(out, Mapping):
+            loss = out["loss"]
+            return loss / out["count"] if "count" in out else loss
+        return out
+
+    def big() -> torch.Tensor:
+        return mean_loss(join_batches(seen, {"labels": -100, "attention_mask": 0}))
+
+    def equal() -> torch.Tensor:
+        return sum(mean_loss(mb) for mb in seen) / len(seen)
+
+    # the window's length is known once it has run
+    return AuditWindow(module, window, big, equal, lambda: stopped[0], AUDIT_FIXES)

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,7 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from gradaccum.batching import batch_size
+from gradaccum.diagnose.audit import AuditWindow, join_batches
 from gradaccum.integrations.window import FrameworkWindow, ScheduledWindows, noise_option
 from gradaccum.loss import (
     causal_lm_loss,
@@ -92,7 +93,7 @@ from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay, free_memory
 from gradaccum.schedule import BatchSchedule
 
-__all__ = ["ExactAccumulationMixin", "Trainer", "preference_pairs"]
+__all__ = ["ExactAccumulationMixin", "Trainer", "audit_window", "preference_pairs"]
 
 _CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
@@ -215,7 +216,7 @@ class ExactAccumulationMixin:
                     "resuming a run with schedule= is not supported: the Trainer skips a "
                     "resumed epoch's micro-batches as if every window held "
                     "gradient_accumulation_steps of them; train without resuming, or with "
-                    "gradaccum train --batch-schedule, which resumes by samples"
+                    "gradaccum's Accumulator and schedule=, which resumes by samples"
                 )
             # enough optimizer steps per epoch for the smallest window the schedule runs
             self.args.gradient_accumulation_steps = self.schedule.smallest()
@@ -409,8 +410,8 @@ class ExactAccumulationMixin:
         if self.args.auto_find_batch_size:
             problems.append(
                 "auto_find_batch_size halves the micro-batch on out-of-memory and with it the "
-                "effective batch; plan the micro-batch first (gradaccum plan --export "
-                "transformers)"
+                "effective batch; plan the micro-batch first (ga.plan(...).export("
+                "'transformers'))"
             )
         if getattr(self, "compute_loss_func", None) is not None:
             problems.append(
@@ -881,3 +882,97 @@ class _NoiseCheckpoint(transformers.TrainerCallback):
 class Trainer(ExactAccumulationMixin, transformers.Trainer):
     """``transformers.Trainer`` whose accumulated gradient is the window's exact item-mean
     (``ExactAccumulationMixin`` over the stock Trainer)."""
+
+
+# The audit's fixes in this framework's terms (``gradaccum.diagnose.audit.FIXES`` names them)
+AUDIT_FIXES = {
+    "mean_per_micro_batch": "put gradaccum's ExactAccumulationMixin first in your Trainer "
+    "(class MyTrainer(ExactAccumulationMixin, YourTrainer)) with items=lambda inputs: <the "
+    "items your compute_loss averages over>, or loss_fn=(model, inputs) -> (loss_sum, count); "
+    "for the stock loss, gradaccum.integrations.transformers.Trainer (docs/transformers.md)",
+    "labels_before_shift": "train with gradaccum.integrations.transformers.Trainer (or "
+    "ExactAccumulationMixin first in your subclass): it counts a causal LM's labels after "
+    "the shift (docs/transformers.md#what-it-computes)",
+    "router_loss": "let gradaccum's Trainer compute the model's own loss (no loss_fn=): it "
+    "trains the router loss as its own term; a loss_fn= returns it as a named term "
+    "(docs/transformers.md#a-mixture-of-experts-models-router-loss)",
+    "equal_weights": "put gradaccum's ExactAccumulationMixin first in your Trainer with "
+    "items=lambda inputs: <the items your compute_loss averages over>, or loss_fn=(model, "
+    "inputs) -> (loss_sum, count) (docs/transformers.md)",
+}
+
+
+def audit_window(trainer: Any) -> AuditWindow:
+    """``ga.audit``'s window for a ``transformers.Trainer`` or subclass (TRL's included):
+    one window from the trainer's own dataloader, run as its training loop runs it
+    (``get_batch_samples``, then ``training_step`` per micro-batch), against the same
+    samples as one batch under its own ``compute_loss`` (the first in its class's order
+    that is not gradaccum's), a mean. A DPOTrainer's batch is joined pair by pair."""
+    if is_rl_trainer(trainer):
+        raise TypeError(
+            "audit of a GRPOTrainer: its micro-batches are completions it generates inside "
+            "training_step, so one window cannot be replayed as one batch; its mixin's "
+            "exactness is measured in tests/integration/test_trl.py"
+        )
+    paired = is_preference_trainer(trainer)  # rows: the chosen completions, then the rejected
+    steps = trainer.args.gradient_accumulation_steps
+    iterator = iter(trainer.get_train_dataloader())
+    batches, items = trainer.get_batch_samples(iterator, steps, trainer.args.device)
+    model = trainer.model
+    fills = {"labels": -100, "attention_mask": 0}
+    pad = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None)
+    fills["input_ids"] = pad if pad is not None else 0
+    reference = _reference_compute_loss(trainer)
+    noise = getattr(trainer, "noise", None)
+
+    def window() -> None:
+        saved = None if noise is None else noise.state_dict()
+        try:
+            # what the training loop sets for each window before its micro-batches
+            trainer.current_gradient_accumulation_steps = len(batches)
+            for mb in batches:
+                trainer.training_step(model, mb, items)
+        finally:
+            if saved is not None:
+                noise.load_state_dict(saved)
+
+    def mean_loss(batch: Any) -> torch.Tensor:
+        out = reference(trainer, model, trainer._prepare_inputs(batch))
+        return out[0] if isinstance(out, tuple) else out
+
+    def big() -> torch.Tensor:
+        if not paired:
+            return mean_loss(join_batches(batches, fills))
+        halves = [_halves(mb) for mb in batches]  # every chosen row, then every rejected
+        return mean_loss(join_batches([h[0] for h in halves] + [h[1] for h in halves], fills))
+
+    def equal() -> torch.Tensor:
+        return sum(mean_loss(mb) for mb in batches) / len(batches)
+
+    def scaled() -> dict[str, float]:
+        """The trainer divided by ``items`` labels; a causal LM's loss counts the shifted."""
+        if items is None or paired or not all(isinstance(b, Mapping) for b in batches):
+            return {}
+        if not all("labels" in b for b in batches):
+            return {}
+        counted = float(items.sum() if isinstance(items, torch.Tensor) else items)
+        shifted = float(sum(int(_next_token_count(b)) for b in batches))
+        return {"labels_before_shift": shifted / counted} if counted else {}
+
+    return AuditWindow(model, window, big, equal, len(batches), AUDIT_FIXES, scaled)
+
+
+def _reference_compute_loss(trainer: Any) -> Callable[..., Any]:
+    """The trainer's own loss, as a mean over a batch: the first ``compute_loss`` in its
+    class's order that is not gradaccum's (whose training loss is a sum)."""
+    for cls in type(trainer).__mro__:
+        if "compute_loss" in vars(cls) and not cls.__module__.startswith("gradaccum."):
+            return vars(cls)["compute_loss"]
+    raise TypeError(f"{type(trainer).__name__} has no compute_loss")
+
+
+def _halves(batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A preference micro-batch's chosen rows and its rejected rows (its first and second
+    halves), each a batch of the same keys."""
+    parts = {k: v.chunk(2) if isinstance(v, torch.Tensor) else (v, v) for k, v in batch.items()}
+    return {k: v[0] for k, v in parts.items()}, {k: v[1] for k, v in parts.items()}

@@ -7,12 +7,11 @@ import argparse
 import torch
 
 from gradaccum.app.cli import options
-from gradaccum.app.config import CheckConfig
+from gradaccum.app.config import CheckConfig, invalid_configuration
 from gradaccum.app.process import out
 from gradaccum.app.recipes import get_recipe, hf_recipe
 from gradaccum.diagnose import check
 from gradaccum.diagnose.check import float64_batch
-from gradaccum.validate import invalid_configuration
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

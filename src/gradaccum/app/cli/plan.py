@@ -7,12 +7,11 @@ import json
 from pathlib import Path
 
 from gradaccum.app.cli import options
-from gradaccum.app.config import PlanConfig
+from gradaccum.app.config import PlanConfig, invalid_configuration
 from gradaccum.app.measure import fresh_process_verifier
 from gradaccum.app.planner import plan_recipe
 from gradaccum.app.process import out, say
 from gradaccum.app.report.plots import plan_plot
-from gradaccum.validate import invalid_configuration
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

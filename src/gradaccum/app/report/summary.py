@@ -13,7 +13,7 @@ from gradaccum.app.report.metrics import SUMMARY
 from gradaccum.app.run import Run
 from gradaccum.engine import Accumulator
 from gradaccum.memory import format_bytes
-from gradaccum.noise import advice, tradeoff_advice
+from gradaccum.noise import NoiseReading, advise, tradeoff_advice
 
 
 def report(
@@ -43,7 +43,9 @@ def report(
             "batch_changes": [list(c) for c in schedule.changes],
             "noise_scale": None if reading is None else reading.value,
             "noise_interval": None if reading is None else reading.interval,
-            "noise_advice": advice(batch_items, reading, acc.state.items / max(schedule.samples, 1))
+            "noise_advice": noise_advice(
+                batch_items, reading, acc.state.items / max(schedule.samples, 1)
+            )
             if acc.noise is not None
             else (
                 "gradient noise scale: not measured ("
@@ -72,14 +74,20 @@ def report(
     page = write_report(out, summary=summary, metrics=lines)
     if table:
         log(summary_table(summary))
-        if cfg.batch.noise_scale:
+        if cfg.batch.noise_scale:  # (the trade-off against one sample: summary.json)
             log(summary["noise_advice"])
-            if summary["noise_tradeoff"]:
-                log(summary["noise_tradeoff"])
         log(f"\nthe run's page: {page} (open it in a browser)")
         if (out / TENSORBOARD).is_dir():
             log(f"its curves in TensorBoard: tensorboard --logdir {out / TENSORBOARD}")
     return summary
+
+
+def noise_advice(batch_items: float, reading: NoiseReading | None, items_per_sample: float) -> str:
+    """The library's advice (``gradaccum.noise.advise``) in the command's terms: the
+    measurement, then the advice with the batch it names as the flag to give."""
+    found = advise(batch_items, reading, items_per_sample)
+    said = found.sentence(lambda n: f"--effective-batch {n}")
+    return found.measurement() if said is None else f"{found.measurement()}\n{said}"
 
 
 def against_baseline(baseline: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
