@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import random
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMAT",
+    "check_state",
+    "saved_state",
     "file_digest",
     "state_digest",
     "load_sharded",
@@ -135,6 +138,56 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
                 saved["cached_gaussian"],
             )
         )
+
+
+# -- the scaffolding every runner's checkpoint shares -------------------------------------------
+
+
+def saved_state(format: str, counters: Any, scaler: Any, **parts: Any) -> dict[str, Any]:
+    """A window runner's checkpoint (the Accumulator's, a pipeline stage's): its ``format``,
+    its counters (a dataclass), its own ``parts`` (model, optimizer, ...), the fp16 loss
+    scaler's state (None without one) and every random generator's."""
+    return {
+        "format": format,
+        "accumulator": dataclasses.asdict(counters),
+        **parts,
+        "scaler": None if scaler is None else scaler.state_dict(),
+        "rng": rng_state(),
+    }
+
+
+def check_state(
+    state_dict: Any,
+    format: str,
+    what: str,
+    counters: type,
+    parts: tuple[str, ...],
+    held: Mapping[str, Any],
+) -> None:
+    """Refuse a checkpoint that ``saved_state`` did not write for this runner, before anything
+    changes: another ``format`` (``what`` names the runner's kind), one of its ``parts``
+    missing, a part that is this runner's or None (``held``: name -> this runner's) in one
+    and not the other, counters of another version."""
+    if not isinstance(state_dict, Mapping) or state_dict.get("format") != format:
+        got = (
+            state_dict.get("format")
+            if isinstance(state_dict, Mapping)
+            else type(state_dict).__name__
+        )
+        raise ValueError(f"not a gradaccum {what} checkpoint (format {got!r}, expected {format!r})")
+    missing = [k for k in ("accumulator", *parts, *held, "rng") if k not in state_dict]
+    if missing:
+        raise ValueError(f"checkpoint is missing {', '.join(missing)}")
+    for key, mine in held.items():
+        if (state_dict[key] is None) != (mine is None):
+            has = "has" if state_dict[key] is not None else "has no"
+            raise ValueError(
+                f"checkpoint {has} {key} state but this {what} has "
+                f"{'one' if mine is not None else 'none'}"
+            )
+    unknown = set(state_dict["accumulator"]) - {f.name for f in dataclasses.fields(counters)}
+    if unknown:
+        raise ValueError(f"checkpoint has unknown accumulator fields {sorted(unknown)}")
 
 
 @contextlib.contextmanager

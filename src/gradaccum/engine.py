@@ -20,15 +20,14 @@ from typing import Any
 import torch
 
 from gradaccum.batchnorm import warn_batchnorm
-from gradaccum.checkpoint import FORMAT, rng_state, set_rng_state
-from gradaccum.inbatch import InBatch
-from gradaccum.loss import unpack, window_counts, window_input, zero_loss
+from gradaccum.checkpoint import FORMAT, check_state, saved_state, set_rng_state
+from gradaccum.loss import window_input, window_loss
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay
 from gradaccum.precision import PRECISIONS, Precision
 from gradaccum.sync import SYNC_MODES, Sync
 from gradaccum.validate import check_arguments, window_parameters
-from gradaccum.window import AccumulatorState, StepResult, Tally, normalize, warn_skipped
+from gradaccum.window import AccumulatorState, Closing, SkipNonFinite, SkipPolicy, StepResult, Tally
 
 __all__ = ["Accumulator", "AccumulatorState", "LossFn", "StepResult"]
 
@@ -45,7 +44,7 @@ class _Window:
     backward_done: bool = False
     last: bool = False  # the micro-batch in progress is marked last
     ended_last: bool = False  # a micro-batch marked last has run
-    coupled: bool = False  # an in-batch loss: a prefix is no smaller batch's gradient
+    coupled: bool = False  # a loss over the whole window: a prefix is no smaller batch's gradient
 
 
 class Accumulator:
@@ -64,6 +63,8 @@ class Accumulator:
         oom: an ``OOMReplay`` to replay a window at a smaller micro-batch size on
             ``torch.OutOfMemoryError`` in ``step()``; None lets the error propagate.
         noise: a ``NoiseScale`` to estimate the gradient noise scale from each window.
+        skip: the skip policy, which decides from the window's gradient norm whether it is
+            stepped on (``SkipNonFinite()``, the default: not when NaN or Inf).
     """
 
     def __init__(
@@ -77,6 +78,7 @@ class Accumulator:
         sync: str = "window",
         oom: OOMReplay | None = None,
         noise: NoiseScale | None = None,
+        skip: SkipPolicy | None = None,
     ) -> None:
         check_arguments(
             model,
@@ -89,6 +91,7 @@ class Accumulator:
             },
             oom=(oom, OOMReplay),
             noise=(noise, NoiseScale),
+            skip=(skip, SkipPolicy),
         )
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._params, self._step_params = window_parameters(model, optimizer)
@@ -101,6 +104,7 @@ class Accumulator:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.oom, self.noise = oom, noise
+        self.skip = SkipNonFinite() if skip is None else skip
         self.state = AccumulatorState()
         self._window: _Window | None = None
         self._warned_batchnorm = False
@@ -125,30 +129,22 @@ class Accumulator:
         ``micro_batches``: an iterable of micro-batches (see ``ga.split``); ``loss_fn(model,
         micro_batch)`` returns ``(loss_sum, count)``, or named terms, each its own mean:
         ``{"ce": (ce_sum, tokens), "aux": (aux_sum, routed, 0.01)}`` (weight 1 when not
-        given); or ``loss_fn`` is a ``ga.InBatch``, a loss over the whole window's embeddings
-        (in-batch negatives, docs/losses.md). Terms need ``counts(micro_batch) -> {"ce":
+        given); or ``loss_fn`` is a ``WindowLoss`` that runs the window itself through the
+        manual API (``ga.InBatch``, a loss over the whole window's embeddings: in-batch
+        negatives, docs/losses.md). Terms need ``counts(micro_batch) -> {"ce":
         tokens, "aux": routed}``: each term's count is summed over the window and the ranks
         before the first backward, and must equal what ``loss_fn`` then counts.
         """
-        if counts is not None and not callable(counts):
-            raise TypeError(
-                f"counts must be a function of a micro-batch returning each term's count, got "
-                f"{type(counts).__name__}"
-            )
         if self._window is not None:
             raise RuntimeError(
                 f"a manual window is open with {self._window.tally.micro_batches} micro-batches; "
                 "finish it with end_window() or drop it with abort_window() before step()"
             )
         given = window_input(micro_batches, loss_fn, may_be_empty=self.sync.distributed)
-        if isinstance(loss_fn, InBatch) and counts is not None:
-            raise TypeError("counts= is for named terms; an InBatch loss counts its own items")
+        run = window_loss(loss_fn, counts).run
 
         def window(part: list[Any]) -> None:
-            if isinstance(loss_fn, InBatch):
-                loss_fn.forward_backward(self, *self.sync.pad(part))
-            else:
-                self._forward_backward(loss_fn, counts, *self.sync.pad(part))
+            run(self, *self.sync.pad(part))
 
         replays = 0
         if self.oom is None:
@@ -164,35 +160,29 @@ class Accumulator:
         self.state.oom_replays += replays
         return dataclasses.replace(self.end_window(), oom_replays=replays)
 
-    def _forward_backward(
-        self, loss_fn: LossFn, counts: Any, micro_batches: list[Any], real: int
+    def begin_window(
+        self, counts: Mapping[str, Any] | None = None, *, coupled: bool = False
     ) -> None:
-        """The micro-batches of one window, through the manual API. Those from ``real`` on
-        pad this rank to the others' number (``Sync.pad``) and count zero."""
-        if counts is not None:
-            # A rank that holds no micro-batch (padded) still names every term, with 0 items.
-            held = micro_batches[:real] if real else micro_batches[:1]
-            self.begin_window({k: n if real else 0 for k, n in window_counts(counts, held).items()})
-        for index, micro_batch in enumerate(micro_batches):
-            with self.micro_batch(last=index == len(micro_batches) - 1):
-                loss_sum, count = unpack(loss_fn(self.model, micro_batch), index)
-                if index >= real:
-                    loss_sum, count = zero_loss(loss_sum, index)
-                self.backward(loss_sum, count)
+        """Open a window before its first micro-batch (``micro_batch`` opens a plain one).
 
-    def begin_window(self, counts: Mapping[str, Any]) -> None:
-        """Open a window whose loss is named terms, before its first micro-batch: ``counts``
-        is this rank's item count of each term over the whole window (``{"ce": tokens,
-        "aux": routed}``). They are summed over ranks here (every rank calls this, with its
-        own counts), so each micro-batch's backward can divide each term by its own global
-        count. ``step(..., counts=fn)`` calls it with ``fn`` summed over the window."""
+        ``counts``: a window whose loss is named terms: this rank's item count of each term
+        over the whole window (``{"ce": tokens, "aux": routed}``). They are summed over ranks
+        here (every rank calls this, with its own counts), so each micro-batch's backward can
+        divide each term by its own global count. ``step(..., counts=fn)`` calls it with
+        ``fn`` summed over the window.
+
+        ``coupled``: the window's loss couples its micro-batches (in-batch negatives,
+        ``ga.InBatch``): a micro-batch's gradient is then no smaller batch's gradient, so the
+        noise estimate takes no prefix of it."""
         if self._window is not None:
             raise RuntimeError(
                 f"begin_window() called in an open window after "
                 f"{self._window.tally.micro_batches} micro-batches; a window's counts come "
                 "before its first micro-batch"
             )
-        window = self._open_window()
+        window = self._open_window(coupled)
+        if counts is None:
+            return
         try:
             window.tally.begin(counts, self.sync)
         except BaseException:
@@ -252,9 +242,7 @@ class Accumulator:
             # the ranks' gradients, so every rank must pre-scale alike: the largest first count
             scale_count = self.sync.most([int(count)])[0]
         self.precision.backward(loss_sum, scale_count, index == 0, self._params)
-        # A reduced gradient is not this rank's prefix: the window's global mean is added at
-        # end_window instead.
-        if self.noise is not None and not window.coupled and not self.sync.reduces(window.last):
+        if self.noise is not None and not window.coupled:
             sums = [g for g in map(self.precision.accumulated, self._step_params) if g is not None]
             self.noise.record(sums, count, self.precision.loss_multiplier())
         window.backward_done = True
@@ -269,49 +257,33 @@ class Accumulator:
             )
         if window.in_micro_batch:
             raise RuntimeError("end_window() called inside a micro_batch() context")
-        grad_norm = skipped = reading = None
+        closing = Closing(
+            self.sync,
+            self.state,
+            self.max_grad_norm,
+            self.skip,
+            self.noise,
+            self.scheduler,
+            self.precision,
+        )
+
+        def gather() -> tuple[list[torch.Tensor], float]:
+            if self.sync.reduce_at_end:  # else the last backward reduced already
+                sums = map(self.precision.accumulated, self._step_params)
+                self.sync.reduce([g for g in sums if g is not None])
+            return self.precision.gather(self.optimizer, self._step_params)
+
+        def apply(step: bool) -> None:
+            self.precision.apply(self.optimizer, self._step_params, step=step)
+
         try:
             self.sync.check_window_end(window.ended_last)
-            total, loss_total = window.tally.totals(self.sync)
-            means = window.tally.means()
-            if total == 0:
-                skipped = "zero count"
-            else:
-                if self.sync.reduce_at_end:  # else the last backward reduced already
-                    sums = map(self.precision.accumulated, self._step_params)
-                    self.sync.reduce([g for g in sums if g is not None])
-                grads, carried = self.precision.gather(self.optimizer, self._step_params)
-                grad_norm, finite = normalize(grads, total, self.sync, carried, self.max_grad_norm)
-                if not finite:
-                    skipped = "fp16 overflow" if self.precision.scaler else "non-finite gradient"
-            if self.noise is not None and skipped is None:
-                reading = self.noise.end_window(grad_norm**2, round(total), self.sync.distributed)
-            elif self.noise is not None:  # a skipped window's prefixes are not the next one's
-                self.noise.drop_window()
-            scale = self.precision.scale()
-            self.precision.apply(self.optimizer, self._step_params, step=skipped is None)
-            if skipped is None and self.scheduler is not None:
-                self.scheduler.step()
+            result = closing.close(window.tally, gather, apply)
         except BaseException:
             self.abort_window()
             raise
         self._close_window()
-        micro_batches = window.tally.micro_batches
-        self.state.count_window(micro_batches, round(total), stepped=skipped is None)
-        if skipped is not None:
-            warn_skipped(self.state, skipped, grad_norm, scale, self.precision.scale())
-        return StepResult(
-            loss=loss_total / total if total else None,
-            count=round(total),
-            grad_norm=grad_norm,
-            stepped=skipped is None,
-            skipped=skipped,
-            micro_batches=micro_batches,
-            step=self.state.optimizer_steps,
-            noise_scale=None if reading is None else reading.value,
-            noise_interval=None if reading is None else reading.interval,
-            terms=means,
-        )
+        return result
 
     def abort_window(self) -> None:
         """Drop the window in progress: clear its gradients; parameters stay as they were."""
@@ -371,50 +343,28 @@ class Accumulator:
                 "micro-batches; checkpoint between windows so a resumed run is the same run"
             )
         model, optimizer = self.sync.state_dicts(self.optimizer)
-        scaler = self.precision.scaler
-        return {
-            "format": FORMAT,
-            "accumulator": dataclasses.asdict(self.state),
-            "model": model,
-            "optimizer": optimizer,
-            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-            "scaler": None if scaler is None else scaler.state_dict(),
-            "oom": None if self.oom is None else self.oom.state_dict(),
-            "noise": None if self.noise is None else self.noise.state_dict(),
-            "rng": rng_state(),
-        }
+        return saved_state(
+            FORMAT,
+            self.state,
+            self.precision.scaler,
+            model=model,
+            optimizer=optimizer,
+            scheduler=None if self.scheduler is None else self.scheduler.state_dict(),
+            oom=None if self.oom is None else self.oom.state_dict(),
+            noise=None if self.noise is None else self.noise.state_dict(),
+        )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what ``state_dict()`` saved; refuses a mismatched checkpoint clearly,
         saying how, before changing anything."""
-        if not isinstance(state_dict, Mapping) or state_dict.get("format") != FORMAT:
-            got = (
-                state_dict.get("format")
-                if isinstance(state_dict, Mapping)
-                else type(state_dict).__name__
-            )
-            raise ValueError(
-                f"not a gradaccum Accumulator checkpoint (format {got!r}, expected {FORMAT!r})"
-            )
         if self.in_window:
             raise RuntimeError(
                 "load_state_dict() called inside a window; call abort_window() first"
             )
-        keys = ("accumulator", "model", "optimizer", "scheduler", "scaler", "rng")
-        missing = [k for k in keys if k not in state_dict]
-        if missing:
-            raise ValueError(f"checkpoint is missing {', '.join(missing)}")
-        for key, mine in (("scheduler", self.scheduler), ("scaler", self.precision.scaler)):
-            if (state_dict[key] is None) != (mine is None):
-                has = "has" if state_dict[key] is not None else "has no"
-                raise ValueError(
-                    f"checkpoint {has} {key} state but this Accumulator has "
-                    f"{'one' if mine is not None else 'none'}"
-                )
+        held = {"scheduler": self.scheduler, "scaler": self.precision.scaler}
+        parts = ("model", "optimizer")
+        check_state(state_dict, FORMAT, "Accumulator", AccumulatorState, parts, held)
         counters = state_dict["accumulator"]
-        unknown = set(counters) - {f.name for f in dataclasses.fields(self.state)}
-        if unknown:
-            raise ValueError(f"checkpoint has unknown accumulator fields {sorted(unknown)}")
         self.sync.load_state_dicts(self.optimizer, state_dict["model"], state_dict["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state_dict["scheduler"])

@@ -11,11 +11,12 @@ embeddings' gradient (GradCache, Gao et al. 2021):
 3. each micro-batch is embedded again, with its graph and the same random state (dropout
    draws the same masks), and backpropagates ``(embedding * cached gradient).sum()``.
 
-Step 3 runs through the Accumulator's own window (``micro_batch``, ``backward``,
-``end_window``): the summed gradient is divided once by the loss's count at the end, as for
-any other loss, under DDP and FSDP2 the last micro-batch alone communicates, an
-``OOMReplay`` replays the window split smaller. Memory: one micro-batch's activations plus
-the window's embeddings and their gradient. Compute: one extra forward per micro-batch.
+Step 3 runs through the Accumulator's public manual API (``begin_window(coupled=True)``,
+``micro_batch``, ``backward``; ``step`` ends the window): the summed gradient is divided
+once by the loss's count at the end, as for any other loss, under DDP and FSDP2 the last
+micro-batch alone communicates, an ``OOMReplay`` replays the window split smaller.
+Memory: one micro-batch's activations plus the window's embeddings and their gradient.
+Compute: one extra forward per micro-batch.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from typing import Any
 import torch
 
 from gradaccum.checkpoint import rng_state, set_rng_state
-from gradaccum.loss import unpack
+from gradaccum.loss import WindowLoss, unpack
 
 __all__ = ["InBatch"]
 
 
-class InBatch:
+class InBatch(WindowLoss):
     """A loss over the whole window's embeddings, for ``acc.step(micro_batches, InBatch(...))``.
 
     Args:
@@ -64,7 +65,7 @@ class InBatch:
         negatives only."""
         return self.loss(self.embed(model, batch))
 
-    def forward_backward(self, acc: Any, micro_batches: list[Any], real: int) -> None:
+    def run(self, acc: Any, micro_batches: list[Any], real: int) -> None:
         """One window through ``acc``'s manual API. Micro-batches from ``real`` on are padding
         (``Sync.pad``): they run, for the collectives' sake, and contribute nothing."""
         states, cached = [], []
@@ -84,7 +85,7 @@ class InBatch:
         grads, loss_sum, count = self._gradients([p for p, _ in mine], empty, structure, acc.sync)
         # 3. with the graph, each micro-batch's share of the cached gradient
         leader = acc.sync.rank == 0
-        acc._open_window(coupled=True)
+        acc.begin_window(coupled=True)
         try:
             for index, mb in enumerate(micro_batches):
                 with acc.micro_batch(last=index == len(micro_batches) - 1):

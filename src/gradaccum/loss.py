@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "MicroBatchLoss",
+    "WindowLoss",
     "causal_lm_loss",
     "constant_normalizer",
     "group_count",
@@ -40,6 +42,7 @@ __all__ = [
     "token_cross_entropy",
     "unpack",
     "window_input",
+    "window_loss",
 ]
 
 
@@ -155,6 +158,55 @@ def zero_loss(loss: Any, index: int) -> tuple[Any, Any]:
             zeroed[name] = (loss_sum * 0.0, 0, weight)
         return zeroed, None
     return check_loss(loss, index) * 0.0, 0
+
+
+class WindowLoss:
+    """A loss that runs a whole window itself, through the Accumulator's public manual API
+    (``begin_window``, ``micro_batch``, ``backward``): ``acc.step(micro_batches, loss)``
+    calls ``run``. A plain ``loss_fn(model, micro_batch)`` runs as ``MicroBatchLoss``; a
+    loss over the whole window's embeddings (``ga.InBatch``) is one of its own."""
+
+    def run(self, acc: Any, micro_batches: list[Any], real: int) -> None:
+        """Forward and backward of one window's ``micro_batches`` through ``acc``; those from
+        ``real`` on pad this rank to the others' number (``Sync.pad``) and count zero."""
+        raise NotImplementedError
+
+
+class MicroBatchLoss(WindowLoss):
+    """``loss_fn(model, micro_batch) -> (loss_sum, count)`` (or named terms, each counted by
+    ``counts(micro_batch)`` before the window's first backward), one micro-batch at a time."""
+
+    def __init__(self, loss_fn: Any, counts: Any = None) -> None:
+        if counts is not None and not callable(counts):
+            raise TypeError(
+                f"counts must be a function of a micro-batch returning each term's count, got "
+                f"{type(counts).__name__}"
+            )
+        self.loss_fn, self.counts = loss_fn, counts
+
+    def run(self, acc: Any, micro_batches: list[Any], real: int) -> None:
+        if self.counts is not None:
+            # A rank that holds no micro-batch (padded) still names every term, with 0 items.
+            held = micro_batches[:real] if real else micro_batches[:1]
+            counted = window_counts(self.counts, held)
+            acc.begin_window({k: n if real else 0 for k, n in counted.items()})
+        for index, micro_batch in enumerate(micro_batches):
+            with acc.micro_batch(last=index == len(micro_batches) - 1):
+                loss_sum, count = unpack(self.loss_fn(acc.model, micro_batch), index)
+                if index >= real:
+                    loss_sum, count = zero_loss(loss_sum, index)
+                acc.backward(loss_sum, count)
+
+
+def window_loss(loss_fn: Any, counts: Any = None) -> WindowLoss:
+    """``step()``'s loss as the ``WindowLoss`` that runs its window."""
+    if not isinstance(loss_fn, WindowLoss):
+        return MicroBatchLoss(loss_fn, counts)
+    if counts is not None:
+        raise TypeError(
+            f"counts= is for named terms; a {type(loss_fn).__name__} loss counts its own items"
+        )
+    return loss_fn
 
 
 def unpack_term(value: Any, name: str, index: int) -> tuple[torch.Tensor, Any, float]:

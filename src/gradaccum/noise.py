@@ -178,17 +178,20 @@ class NoiseScale:
         self.horizon, self.confidence = float(self.horizon), float(self.confidence)
 
     def record(self, sums: list[torch.Tensor], count: Any, multiplier: float = 1.0) -> None:
-        """After a micro-batch: the window's gradient summed so far (``sums``, carrying the
-        loss ``multiplier`` of fp16 scaling) and that micro-batch's own item count (int or
-        0-dim tensor; the prefix counts are summed at the window's end, with one host sync).
-        A micro-batch of no items (a padding replay) leaves the prefix as it was."""
+        """After each micro-batch's backward: the window's gradient summed so far (``sums``,
+        carrying the loss ``multiplier`` of fp16 scaling) and that micro-batch's own item
+        count (int or 0-dim tensor; the prefix counts are summed at the window's end, with
+        one host sync). A micro-batch of no items (a padding replay) leaves the prefix as
+        it was."""
         self.add_prefix(total_norm(sums).square() / multiplier**2, count)
 
     def add_prefix(self, sq_norm: torch.Tensor, count: Any) -> None:
-        """``record`` with the prefix's squared norm already taken (a framework integration
-        takes it after each backward and adds it once it knows the backward stayed local)."""
-        if isinstance(count, int) and count == 0:
-            return
+        """``record`` with the prefix's squared norm already taken.
+
+        The one rule for prefixes, on every path: a prefix is this rank's own gradient, so
+        each is kept, except that the window's last backward may have reduced the gradient
+        across ranks (DDP's, in the last micro-batch): ``end_window(window_point=True)``
+        then drops the last one and adds the window's global mean instead."""
         self._prefixes.append((sq_norm, count))
 
     def end_window(
@@ -199,9 +202,13 @@ class NoiseScale:
         ``window_point``: add the window's mean gradient (squared norm ``window_sq_norm`` over
         ``total`` items) as a point of its own. Data-parallel training does: its prefixes are
         this rank's micro-batches before the reduction, and the window is the global batch.
-        Alone, the last prefix already is the window.
+        Alone, the last prefix already is the window. With ``window_point`` the last prefix
+        is dropped: the last backward reduced it across ranks (``add_prefix``'s rule).
         """
         prefixes, self._prefixes = self._prefixes, []
+        if window_point:
+            prefixes = prefixes[:-1]
+        prefixes = [(s, c) for s, c in prefixes if not (isinstance(c, int) and c == 0)]
         if window_sq_norm is None or total <= 0:
             return self.reading()
         points = []

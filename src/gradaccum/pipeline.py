@@ -12,8 +12,9 @@ stage's gradient is then the sum over the window's items. The last stage's loss 
 returns ``(loss_sum, count)``; the window's count reaches every stage in one all-reduce of
 two numbers, and each stage divides its gradient once by it, clips by the global norm over
 all stages (the sum of their squares) and steps, or every stage skips when the norm is not
-finite anywhere. That is ``window.Tally`` and ``window.normalize`` over ``PipelineSync``:
-the arithmetic of the Accumulator's ``end_window``, not a copy of it.
+finite anywhere. That is ``window.Tally`` and ``window.Closing.close`` over ``PipelineSync``:
+the Accumulator's own end of a window (its skip policy, its warning, the scheduler's step,
+the noise estimate), not a copy of it.
 
 Precision is the Accumulator's ``Precision``: bf16 and fp16 autocast each stage's forward and
 the loss (not the backward, as in one process); under fp16 the last stage's loss carries the
@@ -25,16 +26,23 @@ skips the window on every stage and lowers the one scale they share.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradaccum.checkpoint import rng_state, set_rng_state
+from gradaccum.checkpoint import check_state, saved_state, set_rng_state
 from gradaccum.precision import Precision
 from gradaccum.sync import PipelineSync, collective_device
-from gradaccum.window import AccumulatorState, StepResult, Tally, normalize
+from gradaccum.window import (
+    AccumulatorState,
+    Closing,
+    SkipNonFinite,
+    SkipPolicy,
+    StepResult,
+    Tally,
+    total_norm,
+)
 
 __all__ = [
     "SCHEDULES",
@@ -62,7 +70,10 @@ class PipelineWindow:
     ``"fp32"``, ``"bf16"`` or ``"fp16"`` (or a ``Precision``; its fp16 scaler, if given, a
     ``ShardedGradScaler`` over ``group``), with fp32 parameters: the schedule runs every
     micro-batch's backward inside one call, so there is no moment to move a low-precision
-    gradient into an fp32 buffer.
+    gradient into an fp32 buffer. ``scheduler``: stepped once per optimizer step, never on a
+    skipped window; ``noise``: a ``NoiseScale``, its prefixes taken as each micro-batch's
+    backward begins on this stage (their squared norms summed over the stages once per
+    window); ``skip``: the skip policy (``SkipNonFinite()``), as the Accumulator's.
 
     ``state`` counts windows and steps as the Accumulator's does; ``state_dict()`` is this
     stage's part of a checkpoint (its module, optimizer, counters and random generators).
@@ -80,6 +91,9 @@ class PipelineWindow:
         group: Any = None,
         tied: Sequence[torch.nn.Parameter] = (),
         precision: str | Precision = "fp32",
+        scheduler: Any = None,
+        noise: Any = None,
+        skip: SkipPolicy | None = None,
     ) -> None:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
@@ -119,12 +133,19 @@ class PipelineWindow:
         self.sync = PipelineSync(group)
         self.group, self.schedule_name = group, schedule
         self.state = AccumulatorState()
-        self.noise = None  # the noise scale needs each micro-batch's gradient: not here
+        self.scheduler, self.noise = scheduler, noise
+        self.skip = SkipNonFinite() if skip is None else skip
         self._tied = list(tied)
         if self._tied and not (stage.is_first or stage.is_last):
             raise ValueError("tied parameters are the first and the last stage's copies")
         if self._tied and stage.is_first and stage.is_last:
             raise ValueError("tied parameters need two stages: this one is the only one")
+        if self._tied and noise is not None:
+            raise ValueError(
+                "noise= with tied parameters: a prefix's norm needs the two copies' gradients "
+                "summed, which happens once per window, after the schedule"
+            )
+        self._prefixes: list[torch.Tensor] = []  # squared norms as each backward begins
         self._losses: list[tuple[torch.Tensor, Any]] = []  # the last stage's, this window
         self._tally = Tally()  # this window's numbers (begun with the counts of named terms)
         kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
@@ -136,6 +157,8 @@ class PipelineWindow:
         if self.precision.autocast_dtype is not None:
             stage.submod.register_forward_pre_hook(self._enter_autocast)
             stage.submod.register_forward_hook(self._leave_autocast, always_call=True)
+        if noise is not None:
+            stage.submod.register_forward_hook(self._watch_backward)
         # The last stage's copies of tied parameters are left out of the norm and the
         # division: the first stage's copy holds their summed gradient and is sent back.
         tied_ids = {id(p) for p in self._tied} if stage.is_last else set()
@@ -157,6 +180,20 @@ class PipelineWindow:
     def _leave_autocast(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._autocasts:
             self._autocasts.pop().__exit__(None, None, None)
+
+    def _watch_backward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """A micro-batch's backward on this stage begins where its output's gradient
+        arrives; stages run their micro-batches' backwards in order (GPipe and 1F1B), so the
+        gradient then is the sum over the micro-batches before it: a prefix."""
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        first = next((t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if self._in_step and first is not None:
+            first.register_hook(self._backward_begins)
+
+    def _backward_begins(self, grad: torch.Tensor) -> None:
+        grads = self._grads()
+        if grads:  # the first backward finds none: no prefix before it
+            self._prefixes.append(total_norm(grads).square())
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         with self.precision.autocast():
@@ -180,8 +217,8 @@ class PipelineWindow:
         over the micro-batches the schedule cuts). Every stage passes ``target`` and
         ``counts``: the last stage counts, the others name the terms with no items."""
         args = inputs if self.stage.is_first else ()
-        self._losses = []
-        self._tally = Tally()  # the last stage's losses; the others learn the count in totals()
+        self._losses, self._prefixes = [], []
+        tally = self._tally = Tally()  # the last stage's losses; the others learn the count
         if counts is not None:
             if target is None:
                 raise ValueError(
@@ -189,7 +226,7 @@ class PipelineWindow:
                     "the others name them with no items"
                 )
             given = dict(counts(target))
-            self._tally.begin(given if self.stage.is_last else dict.fromkeys(given, 0), self.sync)
+            tally.begin(given if self.stage.is_last else dict.fromkeys(given, 0), self.sync)
         self._in_step = True
         try:
             if self.stage.is_last:
@@ -198,7 +235,7 @@ class PipelineWindow:
                 self.schedule.step(*args)
         finally:
             self._in_step = False
-        tally = self._tally
+        window_counts = [0] * self.micro_batches
         if self.stage.is_last:
             # The schedule's first step also calls the loss once to infer the backward's
             # shapes: the window's micro-batches are the last ones it computed.
@@ -207,8 +244,8 @@ class PipelineWindow:
                     f"the schedule computed {len(self._losses)} losses for "
                     f"{self.micro_batches} micro-batches"
                 )
-            for loss_sum, count in self._losses[-self.micro_batches :]:
-                tally.add(loss_sum, count)
+            for i, (loss_sum, count) in enumerate(self._losses[-self.micro_batches :]):
+                window_counts[i] = tally.add(loss_sum, count)[1]
         self._tied_grads(sum_to_first=True)
         # fp16: unscale_ (the stages' overflow agreed), and the pre-scale the last stage's
         # losses carried, which every stage divides out with the count.
@@ -216,29 +253,49 @@ class PipelineWindow:
             # The scale lives where a loss was scaled: on the other stages, made here (its
             # value the one they share) so that unscale_ finds it.
             self.precision.scaler.scale(torch.zeros((), device=self._params[0].device))
+        if self.noise is not None:  # the whole window's prefix, before unscale_
+            self._prefixes.append(total_norm(self._grads()).square())
         grads, prescale = self.precision.gather(self.optimizer, self._counted)
         carried = self._carried(prescale)
-        total, loss_total = tally.totals(self.sync)
-        grad_norm, skipped = None, "zero count" if total == 0 else None
-        if total:
-            grad_norm, finite = normalize(grads, total, self.sync, carried, self.max_grad_norm)
-            if not finite:
-                skipped = "fp16 overflow" if self.precision.scaler else "non-finite gradient"
-        if skipped is None:
-            self._tied_grads(sum_to_first=False)  # the divided, clipped gradient, both copies
-        self.precision.apply(self.optimizer, self._params, step=skipped is None)
-        self.state.count_window(self.micro_batches, total, skipped is None)
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(
-            loss=loss_total / total if total else None,
-            count=total,
-            grad_norm=grad_norm,
-            stepped=skipped is None,
-            skipped=skipped,
-            micro_batches=self.micro_batches,
-            step=self.state.optimizer_steps,
-            terms=tally.means(),
+        if self.noise is not None:
+            self._add_prefixes(window_counts, carried * (self.precision.scale() or 1.0))
+
+        def apply(step: bool) -> None:
+            if step:
+                self._tied_grads(sum_to_first=False)  # the divided, clipped gradient, both copies
+            self.precision.apply(self.optimizer, self._params, step=step)
+
+        closing = Closing(
+            self.sync,
+            self.state,
+            self.max_grad_norm,
+            self.skip,
+            self.noise,
+            self.scheduler,
+            self.precision,
         )
+        result = closing.close(tally, lambda: (grads, carried), apply)
+        self.optimizer.zero_grad(set_to_none=True)
+        return result
+
+    def _add_prefixes(self, counts: list[Any], multiplier: float) -> None:
+        """The window's prefixes into the noise estimate: each stage's squared norms as each
+        backward began and at the window's end, summed over the stages, with the last
+        stage's micro-batch counts (one all-reduce); the loss ``multiplier`` (fp16's
+        pre-scale and loss scale) divided out."""
+        if len(self._prefixes) != self.micro_batches:
+            raise RuntimeError(
+                f"the noise estimate saw {len(self._prefixes)} backwards for "
+                f"{self.micro_batches} micro-batches on this stage"
+            )
+        summed = self.sync.sum([*self._prefixes, *counts])
+        n = self.micro_batches
+        for sq, count in zip(summed[:n], summed[n:], strict=True):
+            value = torch.tensor(sq / multiplier**2, dtype=torch.float64)
+            self.noise.add_prefix(value, round(count))
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._counted if p.grad is not None]
 
     @property
     def steps(self) -> int:
@@ -273,40 +330,40 @@ class PipelineWindow:
 
     def state_dict(self) -> dict[str, Any]:
         """This stage's part of a checkpoint, between windows: its module's parameters, the
-        optimizer, the counters and the random generators (``torch.load(...,
-        weights_only=True)`` reads it)."""
-        return {
-            "format": FORMAT,
-            "stage": self.stage.stage_index,
-            "stages": self.stage.num_stages,
-            "accumulator": asdict(self.state),
-            "model": self.stage.submod.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": None if self.precision.scaler is None else self.precision.scaler.state_dict(),
-            "rng": rng_state(),
-        }
+        optimizer, the scheduler and noise estimate (when given), the counters and the random
+        generators (``torch.load(..., weights_only=True)`` reads it)."""
+        return saved_state(
+            FORMAT,
+            self.state,
+            self.precision.scaler,
+            stage=self.stage.stage_index,
+            stages=self.stage.num_stages,
+            model=self.stage.submod.state_dict(),
+            optimizer=self.optimizer.state_dict(),
+            scheduler=None if self.scheduler is None else self.scheduler.state_dict(),
+            noise=None if self.noise is None else self.noise.state_dict(),
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` saved on this stage; refuses another stage's."""
-        where = (state_dict.get("stage"), state_dict.get("stages"))
-        if state_dict.get("format") != FORMAT:
-            raise ValueError(
-                f"not a gradaccum pipeline stage checkpoint (format {state_dict.get('format')!r})"
-            )
+        parts = ("stage", "stages", "model", "optimizer")
+        held = {"scaler": self.precision.scaler}
+        check_state(state_dict, FORMAT, "pipeline stage", AccumulatorState, parts, held)
+        where = (state_dict["stage"], state_dict["stages"])
         if where != (self.stage.stage_index, self.stage.num_stages):
             raise ValueError(
                 f"checkpoint of stage {where[0]} of {where[1]} loaded into stage "
                 f"{self.stage.stage_index} of {self.stage.num_stages}"
             )
-        if (state_dict.get("scaler") is None) != (self.precision.scaler is None):
-            raise ValueError(
-                f"checkpoint {'has' if state_dict.get('scaler') is not None else 'has no'} "
-                f"fp16 loss scaler state but this stage's precision is {self.precision.name}"
-            )
         self.stage.submod.load_state_dict(state_dict["model"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.precision.scaler is not None:
             self.precision.scaler.load_state_dict(state_dict["scaler"])
+        # The scheduler's and the noise estimate's state when both sides have one (a stage
+        # checkpoint written before the pipeline took them has neither).
+        for policy, key in ((self.scheduler, "scheduler"), (self.noise, "noise")):
+            if policy is not None and state_dict.get(key) is not None:
+                policy.load_state_dict(state_dict[key])
         self.state = AccumulatorState(**state_dict["accumulator"])
         set_rng_state(state_dict["rng"])
 

@@ -675,6 +675,9 @@ class PipelineSync(_Collective):
         super().__init__(None, "window", group)
         self.world = 1
 
+    def reduces(self, last: bool) -> bool:
+        return False  # each stage holds its own parameters: none is reduced across stages
+
     def norm(self, local_grads: list[torch.Tensor]) -> torch.Tensor:
         return self._summed_norm(local_grads)
 

@@ -1,7 +1,8 @@
 """The window's arithmetic, written once: the tally of its micro-batches (items and summed
-loss), the end (divide the summed gradient once, measure, clip, guard) and what the window
-reports (``StepResult``). The Accumulator, the framework windows and the pipeline window
-each keep a ``Tally`` and end through ``normalize``: every path computes the same thing.
+loss), the one close (divide the summed gradient once, measure, decide by the skip policy,
+clip, fold the noise estimate, step, count, log) and what the window reports
+(``StepResult``). The Accumulator, the framework windows and the pipeline window each keep a
+``Tally`` and end through ``Closing.close``: every path computes the same thing.
 
 Backward leaves the window's gradient as a sum over its items. One division by the window's
 total (what the sum still carries besides the items, e.g. the fp16 pre-scale, included) makes
@@ -13,11 +14,12 @@ non-finite gradient somewhere: the window is skipped and the gradient left alone
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +34,10 @@ from gradaccum.loss import (
 
 __all__ = [
     "AccumulatorState",
+    "Closing",
+    "Skip",
+    "SkipNonFinite",
+    "SkipPolicy",
     "StepResult",
     "Tally",
     "finish",
@@ -66,12 +72,15 @@ class AccumulatorState:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one window did.
+    """What one window did: the one result of every path (the Accumulator's ``step`` and
+    ``end_window``, ``PipelineWindow.step``, ``FrameworkWindow.end``).
 
     ``loss`` is the mean loss per item over the window (None when the window held no item);
     with named terms, the sum over terms of weight x the term's mean, each mean in ``terms``;
     ``grad_norm`` is the global norm of the normalized gradient before clipping (None when
-    the window held no item); ``skipped`` is None or why the optimizer did not step.
+    the window held no item); ``skipped`` is None or why the optimizer did not step (a
+    ``Skip``); a framework's window, whose loop steps itself, reports what gradaccum would
+    have decided.
     """
 
     loss: float | None
@@ -85,6 +94,16 @@ class StepResult:
     noise_scale: float | None = None  # B_simple so far (with a NoiseScale), else None
     noise_interval: tuple[float, float] | None = None  # its interval (NoiseScale.confidence)
     terms: dict[str, float | None] | None = None  # named terms: each one's mean (unweighted)
+
+    @property
+    def finite(self) -> bool:
+        """The window's gradient is finite (an empty window's too)."""
+        return self.grad_norm is None or math.isfinite(self.grad_norm)
+
+    @property
+    def b_simple(self) -> float | None:
+        """``noise_scale`` under the name the framework integrations log it by."""
+        return self.noise_scale
 
 
 class Tally:
@@ -303,6 +322,7 @@ def normalize(
     sync: Any,
     carried: float = 1.0,
     max_grad_norm: float | None = None,
+    skip: SkipPolicy | None = None,
 ) -> tuple[float, bool]:
     """The window's one division: ``grads`` (this rank's summed gradient, in place) by the
     global item count ``total`` times what the sum still carries besides the items
@@ -310,7 +330,7 @@ def normalize(
     clip. DDP and FSDP2 hand back the mean over ranks, the sum over them / world, so the
     divisor is over the world as well."""
     divisor = total * carried / sync.world
-    return finish(sync.local(grads), divisor, max_grad_norm, sync.norm)
+    return finish(sync.local(grads), divisor, max_grad_norm, sync.norm, skip)
 
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -333,14 +353,16 @@ def finish(
     divisor: float,
     max_grad_norm: float | None,
     norm: Callable[[list[torch.Tensor]], torch.Tensor] = total_norm,
+    skip: SkipPolicy | None = None,
 ) -> tuple[float, bool]:
     """Divide ``grads`` (the window's summed gradient) by ``divisor`` in place and clip them to
-    ``max_grad_norm``. Returns the normalized gradient's norm before clipping and whether it
-    is finite; a non-finite gradient is left as it is (the window will be skipped).
+    ``max_grad_norm``. Returns the normalized gradient's norm before clipping and whether the
+    window steps: ``skip`` (``SkipNonFinite()`` by default) refuses it, and a refused
+    gradient is left as it is.
 
     ``norm`` measures the global norm (``Sync.norm`` adds the other ranks' shards)."""
     grad_norm = norm(grads).item() / divisor
-    if not math.isfinite(grad_norm):
+    if (skip or SKIP_NON_FINITE).skips(grad_norm):
         return grad_norm, False
     if not grads:
         return grad_norm, True
@@ -350,6 +372,130 @@ def finish(
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
     return grad_norm, True
+
+
+# -- why a window does not step -------------------------------------------------------------
+
+
+class Skip(enum.StrEnum):
+    """Why a window did not step (``StepResult.skipped``); each reason written here once.
+    A member is its string: ``result.skipped == "fp16 overflow"`` holds."""
+
+    ZERO_COUNT = "zero count"  # the window held no item: there is no mean to step on
+    NON_FINITE = "non-finite gradient"  # a NaN or Inf somewhere in the gradient
+    FP16_OVERFLOW = "fp16 overflow"  # the same under fp16: the loss scaler lowers its scale
+
+
+class SkipPolicy:
+    """Whether a window's gradient is stepped on, decided from its norm (the mean gradient's,
+    before clipping), as optax's ``MultiSteps(should_skip_update_fn=...)`` decides: an object
+    owning its own settings. ``skips(grad_norm)`` is True to skip; ``reason(scaled)`` says
+    why (``scaled``: an fp16 loss scaler is in use)."""
+
+    def skips(self, grad_norm: float) -> bool:
+        raise NotImplementedError
+
+    def reason(self, scaled: bool) -> str:
+        raise NotImplementedError
+
+
+class SkipNonFinite(SkipPolicy):
+    """Skip a window whose gradient is not finite (its norm NaN or Inf): the default. A NaN
+    anywhere makes the norm NaN, so the norm alone decides, on every rank alike."""
+
+    def __repr__(self) -> str:
+        return "SkipNonFinite()"
+
+    def skips(self, grad_norm: float) -> bool:
+        return not math.isfinite(grad_norm)
+
+    def reason(self, scaled: bool) -> str:
+        return Skip.FP16_OVERFLOW if scaled else Skip.NON_FINITE
+
+
+SKIP_NON_FINITE = SkipNonFinite()
+
+
+# -- the window's end, for every path ---------------------------------------------------------
+
+
+@dataclass
+class Closing:
+    """What ends every window of one runner (an Accumulator, a pipeline stage, a framework's
+    loop), through ``close``: its ``Sync``, its counters, its clip and skip policy, its
+    noise estimate and learning-rate scheduler. The runner keeps one and calls ``close``
+    at each window's end; nothing else divides, measures, decides or reports a window."""
+
+    sync: Any
+    state: AccumulatorState = field(default_factory=AccumulatorState)
+    max_grad_norm: float | None = None
+    skip: SkipPolicy = field(default_factory=SkipNonFinite)
+    noise: Any = None  # a NoiseScale, or None
+    scheduler: Any = None  # stepped once per optimizer step (a runner that steps)
+    precision: Any = None  # a Precision: its loss scale, for the skip's reason and the log
+
+    def close(
+        self,
+        tally: Tally,
+        gather: Callable[[], tuple[list[torch.Tensor], float]],
+        apply: Callable[[bool], None] | None = None,
+        *,
+        scale: float = 1.0,
+    ) -> StepResult:
+        """End the window whose numbers ``tally`` holds.
+
+        ``gather()`` returns this rank's summed gradient and what it still carries besides
+        the items (the fp16 pre-scale, a framework's own division); it is called only for a
+        window that holds items. ``apply(step)`` hands the optimizer the gradient and steps
+        it, or not (the runner's own: a framework's loop steps itself and passes None).
+        ``scale``: an fp16 loss scale still on the gradient, which the framework divides out
+        later (only the reported norm is corrected for it).
+
+        The order is the arithmetic's: the global count and loss; one division per term and
+        the norm; the skip policy's decision; the clip; the noise estimate folds the window
+        (a skipped window's prefixes are dropped); the step, the scheduler; the counters;
+        one log line for a skipped window."""
+        total, loss_total = tally.totals(self.sync)
+        grad_norm: float | None = None
+        skipped: str | None = None
+        if total == 0:
+            skipped = Skip.ZERO_COUNT
+        else:
+            grads, carried = gather()
+            grad_norm, steps = normalize(
+                grads, total, self.sync, carried, self.max_grad_norm, self.skip
+            )
+            grad_norm /= scale
+            if not steps:
+                scaled = self.precision is not None and self.precision.scaler is not None
+                skipped = self.skip.reason(scaled)
+        reading = None
+        if self.noise is not None and skipped is None:
+            window_point = self.sync.reduces(True)  # the last prefix is not this rank's alone
+            reading = self.noise.end_window(grad_norm**2, round(total), window_point)
+        elif self.noise is not None:  # a skipped window's prefixes are not the next one's
+            self.noise.drop_window()
+        before = None if self.precision is None else self.precision.scale()
+        if apply is not None:
+            apply(skipped is None)
+            if skipped is None and self.scheduler is not None:
+                self.scheduler.step()
+        self.state.count_window(tally.micro_batches, round(total), stepped=skipped is None)
+        if skipped is not None and apply is not None:
+            after = None if self.precision is None else self.precision.scale()
+            warn_skipped(self.state, skipped, grad_norm, before, after)
+        return StepResult(
+            loss=loss_total / total if total else None,
+            count=round(total),
+            grad_norm=grad_norm,
+            stepped=skipped is None,
+            skipped=skipped,
+            micro_batches=tally.micro_batches,
+            step=self.state.optimizer_steps,
+            noise_scale=None if reading is None else reading.value,
+            noise_interval=None if reading is None else reading.interval,
+            terms=tally.means(),
+        )
 
 
 def warn_skipped(

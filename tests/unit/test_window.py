@@ -126,3 +126,163 @@ def test_the_accumulator_the_framework_window_and_the_pipeline_window_share_one_
     assert end.count == result.count == tokens
     for path, grads in got.items():
         assert max_rel_err(grads, want) <= 1e-5, path
+
+
+# -- one close for every path: the same window, the same result --------------------------------
+
+# Five windows: uneven micro-batches (how a pipeline schedule cuts 13 and 7 rows: 4, 3, 3, 3
+# and 2, 2, 2, 1; every micro-batch a different number of tokens), a non-finite window (the
+# third: its loss times NaN) and a ragged last window of 7 rows.
+WINDOWS = [(13, 11, False), (13, 12, False), (13, 13, True), (13, 14, False), (7, 15, False)]
+MICRO = 4
+
+
+def _poisoned(flag):
+    def loss(out, labels):
+        loss_sum, count = ga.causal_lm_loss(out, labels)
+        return (loss_sum * float("nan") if flag["on"] else loss_sum), count
+
+    return loss
+
+
+def _reference_window(model, batch, parts):
+    """torch alone, on a copy of the model: the full batch's mean loss and gradient, and the
+    window's noise estimates (|G|^2, tr(Sigma)) from its prefixes' mean gradients fitted
+    by least squares on (1 / B_i, |G_{B_i}|^2)."""
+    loss = lm_reference(model, batch)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    points = []
+    for i in range(1, len(parts) + 1):
+        prefix = {k: torch.cat([p[k] for p in parts[:i]]) for k in batch}
+        g = torch.autograd.grad(lm_reference(model, prefix), list(model.parameters()))
+        tokens = int((prefix["labels"][:, 1:] != -100).sum())
+        points.append((1 / tokens, float(sum(x.double().square().sum() for x in g))))
+    x = torch.tensor([[1.0, p[0]] for p in points], dtype=torch.float64)
+    y = torch.tensor([[p[1]] for p in points], dtype=torch.float64)
+    g2, trace = torch.linalg.lstsq(x, y).solution.flatten().tolist()
+    names = [n for n, _ in model.named_parameters()]
+    return float(loss.detach()), dict(zip(names, grads, strict=True)), (g2, trace)
+
+
+def test_every_path_closes_a_window_alike_through_the_one_close(one_process_group, caplog):
+    """The Accumulator, a framework's loop through FrameworkWindow, and a pipeline of one
+    stage, with a max_grad_norm, a scheduler (the framework's loop has its own), and a
+    NoiseScale each: the same loss, gradient, norm, skip decision and noise reading at every
+    window, against the full batch and its prefixes computed with torch alone. The pipeline
+    now warns on the skipped window and steps its scheduler on every other."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from gradaccum.integrations.window import FrameworkWindow
+    from gradaccum.pipeline import PipelineWindow
+
+    flag = {"on": False}
+    loss = _poisoned(flag)
+    clip = 0.5
+
+    def build():
+        model = make_model(TinyLM)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        return model, opt, sched, capture_step_grads(opt, model)
+
+    acc_model, acc_opt, acc_sched, acc_seen = build()
+    acc = ga.Accumulator(
+        acc_model,
+        acc_opt,
+        scheduler=acc_sched,
+        max_grad_norm=clip,
+        noise=ga.NoiseScale(horizon=1.0),
+    )
+    fw_model, fw_opt, fw_sched, fw_seen = build()
+    framework = FrameworkWindow(fw_model, ga.NoiseScale(horizon=1.0))
+    pipe_model, pipe_opt, pipe_sched, pipe_seen = build()
+    stage = PipelineStage(pipe_model, 0, 1, torch.device("cpu"))
+    pipe = PipelineWindow(
+        stage,
+        pipe_opt,
+        loss,
+        MICRO,
+        max_grad_norm=clip,
+        scheduler=pipe_sched,
+        noise=ga.NoiseScale(horizon=1.0),
+    )
+    reference = make_model(TinyLM)
+    fits = []
+    for index, (rows, seed, poisoned) in enumerate(WINDOWS):
+        batch = padded_lm_batch(seed, rows)
+        parts = [
+            dict(zip(batch, p, strict=True))
+            for p in zip(*(torch.tensor_split(v, MICRO) for v in batch.values()), strict=True)
+        ]
+        want_loss, want_grads, fit = _reference_window(reference, batch, parts)
+        tokens = int((batch["labels"][:, 1:] != -100).sum())
+        flag["on"] = poisoned
+        results = {}
+        caplog.clear()
+        results["accumulator"] = acc.step(
+            parts, lambda m, mb: loss(m(mb["input_ids"]), mb["labels"])
+        )
+        for mb in parts:  # a framework's loop: backward of each summed loss, then end()
+            loss_sum, count = framework.record(*loss(fw_model(mb["input_ids"]), mb["labels"]))
+            loss_sum.backward()
+            framework.after_backward(count, [p.grad for p in fw_model.parameters()])
+        results["framework"] = framework.end(
+            [p.grad for p in fw_model.parameters()], max_grad_norm=clip
+        )
+        if results["framework"].stepped:
+            fw_opt.step()
+            fw_sched.step()
+        fw_opt.zero_grad(set_to_none=True)
+        with caplog.at_level("WARNING", logger="gradaccum"):
+            results["pipeline"] = pipe.step(batch["input_ids"], target=batch["labels"])
+        flag["on"] = False
+
+        first = results["accumulator"]
+        for path, result in results.items():
+            if poisoned:  # the loss as the window summed it: NaN
+                assert math.isnan(result.loss), path
+            else:
+                assert result.loss == pytest.approx(want_loss, rel=1e-5), path
+            assert (result.stepped, result.skipped) == (first.stepped, first.skipped), path
+            assert result.count == tokens and result.micro_batches == MICRO, path
+            assert result.noise_scale == first.noise_scale, path
+            assert result.noise_interval == first.noise_interval, path
+        if poisoned:
+            assert all(r.skipped == "non-finite gradient" for r in results.values())
+            assert "window 3 skipped (non-finite gradient" in caplog.text  # the pipeline's
+            assert len(acc_seen) == len(fw_seen) == len(pipe_seen) == index  # no step
+            continue
+        fits.append(fit)
+        want_norm = float(
+            torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g) for g in want_grads.values()])
+            )
+        )
+        coef = min(1.0, clip / (want_norm + 1e-6))
+        for path, result in results.items():
+            assert result.grad_norm == pytest.approx(want_norm, rel=1e-5), path
+        clipped = {k: g * coef for k, g in want_grads.items()}
+        for path, seen in (
+            ("accumulator", acc_seen),
+            ("framework", fw_seen),
+            ("pipeline", pipe_seen),
+        ):
+            assert max_rel_err(seen[-1], clipped) <= 1e-5, path
+        with torch.no_grad():  # the reference takes the same step: SGD at LambdaLR's rate
+            for name, p in reference.named_parameters():
+                p -= _lr_before(index, WINDOWS) * clipped[name]
+    # the scheduler stepped once per stepped window on the Accumulator and on the pipeline
+    stepped = sum(not poisoned for *_, poisoned in WINDOWS)
+    assert acc_sched.last_epoch == pipe_sched.last_epoch == fw_sched.last_epoch == stepped
+    assert pipe.state.skipped_windows == acc.state.skipped_windows == 1
+    g2, trace = (sum(f[i] for f in fits) / len(fits) for i in (0, 1))
+    for noise in (acc.noise, framework.noise, pipe.noise):
+        got = noise.estimates()
+        assert got[0] == pytest.approx(g2, rel=1e-4) and got[1] == pytest.approx(trace, rel=1e-4)
+    assert first.noise_scale is not None  # a reading, equal on every path
+
+
+def _lr_before(index, windows):
+    """LambdaLR's 0.5 / (1 + steps taken before this window)."""
+    steps = sum(not poisoned for *_, poisoned in windows[:index])
+    return 0.5 / (1 + steps)

@@ -4,13 +4,13 @@ A framework (Hugging Face's Trainer, Lightning) owns the loop: it calls backward
 micro-batch, reduces gradients across ranks on the window's last one, clips and steps. The
 integrations only tell this class what each micro-batch held, and call ``end`` between the
 last backward and the framework's clipping. The window's numbers are a ``window.Tally`` and
-its end is ``window.normalize``, as in the Accumulator's ``end_window``: every path computes
-the same thing.
+its end is ``window.Closing.close``, as the Accumulator's ``end_window``'s: every path
+computes the same thing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
 from typing import Any
 
 import torch
@@ -18,9 +18,21 @@ import torch
 from gradaccum.noise import NoiseScale
 from gradaccum.schedule import BatchSchedule
 from gradaccum.sync import Sync
-from gradaccum.window import Tally, normalize, total_norm
+from gradaccum.window import Closing, StepResult, Tally
 
-__all__ = ["FrameworkWindow", "ScheduledWindows", "WindowEnd", "noise_option"]
+__all__ = ["FrameworkWindow", "ScheduledWindows", "noise_option"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WindowEnd":  # merged into the one result type
+        warnings.warn(
+            "gradaccum.integrations.window.WindowEnd is gradaccum.StepResult (the one result "
+            "of every window's end); the old name goes in the next minor version",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return StepResult
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def noise_option(noise: NoiseScale | bool) -> NoiseScale | None:
@@ -33,21 +45,6 @@ def noise_option(noise: NoiseScale | bool) -> NoiseScale | None:
     if not isinstance(noise, NoiseScale):
         raise TypeError(f"noise must be a NoiseScale, True or False, got {type(noise).__name__}")
     return noise
-
-
-@dataclass(frozen=True)
-class WindowEnd:
-    """What ``FrameworkWindow.end`` did: the global count and mean loss, the mean gradient's
-    norm before the framework clips it (None on an empty or non-finite window), B_simple
-    so far (None without an estimate), and each named term's mean (None for a pair)."""
-
-    count: int
-    loss: float | None
-    grad_norm: float | None
-    finite: bool
-    b_simple: float | None
-    terms: dict[str, float | None] | None = None  # named terms: each one's mean
-    noise_interval: tuple[float, float] | None = None  # B_simple's interval, as it reads now
 
 
 class FrameworkWindow:
@@ -65,7 +62,7 @@ class FrameworkWindow:
         self.sync = sync if sync is not None else Sync.of(model)
         self.noise = noise
         self.tally = Tally()
-        self._prefix: tuple[torch.Tensor, Any] | None = None  # the latest, not yet kept
+        self.closing = Closing(self.sync, noise=noise)
 
     def begin(self, counts: Any) -> None:
         """A window whose loss is named terms: this rank's count of each term over the whole
@@ -82,16 +79,12 @@ class FrameworkWindow:
         self, count: Any, grads: list[torch.Tensor] | None = None, multiplier: float = 1.0
     ) -> None:
         """After a recorded micro-batch's backward. ``grads``: the window's gradient so far,
-        carrying ``multiplier`` times the summed losses' gradient, for the noise estimate.
-        As in the engine, nothing here waits for the device: losses and GPU counts are summed
-        where they are and read once, at ``end``.
-
-        Its prefix is kept once another micro-batch follows in the window: only then is it
-        known to be a local prefix and not the last backward, which under DDP has already
-        reduced across ranks (``end`` adds the global window instead)."""
+        carrying ``multiplier`` times the summed losses' gradient, for the noise estimate
+        (``NoiseScale.record``: the same prefix rule as the Accumulator's). As in the engine,
+        nothing here waits for the device: losses and GPU counts are summed where they are
+        and read once, at ``end``."""
         if self.noise is not None and grads is not None:
-            self._keep_prefix()
-            self._prefix = (total_norm(grads).square() / multiplier**2, count)
+            self.noise.record(grads, count, multiplier)
 
     def add(
         self,
@@ -109,7 +102,6 @@ class FrameworkWindow:
         """Forget the window so far (its counts, losses and noise prefixes), as when it is
         replayed after an out-of-memory error; the caller drops its gradient."""
         self.tally = Tally()
-        self._prefix = None
         if self.noise is not None:
             self.noise.drop_window()
 
@@ -118,49 +110,25 @@ class FrameworkWindow:
         """Micro-batches recorded in the window so far."""
         return self.tally.micro_batches
 
-    def _keep_prefix(self) -> None:
-        if self._prefix is not None:
-            self.noise.add_prefix(*self._prefix)
-            self._prefix = None
-
     def end(
         self,
         grads: list[torch.Tensor],
         carried: float = 1.0,
         scale: float = 1.0,
         max_grad_norm: float | None = None,
-    ) -> WindowEnd:
+    ) -> StepResult:
         """Divide the window's gradient (``grads``, in place) once by its global item count.
 
         ``carried``: what the framework already divided the summed losses by before
         backward (Lightning's ``1 / accumulate_grad_batches``), divided out here too;
         ``scale``: an fp16 loss scale still on the gradient, which the framework divides out
         itself later (only the norm reported here is corrected for it); ``max_grad_norm``:
-        clip here, by ``window.finish``'s rule (frameworks that clip themselves leave it None)."""
-        total, loss = self.tally.totals(self.sync)
-        terms = self.tally.means()
-        self.tally = Tally()
-        if self.sync.distributed:
-            self._prefix = None  # the last backward reduced: not this rank's prefix
-        elif self.noise is not None:
-            self._keep_prefix()
-        if total == 0:
-            if self.noise is not None:
-                self.noise.drop_window()
-            return WindowEnd(0, None, None, True, self._b_simple(), terms)
-        grad_norm, finite = normalize(grads, total, self.sync, carried, max_grad_norm)
-        grad_norm /= scale
-        b_simple = interval = None
-        if self.noise is not None and finite:
-            reading = self.noise.end_window(grad_norm**2, round(total), self.sync.distributed)
-            b_simple, interval = reading.value, reading.interval
-        elif self.noise is not None:
-            self.noise.drop_window()
-            b_simple = self.noise.value()
-        return WindowEnd(round(total), loss / total, grad_norm, finite, b_simple, terms, interval)
-
-    def _b_simple(self) -> float | None:
-        return None if self.noise is None else self.noise.value()
+        clip here, by ``window.finish``'s rule (frameworks that clip themselves leave it None).
+        The window ends through ``Closing.close``, as the Accumulator's does, without its step
+        (the framework's loop steps): the result says what gradaccum decided."""
+        self.closing.max_grad_norm = max_grad_norm
+        tally, self.tally = self.tally, Tally()
+        return self.closing.close(tally, lambda: (grads, carried), scale=scale)
 
 
 class ScheduledWindows:
@@ -206,7 +174,7 @@ class ScheduledWindows:
         length = max(1, self.schedule.size() // (self.micro * self.world))
         return done + length, length
 
-    def window_done(self, end: WindowEnd, samples: int) -> None:
+    def window_done(self, end: StepResult, samples: int) -> None:
         """After a window that held ``samples`` samples on this process (``end``: what the
         window's end computed: its global count and B_simple's interval)."""
         self.schedule.update(end, samples * self.world)
