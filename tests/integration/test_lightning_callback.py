@@ -21,7 +21,11 @@ from frameworks import (
 )
 
 lightning = pytest.importorskip("lightning")
-from gradaccum.integrations.lightning import ExactAccumulation, exact_output  # noqa: E402
+from gradaccum.integrations.lightning import (  # noqa: E402
+    ExactAccumulation,
+    OOMReplayStrategy,
+    exact_output,
+)
 
 
 class LM(lightning.LightningModule):
@@ -166,7 +170,9 @@ def run_with_fault(fault=None, oom=None):
     if fault is not None:
         fault(model)
     module = LM(model, exact=True, lr=0.1)
-    trainer = fit(module, padded_sequences(48), [ExactAccumulation(oom=oom)])
+    # a callback's hooks cannot carry a fit past an error: the replay is the strategy's
+    strategy = {} if oom is None else {"strategy": OOMReplayStrategy()}
+    trainer = fit(module, padded_sequences(48), [ExactAccumulation(oom=oom)], **strategy)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return module.optimizer.seen, weights, trainer.callback_metrics
 
@@ -200,6 +206,36 @@ def test_out_of_memory_mid_window_replays_it_to_the_same_step(phase, calls, capl
     assert max(errors) <= 1e-6 and drift <= 1e-6
     assert "out of memory at micro-batch size 4; replaying the window at 2" in caplog.text
     assert float(logged["oom_replays"]) == 1.0
+
+
+def test_replay_without_its_strategy_is_refused_in_one_line_with_the_reason():
+    import gradaccum as ga
+
+    with pytest.raises(ValueError) as error:
+        fit(
+            LM(tiny_gpt2(), exact=True),
+            padded_sequences(16),
+            [ExactAccumulation(oom=ga.OOMReplay())],
+        )
+    message = str(error.value)
+    assert (
+        "\n" not in message and "oom= needs Trainer(strategy=OOMReplayStrategy(device))" in message
+    )
+    assert "never around them" in message
+
+
+def test_the_callback_leaves_lightnings_strategy_as_it_was():
+    """No method of Lightning's objects is replaced: the strategy's training_step and
+    backward are its class's, before the fit and after it, with and without replay."""
+    import gradaccum as ga
+
+    for oom, strategy in ((None, "auto"), (ga.OOMReplay(), OOMReplayStrategy())):
+        trainer = fit(
+            LM(tiny_gpt2(), exact=True), padded_sequences(16), [ExactAccumulation(oom=oom)],
+            strategy=strategy,
+        )  # fmt: skip
+        for name in ("training_step", "backward"):
+            assert name not in vars(trainer.strategy)
 
 
 def test_out_of_memory_without_replay_ends_training():

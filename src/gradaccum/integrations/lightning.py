@@ -25,10 +25,19 @@ before its clipping) the window's gradient is divided once by its global item co
 arithmetic). Under DDP the counts are summed over ranks. B_simple, the gradient noise
 scale, is logged with ``self.log("b_simple", ...)``.
 
-With ``ExactAccumulation(oom=OOMReplay())``, a micro-batch whose forward or backward runs
-out of memory drops the window's gradient, and the window's micro-batches so far (the
-callback keeps them as Lightning fetches them) run again at half the size; later
-micro-batches are split the same way: every sample once, the same step. One process only.
+With ``ExactAccumulation(oom=OOMReplay())`` and ``Trainer(strategy=OOMReplayStrategy())``,
+a micro-batch whose forward or backward runs out of memory drops the window's gradient, and
+the window's micro-batches so far (the callback keeps them as Lightning fetches them) run
+again at half the size; later micro-batches are split the same way: every sample once, the
+same step. One process only. The replay is a strategy's because a callback's hooks run
+before and after Lightning's training step and backward, never around them.
+
+A Hugging Face mixture-of-experts model inside the module that adds a router loss to its
+own (``output_router_logits=True``) has it trained as its own term of the window: the
+window's routing is known only at its end (Lightning fetches a window's micro-batches one
+at a time), so at ``on_before_optimizer_step`` the callback runs a pass without gradient
+over the window's micro-batches for each expert's share, then each micro-batch's router
+term with its backward (``_router_pass``); training_step returns the token loss alone.
 
 With ``ExactAccumulation(schedule=BatchSchedule(...))`` the effective batch follows the
 schedule (a ramp, steps, or ``auto`` from B_simple): at each window's first micro-batch the
@@ -36,14 +45,14 @@ callback sets ``trainer.accumulate_grad_batches`` to the schedule's window in mi
 (``ScheduledWindows``); the schedule's state travels in Lightning's checkpoints.
 
 Refused, with the reason: manual optimization, strategies other than single-device and DDP
-(DeepSpeed and FSDP own the reduction and normalization), a model that adds a router loss to
-its own (its load-balancing term needs the whole window's routing before the first backward,
-and Lightning fetches a window's micro-batches one at a time), and a training_step that did
-not return through ``exact_output``.
+(DeepSpeed and FSDP own the reduction and normalization), ``oom=`` without
+``OOMReplayStrategy``, a router loss gradaccum cannot count (or under DDP, or with
+``oom=``), and a training_step that did not return through ``exact_output``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,12 +63,12 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from gradaccum.batching import batch_size
 from gradaccum.diagnose.audit import AuditWindow, join_batches
 from gradaccum.integrations.window import FrameworkWindow, ScheduledWindows, noise_option
-from gradaccum.loss import router_loss_setting
+from gradaccum.loss import router_loss_setting, routing_counts
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay, free_memory
 from gradaccum.schedule import BatchSchedule
 
-__all__ = ["ExactAccumulation", "audit_window", "exact_output"]
+__all__ = ["ExactAccumulation", "OOMReplayStrategy", "audit_window", "exact_output"]
 
 
 def exact_output(module: lightning.LightningModule, loss_sum: Any, count: Any) -> dict[str, Any]:
@@ -121,9 +130,35 @@ class ExactAccumulation(lightning.Callback):
         self._replayed = False  # this window replayed
         self.oom_replays = 0  # windows replayed, in all
         self._windows = 0  # windows ended, for the replay's messages
+        self._router: Any = None  # the model's router loss as its own term (a RouterTerm)
+        self._router_model: torch.nn.Module | None = None  # the model that adds it
+        self._tokens: Any = 0  # the window's token count so far, with a router term
 
     def _take(self, loss_sum: Any, count: Any) -> None:
         self._micro = (loss_sum, count)  # checked when the window takes them, after backward
+
+    # -- what OOMReplayStrategy asks of the window ------------------------------------------
+
+    @property
+    def window_batches(self) -> list[Any]:
+        """The open window's micro-batches so far, as Lightning fetched them (with ``oom=``)."""
+        return list(self._batches)
+
+    @property
+    def windows_ended(self) -> int:
+        return self._windows
+
+    def drop_window(self, module: torch.nn.Module) -> None:
+        """Forget the open window: its gradient, counts, losses and noise prefixes."""
+        self._micro = None
+        for p in module.parameters():
+            p.grad = None
+        self.window.drop()
+
+    def count_replay(self) -> None:
+        """The open window runs again, smaller (``oom_replays`` is logged)."""
+        self.oom_replays += 1
+        self._replayed = True
 
     def on_train_start(self, trainer: lightning.Trainer, pl_module: Any) -> None:
         problems = []
@@ -133,31 +168,24 @@ class ExactAccumulation(lightning.Callback):
                 "gradaccum's Accumulator inside training_step instead"
             )
         strategy = trainer.strategy
-        if type(strategy) not in (SingleDeviceStrategy, DDPStrategy):
+        if type(strategy) not in (SingleDeviceStrategy, DDPStrategy, OOMReplayStrategy):
             problems.append(
                 f"strategy {type(strategy).__name__}: only single-device and DDP leave the "
                 "gradient's reduction and normalization to Lightning's loop"
             )
-        router = router_loss_setting(pl_module)
-        if router is not None:
-            inner = next(
-                type(m).__name__
-                for m in pl_module.modules()
-                if getattr(m, "config", None) is not None and router_loss_setting(m) == router
-            )
-            problems.append(
-                f"{inner} adds a router loss to its own ({router[0]}): its load-balancing term "
-                "is a product of two means over the window, exact only from every "
-                "micro-batch's routing before the first backward, and Lightning's loop fetches "
-                "a window's micro-batches one at a time (nor can the callback see how "
-                "training_step uses the model's loss); set output_router_logits=False, or train "
-                "it with gradaccum's transformers Trainer or Accumulator (docs/losses.md)"
-            )
+        problems.extend(self._router_problems(trainer, pl_module))
         self.window = FrameworkWindow(strategy.model, self.noise)
         if self.oom is not None and self.window.sync.distributed:
             problems.append(
                 "oom= replays a window in one process; under DDP the ranks would have to "
                 "replay together (gradaccum's Accumulator does that: oom=OOMReplay())"
+            )
+        elif self.oom is not None and not isinstance(strategy, OOMReplayStrategy):
+            problems.append(
+                "oom= needs Trainer(strategy=OOMReplayStrategy(device)) from "
+                "gradaccum.integrations.lightning: a callback's hooks run before and after "
+                "Lightning's training step and backward, never around them, so they cannot "
+                "catch an out-of-memory error there and carry on the fit"
             )
         if self.schedule is not None and any(
             type(c).__name__ == "GradientAccumulationScheduler" for c in trainer.callbacks
@@ -172,11 +200,44 @@ class ExactAccumulation(lightning.Callback):
             raise ValueError(
                 "ExactAccumulation cannot make this run exact:\n  - " + "\n  - ".join(problems)
             )
+
+    def _router_problems(self, trainer: lightning.Trainer, pl_module: Any) -> list[str]:
+        """A model inside the module that adds a router loss to its own: trained as its own
+        term of the window (the routing pass and the term's gradient at the window's end,
+        ``_router_pass``) where its form is known; else why not."""
+        self._router = self._router_model = None
+        router = router_loss_setting(pl_module)
+        if router is None:
+            return []
+        base = next(
+            m
+            for m in pl_module.modules()
+            if getattr(m, "config", None) is not None and router_loss_setting(m) == router
+        )
+        from gradaccum.integrations.transformers import router_term
+
+        term, problem = router_term(base, router[0])
+        name = type(base).__name__
+        if problem is not None:
+            return [f"{problem}, or train it with gradaccum's Accumulator (docs/losses.md)"]
+        problems = []
+        if type(trainer.strategy) not in (SingleDeviceStrategy, OOMReplayStrategy):
+            problems.append(
+                f"{name}'s router loss ({router[0]}) under {type(trainer.strategy).__name__}: "
+                "its term's gradient is added after the window's last backward, which DDP "
+                "has already reduced across ranks; train it in one process, or with "
+                "gradaccum's transformers Trainer under torchrun"
+            )
         if self.oom is not None:
-            _Replaying(self, trainer, pl_module).install()
+            problems.append(
+                f"oom= with {name}'s router loss: its term's passes would need replaying too; "
+                "give one of them"
+            )
+        self._router, self._router_model = term, base
+        return problems
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
-        if self.oom is not None:
+        if self.oom is not None or self._router is not None:
             self._batches.append(batch)
         if self.schedule is None:
             return
@@ -200,6 +261,8 @@ class ExactAccumulation(lightning.Callback):
     def on_after_backward(self, trainer: lightning.Trainer, pl_module: Any) -> None:
         loss_sum, count = self._micro
         self._micro = None
+        if self._router is not None:
+            self._tokens = self._tokens + count
         if self.noise is None:
             self.window.add(loss_sum, count)
             return
@@ -210,8 +273,15 @@ class ExactAccumulation(lightning.Callback):
     def on_before_optimizer_step(
         self, trainer: lightning.Trainer, pl_module: Any, optimizer: torch.optim.Optimizer
     ) -> None:
+        router = None if self._router is None else self._router_pass(trainer)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         self.last = self.window.end(grads, carried=1 / trainer.accumulate_grad_batches)
+        if router is not None:  # the window's loss: its token loss, and the router's term
+            aux, coefficient = router
+            ce = self.last.loss
+            loss = None if ce is None else ce + coefficient * aux
+            self.last = dataclasses.replace(self.last, loss=loss, terms={"ce": ce, "aux": aux})
+            self._batches, self._tokens = [], 0
         self._windows += 1
         if self.last.b_simple is not None:
             pl_module.log("b_simple", self.last.b_simple, on_step=True, on_epoch=False)
@@ -227,6 +297,48 @@ class ExactAccumulation(lightning.Callback):
             if self.oom_replays:
                 pl_module.log("oom_replays", float(self.oom_replays), on_step=True, on_epoch=False)
 
+    def _router_pass(self, trainer: lightning.Trainer) -> tuple[float, float]:
+        """The router's term of the window, at its end (Lightning fetched its micro-batches
+        one at a time, so the window's routing is known only now): a pass without gradient
+        over the window's micro-batches for each expert's share of the window's
+        assignments, then each micro-batch's term (its router probabilities weighted by
+        those shares, ``gradaccum.loss.load_balancing``) backpropagated, weighted so that
+        the window's one division gives coefficient x the term's window mean beside the
+        token loss's. Returns (the term's window mean, the coefficient)."""
+        from gradaccum.integrations.transformers import router_coefficient, router_inputs
+
+        term, base = self._router, self._router_model
+        if not all(isinstance(b, Mapping) for b in self._batches):
+            raise TypeError(
+                "ExactAccumulation: the router term's passes call the model on the batch's "
+                "fields, so each batch must be a mapping of its inputs (input_ids, "
+                f"attention_mask), got {type(self._batches[0]).__name__}"
+            )
+        context = trainer.precision_plugin.train_step_context
+        assigned, rows = None, 0.0
+        with torch.no_grad(), context():
+            for batch in self._batches:
+                inputs = router_inputs(base, batch)
+                logits = term.logits(base(**inputs))
+                a, r = routing_counts(
+                    logits, term.experts, term.top_k, inputs.get("attention_mask")
+                )
+                assigned, rows = (a if assigned is None else assigned + a), rows + r
+        coefficient = router_coefficient(base)
+        term.begin(assigned, rows, self.window.sync, coefficient)
+        # the window's division is by its tokens, times Lightning's 1/N already on the gradient
+        weight = coefficient * float(self._tokens) / (float(rows) * trainer.accumulate_grad_batches)
+        total = torch.zeros(())
+        for batch in self._batches:
+            inputs = router_inputs(base, batch)
+            with context():
+                outputs = base(**inputs)
+            aux_sum, _, _ = term.term(outputs, inputs.get("attention_mask"))
+            (aux_sum * weight).backward()
+            total = total + aux_sum.detach().cpu()
+        term.check()  # the passes routed alike, and the model's aux_loss is of this form
+        return float(total) / float(rows), coefficient
+
     def state_dict(self) -> dict[str, Any]:
         """Lightning's checkpoints keep the schedule's position and auto's state."""
         return {} if self.schedule is None else {"schedule": self.schedule.state_dict()}
@@ -236,76 +348,89 @@ class ExactAccumulation(lightning.Callback):
             self.schedule.load_state_dict(state_dict["schedule"])
 
 
-class _Replaying:
-    """Out-of-memory replay around Lightning's own training step and backward (the strategy's
-    ``training_step`` and ``backward``, which its loop calls by name). Lightning zeroes the
-    gradient between a window's first training step and its backward, so every backward here
-    runs inside Lightning's: a micro-batch above the replay's cap has its first piece run by
-    Lightning and the rest after that piece's backward; on out-of-memory (in a forward, the
-    training step hands Lightning a stand-in loss and the error waits for its backward) the
-    window is dropped and its micro-batches so far run again, split smaller."""
+class OOMReplayStrategy(SingleDeviceStrategy):
+    """Lightning's single-device strategy with out-of-memory replay for
+    ``ExactAccumulation(oom=OOMReplay())``: ``Trainer(strategy=OOMReplayStrategy("cuda:0"),
+    callbacks=[ExactAccumulation(oom=...)])``.
 
-    def __init__(self, callback: ExactAccumulation, trainer: Any, module: Any) -> None:
-        self.callback, self.trainer, self.module = callback, trainer, module
-        strategy = trainer.strategy
-        self.step, self.backward = strategy.training_step, strategy.backward
+    Why a strategy: a callback's hooks run before and after Lightning's training step and
+    backward, never around them, so an out-of-memory error there ends the fit before any
+    hook could carry on; the strategy's ``training_step`` and ``backward`` are Lightning's
+    own override points around them (its docs: "override training_step"). Lightning zeroes
+    the gradient between a window's first training step and its backward, so every backward
+    here runs inside Lightning's: a micro-batch above the replay's cap has its first piece
+    run by Lightning and the rest after that piece's backward; on out-of-memory (in a
+    forward, the training step hands Lightning a stand-in loss and the error waits for its
+    backward) the window is dropped (``ExactAccumulation.drop_window``) and its micro-batches
+    so far run again, split smaller."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.pending: list[Any] = []  # the micro-batch's pieces after the first
-        self.args: tuple = ()  # the training step's arguments after the batch
+        self.step_args: tuple = ()  # the training step's arguments after the batch
         self.size = 0  # the size of the piece running now
         self.failed: BaseException | None = None  # a forward's error, for the backward
 
-    def install(self) -> None:
-        self.trainer.strategy.training_step = self.training_step
-        self.trainer.strategy.backward = self.guarded_backward
+    def callback(self) -> ExactAccumulation | None:
+        """The trainer's ``ExactAccumulation`` with ``oom=``, or None (then this strategy is
+        Lightning's single-device one)."""
+        found = [
+            c for c in self.lightning_module.trainer.callbacks if isinstance(c, ExactAccumulation)
+        ]
+        return found[0] if len(found) == 1 and found[0].oom is not None else None
 
-    def training_step(self, batch: Any, *args: Any) -> Any:
-        first, *self.pending = self.callback.oom.arrange([batch])
-        self.args, self.size = args, batch_size(first)
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        callback = self.callback()
+        if callback is None or kwargs:
+            return super().training_step(*args, **kwargs)
+        batch, *rest = args
+        first, *self.pending = callback.oom.arrange([batch])
+        self.step_args, self.size = tuple(rest), batch_size(first)
         try:
-            return self.step(first, *args)
+            return super().training_step(first, *rest)
         except torch.OutOfMemoryError as err:
             self.failed = err
         # a stand-in for Lightning to hand its backward, with no graph to the parameters
-        return {"loss": torch.zeros((), requires_grad=True, device=self.module.device)}
+        return {"loss": torch.zeros((), requires_grad=True, device=self.root_device)}
 
-    def guarded_backward(self, loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        callback = self.callback()
+        if callback is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
         error, self.failed = self.failed, None
         if error is None:
             try:
-                self.backward(loss, optimizer, *args, **kwargs)
+                super().backward(closure_loss, optimizer, *args, **kwargs)
                 for piece in self.pending:
                     self.size = batch_size(piece)
                     self._forward_backward(piece)
-                return
+                return closure_loss
             except torch.OutOfMemoryError as err:
                 error = err
             finally:
                 self.pending = []
-        del loss
-        self._replay(error)
+        del closure_loss
+        self._replay(callback, error)
+        return None
 
     def _forward_backward(self, piece: Any) -> None:
-        output = self.step(piece, *self.args)
+        output = super().training_step(piece, *self.step_args)
         loss = output["loss"] if isinstance(output, Mapping) else output
-        self.backward(loss / self.trainer.accumulate_grad_batches, self.trainer.optimizers[0])
+        trainer = self.lightning_module.trainer
+        super().backward(loss / trainer.accumulate_grad_batches, trainer.optimizers[0])
 
-    def _replay(self, error: BaseException) -> None:
+    def _replay(self, callback: ExactAccumulation, error: BaseException) -> None:
         """Drop the window and run its micro-batches so far again, smaller, until they fit;
         the error again when a micro-batch of one does not."""
-        callback = self.callback
         while True:
-            callback._micro = None
-            for p in self.module.parameters():
-                p.grad = None
-            callback.window.drop()
-            if callback.oom.shrink(self.size, callback._windows + 1) is None:
+            callback.drop_window(self.lightning_module)
+            if callback.oom.shrink(self.size, callback.windows_ended + 1) is None:
                 raise error
             error = None
-            callback.oom_replays += 1
-            callback._replayed = True
+            callback.count_replay()
             free_memory()
             try:
-                for piece in callback.oom.arrange(callback._batches):
+                for piece in callback.oom.arrange(callback.window_batches):
                     self.size = batch_size(piece)
                     self._forward_backward(piece)
                 return
@@ -327,7 +452,13 @@ _EXACT = (
     "add gradaccum's callback, Trainer(callbacks=[ExactAccumulation()]), and return "
     "exact_output(self, loss_sum, count) from training_step (docs/lightning.md)"
 )
-AUDIT_FIXES = {"mean_per_micro_batch": _EXACT, "equal_weights": _EXACT}
+AUDIT_FIXES = {
+    "mean_per_micro_batch": _EXACT,
+    "equal_weights": _EXACT,
+    "router_loss": "return the token loss alone through exact_output with gradaccum's "
+    "ExactAccumulation(): it adds the model's router loss as its own term of the window "
+    "(docs/lightning.md#a-mixture-of-experts-models-router-loss)",
+}
 
 
 class _WindowDone(Exception):

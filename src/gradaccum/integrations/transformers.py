@@ -25,7 +25,7 @@ The loss of a micro-batch, as ``(loss_sum, count)``:
   next-token cross-entropy and the router's load-balancing term, weighted by the
   coefficient and counted by its routed rows, with the window's share of assignments per
   expert from a pass without gradient over the window before its first backward
-  (``_RouterTerm``): the model's own loss over the whole window. Refused where that cannot
+  (``RouterTerm``): the model's own loss over the whole window. Refused where that cannot
   be exact (another class, random routing, an ``aux_loss`` of another form).
 - any other model with ``labels``: its own loss, a mean over the labels other than -100,
   times that count (refused if it returns an ``aux_loss`` beside it).
@@ -93,7 +93,16 @@ from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay, free_memory
 from gradaccum.schedule import BatchSchedule
 
-__all__ = ["ExactAccumulationMixin", "Trainer", "audit_window", "preference_pairs"]
+__all__ = [
+    "ExactAccumulationMixin",
+    "RouterTerm",
+    "Trainer",
+    "audit_window",
+    "preference_pairs",
+    "router_coefficient",
+    "router_inputs",
+    "router_term",
+]
 
 _CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
@@ -190,7 +199,7 @@ class ExactAccumulationMixin:
             self.items = preference_pairs
         self._rl = is_rl_trainer(self)  # TRL's GRPOTrainer: its loss, normalized over the window
         self._window: FrameworkWindow | None = None
-        self._router: _RouterTerm | None = None  # the model's router loss, as its own term
+        self._router: RouterTerm | None = None  # the model's router loss, as its own term
         self._pass_size: int | None = None  # the routing pass's micro-batch running now
         self._window_size = 0
         self._window_counts: dict[str, Any] | None = None  # the next window's, with counts=
@@ -459,7 +468,7 @@ class ExactAccumulationMixin:
     def _router_problems(self, model: torch.nn.Module) -> list[str]:
         """Whether the model adds a router loss to its own and how it is trained: where the
         mixin computes the model's loss (a causal LM's, no loss_fn or items), as its own term
-        of the window (``_RouterTerm``) when its form is known and routing is deterministic;
+        of the window (``RouterTerm``) when its form is known and routing is deterministic;
         otherwise the reason it cannot be exact. GRPO and DPO refuse it on their own."""
         self._router = None
         base = self._base_model(model)
@@ -475,36 +484,19 @@ class ExactAccumulationMixin:
                 f"router loss ({setting}) once per micro-batch; give loss_fn= with it as a named "
                 "term (docs/losses.md)"
             ]
-        experts = getattr(base, "num_experts", None)
-        top_k = getattr(base, "num_experts_per_tok", None)
-        if name not in _LOAD_BALANCED or not _causal(base) or not _counts(experts, top_k):
+        term, problem = router_term(base, setting)
+        if problem is not None:
             return [
-                f"{name} adds an auxiliary loss to its own ({setting}) that gradaccum does not "
-                "know how to count over a window; set output_router_logits=False, or give "
-                "loss_fn=(model, inputs) returning it as a named term (docs/losses.md)"
+                f"{problem}, or give loss_fn=(model, inputs) returning it as a named term "
+                "(docs/losses.md)"
             ]
-        random = _random_settings(base)
-        if random:
-            return [
-                f"{name}'s router loss ({setting}) needs the window's routing from a pass "
-                f"before its first backward, and its forward draws random numbers in training "
-                f"({', '.join(random)}), so the pass would route differently; set them to 0, "
-                "or output_router_logits=False"
-            ]
-        self._router = _RouterTerm(name, experts, top_k)
+        self._router = term
         return []
 
     def _router_coefficient(self, base: torch.nn.Module) -> float | None:
         """The router loss's coefficient: TRL's trainers keep their own (their config's
-        ``router_aux_loss_coef``), else the model's (its forward's), else its config's."""
-        config = getattr(base, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        for owner in (self, base, text):
-            for attribute in ("router_aux_loss_coef", "aux_loss_coef"):
-                value = getattr(owner, attribute, None)
-                if isinstance(value, numbers.Real) and not isinstance(value, bool):
-                    return float(value)
-        return None
+        ``router_aux_loss_coef``), else the model's."""
+        return router_coefficient(base, self)
 
     def _route_window(self, model: torch.nn.Module) -> dict[str, Any]:
         """The window's counts before its first backward, for the model's token loss and
@@ -533,7 +525,6 @@ class ExactAccumulationMixin:
     def _routing_pass(self, model: torch.nn.Module) -> dict[str, Any]:
         router, base = self._router, self._base_model(model)
         run = self.accelerator.unwrap_model(model)  # not DDP's: no collective in the pass
-        skip = "logits_to_keep" in inspect.signature(base.forward).parameters
         batches = self._window_batches
         assigned, rows, tokens = None, 0.0, 0
         model.train()
@@ -542,10 +533,7 @@ class ExactAccumulationMixin:
                 self._pass_size = batch_size(batch)
                 inputs = self._prepare_inputs(batch)
                 tokens = tokens + _next_token_count(inputs)
-                rest = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
-                rest["output_router_logits"] = True
-                if skip:  # the router's logits are all the pass needs, not the vocabulary's
-                    rest["logits_to_keep"] = 1
+                rest = router_inputs(base, inputs)
                 logits = router.logits(run(**rest))
                 mask = rest.get("attention_mask")
                 a, r = routing_counts(logits, router.experts, router.top_k, mask)
@@ -694,7 +682,55 @@ def _random_settings(model: torch.nn.Module) -> list[str]:
     return list(found.values())
 
 
-class _RouterTerm:
+def router_term(base: torch.nn.Module, setting: str) -> tuple[RouterTerm | None, str | None]:
+    """``base``'s router loss (turned on by ``setting``) as a window term, or why it cannot
+    be one, ending with what to do on the model's side (an integration adds its own): a class whose
+    ``aux_loss`` is not transformers' load-balancing form, or a forward that draws random
+    numbers in training (a routing pass would route differently)."""
+    name = type(base).__name__
+    experts = getattr(base, "num_experts", None)
+    top_k = getattr(base, "num_experts_per_tok", None)
+    if name not in _LOAD_BALANCED or not _causal(base) or not _counts(experts, top_k):
+        return None, (
+            f"{name} adds an auxiliary loss to its own ({setting}) that gradaccum does not "
+            "know how to count over a window; set output_router_logits=False"
+        )
+    random = _random_settings(base)
+    if random:
+        return None, (
+            f"{name}'s router loss ({setting}) needs the window's routing from a pass "
+            f"besides training, and its forward draws random numbers in training "
+            f"({', '.join(random)}), so the pass would route differently; set them to 0, "
+            "or output_router_logits=False"
+        )
+    return RouterTerm(name, experts, top_k), None
+
+
+def router_coefficient(base: torch.nn.Module, *owners: Any) -> float | None:
+    """The router loss's coefficient: the first ``owners``' (TRL's trainers keep their own),
+    else the model's (its forward's), else its config's."""
+    config = getattr(base, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for owner in (*owners, base, text):
+        for attribute in ("router_aux_loss_coef", "aux_loss_coef"):
+            value = getattr(owner, attribute, None)
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                return float(value)
+    return None
+
+
+def router_inputs(base: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """A micro-batch's inputs for a routing pass: no labels (no token loss), the router's
+    logits on, and only the last position's vocabulary logits where the model can skip
+    the rest (the pass needs the router's logits alone)."""
+    rest = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+    rest["output_router_logits"] = True
+    if "logits_to_keep" in inspect.signature(base.forward).parameters:
+        rest["logits_to_keep"] = 1
+    return rest
+
+
+class RouterTerm:
     """A causal LM's router load-balancing loss (its coefficient x transformers'
     ``load_balancing_loss_func`` over the batch's routed tokens) as its own term of the
     window: each micro-batch's sum over its routed rows weighted by the whole window's share
