@@ -26,6 +26,7 @@ _EXPORTS = {
     "gradaccum.noise": "NoiseReading NoiseScale",
     "gradaccum.oom": "OOMReplay",
     "gradaccum.plan": "Plan plan",
+    "gradaccum.plan.estimate": "Estimate estimate",
     "gradaccum.precision": "Precision",
     "gradaccum.recompute": "disable_checkpointing enable_checkpointing",
     "gradaccum.schedule": "BatchSchedule",

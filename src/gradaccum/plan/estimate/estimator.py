@@ -1,0 +1,236 @@
+"""``estimate()``: one window of training traced with fake tensors, its peak as CUDA's caching
+allocator would report it (docs/planning.md, "Estimating for a GPU that is not here")."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gradaccum.plan.estimate import allocator as alloc
+from gradaccum.plan.estimate import cuda
+from gradaccum.plan.estimate.devices import gpu as find_gpu
+from gradaccum.plan.estimate.result import PARTS, Estimate
+from gradaccum.plan.estimate.trace import (
+    Tally,
+    TraceError,
+    apply_order,
+    fake_mode,
+    module_names,
+    moves_in_place,
+)
+
+__all__ = ["estimate"]
+
+_DEVICES = ("cuda", "cpu")
+
+
+def estimate(
+    model: Callable[[], torch.nn.Module],
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    sample: Any,
+    loss_fn: Callable[[torch.nn.Module, Any], Any],
+    *,
+    micro_size: int | None = None,
+    micro_batches: int = 1,
+    device: str = "cuda",
+    gpu: Any = None,
+    precision: str = "fp32",
+    checkpointing: bool = False,
+    evaluate: bool = False,
+    max_grad_norm: float | None = None,
+    allocator: str | alloc.AllocatorConfig | None = None,
+    prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+) -> Estimate:
+    """The peak memory of a window of ``micro_batches`` micro-batches on ``device``, without
+    that device, without the model's weights, without compute.
+
+    ``model()`` builds the model (from a config: it runs on fake tensors, so its weights never
+    exist); ``optimizer(params)`` builds the optimizer over the trainable parameters;
+    ``sample(micro_size)`` makes one micro-batch (or ``sample`` is a micro-batch);
+    ``loss_fn(model, micro_batch) -> (loss_sum, count)`` as for ``Accumulator.step``.
+    ``prepare(model)`` returns the model to train (LoRA adapters, for one) after it is built.
+
+    Two windows run through a real ``Accumulator``: the first creates the optimizer's state,
+    the second is the steady one; the peak is over both. ``evaluate=True`` adds a forward
+    under ``torch.no_grad()`` after them. ``device="cuda"`` models what CUDA does differently
+    (``gradaccum.plan.estimate.cuda``) and the caching allocator (``allocator``: a
+    ``PYTORCH_CUDA_ALLOC_CONF`` string or an ``AllocatorConfig``); ``gpu`` names the family
+    whose constants are added (``gradaccum.plan.estimate.devices.GPUS``). ``device="cpu"`` traces
+    as the CPU runs, so the trace can be checked against a real run here.
+    """
+    if device not in _DEVICES:
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if not callable(model) or isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"model must be a function that builds the model (its weights are never made), "
+            f"got {type(model).__name__}"
+        )
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    if callable(sample) and micro_size is None:
+        raise ValueError("micro_size is needed when sample is a function of it")
+    target = find_gpu(gpu) if device == "cuda" else None
+    config = allocator if isinstance(allocator, alloc.AllocatorConfig) else None
+    config = config or alloc.AllocatorConfig.parse(allocator if isinstance(allocator, str) else "")
+    started = time.perf_counter()
+    tally, host, assumptions = _trace(
+        model,
+        optimizer,
+        sample,
+        loss_fn,
+        micro_size=micro_size,
+        micro_batches=micro_batches,
+        on_cuda=device == "cuda",
+        precision=precision,
+        checkpointing=checkpointing,
+        evaluate=evaluate,
+        max_grad_norm=max_grad_norm,
+        prepare=prepare,
+    )
+    if target is None:
+        parts = _parts(tally, tally.peak_index, set(), rounded=False)
+        allocated = reserved = total = tally.peak
+    else:
+        events, upto = _device_events(tally, host, target)
+        replayed = alloc.replay(events, config)
+        allocated, reserved = replayed.peak_allocated, replayed.peak_reserved
+        index = upto[replayed.peak_index - 1] if replayed.peak_index else 0
+        parts = _parts(tally, index, host, rounded=True)
+        parts["temporaries"] += target.workspace * target.handles
+        parts["allocator rounding"] = allocated - sum(parts.values())
+        total = reserved + target.context
+        assumptions += [
+            f"{target.name}: CUDA context and libraries {target.context / 2**20:.0f} MiB (not "
+            f"measured); cuBLAS workspace {target.workspace / 2**20:.3g} MiB x {target.handles}",
+            f"caching allocator: {_describe(config)}",
+        ]
+    return Estimate(
+        device=device,
+        gpu=None if target is None else target.name,
+        micro_size=micro_size,
+        micro_batches=micro_batches,
+        allocated=allocated,
+        reserved=reserved,
+        total=total,
+        tensor_peak=tally.peak,
+        parts=parts,
+        assumptions=tuple(assumptions),
+        context=0 if target is None else target.context,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_cuda, **how):
+    from gradaccum.engine import Accumulator
+    from gradaccum.precision import PRECISIONS
+    from gradaccum.recompute import enable_checkpointing
+
+    precision = how["precision"]
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    assumptions: list[str] = []
+    fake, tally = fake_mode(), Tally()
+    with fake:
+        try:
+            with moves_in_place():
+                module = model()
+                if how["prepare"] is not None:
+                    module = how["prepare"](module)
+        except TraceError:
+            raise
+        except Exception as err:
+            reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
+            raise TraceError("the model's construction", "model()", reason) from err
+        if how["checkpointing"]:
+            enable_checkpointing(module)
+        for tensor in apply_order(module):
+            tally.tag(tensor, "parameters")
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        opt = optimizer(trainable)
+        if on_cuda and cuda.prefer_foreach(opt):
+            assumptions.append("optimizer: torch's foreach implementation, its CUDA default")
+        acc = Accumulator(module, opt, precision=precision, max_grad_norm=how["max_grad_norm"])
+        low = PRECISIONS[precision]
+        if on_cuda and low is not None:
+            # CUDA's autocast lists, not the CPU's (an attribute of this one Precision object)
+            acc.precision.autocast = lambda: cuda.Autocast(low)
+            assumptions.append(f"autocast: CUDA's {precision} op lists")
+        for p in trainable:
+            p.register_post_accumulate_grad_hook(lambda p: tally.tag(p.grad, "gradients"))
+
+        def make() -> Any:
+            if callable(sample):
+                return sample(micro_size)
+            return torch.utils._pytree.tree_map(
+                lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) else t, sample
+            )
+
+        def traced_loss(m: torch.nn.Module, batch: Any) -> Any:
+            for p in trainable:  # the accumulation buffers of the micro-batches before
+                tally.tag(acc.precision.accumulated(p), "gradients")
+            return loss_fn(m, batch)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            tally.tag(t, "activations")
+            return t
+
+        kernels = cuda.Kernels() if on_cuda else contextlib.nullcontext()
+        with (
+            tally,
+            kernels,
+            module_names(module, tally),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            for _ in range(2):
+                acc.step([make() for _ in range(micro_batches)], traced_loss)
+                for state in opt.state.values():
+                    for value in state.values():
+                        tally.tag(value, "optimizer state")
+            if how["evaluate"]:
+                module.eval()
+                with torch.no_grad():
+                    loss_fn(module, make())
+                module.train()
+        host = cuda.host_serials(opt, tally.record) if on_cuda else set()
+    return tally, host, assumptions
+
+
+def _device_events(tally: Tally, host: set[int], target) -> tuple[list, list[int]]:
+    """The device's allocation sequence: the traced one less what stays on the host, with
+    the cuBLAS workspaces allocated once the parameters are (at the first matmul); and for
+    each event, how many of the traced events had run by then."""
+    events, upto, workspaces = [], [], False
+    for i, event in enumerate(tally.events):
+        if event[1] in host:
+            continue
+        if not workspaces and event[0] == "alloc" and tally.tags.get(event[1]) != "parameters":
+            workspaces = True
+            for h in range(target.handles):
+                events.append(("alloc", ("workspace", h), target.workspace))
+                upto.append(i)
+        events.append(event)
+        upto.append(i + 1)
+    return events, upto
+
+
+def _parts(tally: Tally, index: int, host: set[int], rounded: bool) -> dict[str, int]:
+    parts = dict.fromkeys(PARTS[:-1], 0)
+    for serial, size in tally.live_at(index).items():
+        if serial in host:
+            continue
+        size = alloc.round_size(size) if rounded and size else size
+        parts[tally.tags.get(serial, "temporaries")] += size
+    return parts
+
+
+def _describe(config: alloc.AllocatorConfig) -> str:
+    given = [
+        f"{f.name}={getattr(config, f.name)}"
+        for f in config.__dataclass_fields__.values()
+        if getattr(config, f.name) != f.default
+    ]
+    return ", ".join(given) if given else "PyTorch's defaults (PYTORCH_CUDA_ALLOC_CONF unset)"

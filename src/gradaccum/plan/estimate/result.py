@@ -1,0 +1,91 @@
+"""``Estimate``: the peak memory of a training window on a device that is not here."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from gradaccum.memory import format_bytes
+
+__all__ = ["PARTS", "Estimate"]
+
+# what the allocated peak is made of, in the order they are shown
+PARTS = (
+    "parameters",
+    "gradients",
+    "optimizer state",
+    "activations",
+    "temporaries",
+    "allocator rounding",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """One window's peak memory, traced with fake tensors (``ga.estimate``).
+
+    ``allocated``: what ``torch.cuda.max_memory_allocated()`` would report (each tensor rounded
+    to the caching allocator's blocks); ``reserved``: what ``max_memory_reserved()`` would
+    (the sequence replayed through a model of the allocator); ``total``: reserved plus the CUDA
+    context (what nvidia-smi would show). On ``device="cpu"`` (the check of the trace against
+    a real run) ``allocated`` is the live tensor bytes' peak and the other two equal it.
+    ``parts``: the allocated peak by what it holds, at the moment of the peak."""
+
+    device: str
+    gpu: str | None
+    micro_size: int | None
+    micro_batches: int
+    allocated: int
+    reserved: int
+    total: int
+    tensor_peak: int
+    parts: dict[str, int]
+    assumptions: tuple[str, ...]
+    context: int = 0
+    seconds: float = 0.0
+
+    def fits(self, budget: int) -> bool:
+        """Whether the device total stays within ``budget`` bytes."""
+        return self.total <= budget
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "estimate": True,
+            "device": self.device,
+            "gpu": self.gpu,
+            "micro_batch": self.micro_size,
+            "per_window": self.micro_batches,
+            "allocated": self.allocated,
+            "reserved": self.reserved,
+            "total": self.total,
+            "context": self.context,
+            "tensor_peak": self.tensor_peak,
+            "parts": dict(self.parts),
+            "assumptions": list(self.assumptions),
+            "seconds": round(self.seconds, 3),
+        }
+
+    def table(self) -> str:
+        rows = [("allocated (max_memory_allocated)", self.allocated)]
+        rows += [(f"  {name}", size) for name, size in self.parts.items()]
+        rows += [("reserved (max_memory_reserved)", self.reserved)]
+        if self.device == "cuda":
+            rows += [("  CUDA context (assumed)", self.context)]
+        rows += [("device total", self.total)]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"{name:<{width}}  {format_bytes(size):>10}" for name, size in rows)
+
+    def summary(self) -> str:
+        shape = (
+            f"micro-batch {self.micro_size} x {self.micro_batches} per window"
+            if self.micro_size is not None
+            else f"{self.micro_batches} micro-batches per window"
+        )
+        where = f"{self.device} ({self.gpu})" if self.gpu else self.device
+        lines = [
+            f"estimate for {where}, {shape}: {format_bytes(self.total)} on the device "
+            f"(allocated {format_bytes(self.allocated)}, reserved {format_bytes(self.reserved)}); "
+            "traced with fake tensors, not measured",
+        ]
+        lines += [f"assumed: {a}" for a in self.assumptions]
+        return "\n".join(lines)
