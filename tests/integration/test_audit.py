@@ -108,6 +108,23 @@ def test_stock_lightning_on_a_padded_batch_is_measured_and_its_cause_named():
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
 
 
+def test_a_ragged_lightning_window_is_named_with_its_fix():
+    """12 sequences, accumulate_grad_batches=4: the epoch's one window has 3 micro-batches,
+    each micro-batch's mean divided by 4 (Lightning's recipe): 3/4 of the micro-batches'
+    means averaged. With gradaccum's callback the same window passes."""
+    from frameworks import stack
+
+    loader = torch.utils.data.DataLoader(padded_sequences(12), batch_size=4, collate_fn=stack)
+    trainer, module = lightning_trainer(exact=False)
+    result = ga.audit(trainer, module=module, data=loader)
+    print(result.summary)
+    assert result.micro_batches == 3 and result.kind == "ragged_window"
+    assert "divided by the configured accumulation steps, not by 3" in result.cause
+    assert "ExactAccumulation()" in result.fix
+    trainer, module = lightning_trainer(exact=True)
+    assert ga.audit(trainer, module=module, data=loader).passed
+
+
 def test_lightning_with_gradaccums_callback_passes():
     trainer, module = lightning_trainer(exact=True)
     result = ga.audit(trainer, module=module, data=padded_loader())
@@ -143,6 +160,17 @@ def test_plain_loops_are_audited_too():
     assert right.passed and right.relative_error <= 1e-6
     with pytest.raises(TypeError, match="needs loss, model"):
         ga.audit(step=naive)
+
+    def skewed(model, mbs):  # weights 1, 2, 3, 4 by position: no cause the audit knows
+        for i, mb in enumerate(mbs):
+            loss_sum, count = lm_loss(model, mb)
+            ((i + 1) * loss_sum / count / len(mbs)).backward()
+
+    unknown = ga.audit(step=skewed, loss=lm_reference, model=model, micro_batches=micro_batches)
+    print(unknown.summary)
+    assert unknown.kind == "unknown" and "no known cause matched. Compared:" in unknown.cause
+    assert "not a multiple of the large batch's gradient" in unknown.cause
+    assert "ga.check(" in unknown.fix and "docs/losses.md" in unknown.fix
 
 
 TRAINER_FILE = """

@@ -37,6 +37,7 @@ and dispatches to them by what the trainer has.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,6 +118,9 @@ FIXES = {
     "returning (loss_sum, count) (docs/api.md)",
     "labels_before_shift": "count a causal LM's labels after the shift, as the loss does: "
     "ga.causal_lm_loss(logits, labels) returns the sum and that count (docs/losses.md)",
+    "ragged_window": "sum each micro-batch's loss and divide once by the window's own item "
+    "count, whatever its length: ga.Accumulator(model, optimizer).step(micro_batches, "
+    "loss_fn) (docs/api.md)",
     "router_loss": "train the model's router loss as its own term of the window, with its "
     "own count: a named term {'aux': (sum, routed rows, coefficient)} (docs/losses.md)",
     "equal_weights": "weigh each micro-batch by its items: sum its loss and divide once by the "
@@ -239,6 +243,11 @@ def compare(case: AuditWindow, tolerance: float = TOLERANCE) -> AuditResult:
         None if without_router is None else _rel(got, without_router),
         dict(case.scaled()) if case.scaled is not None else {},
     )
+    ragged = found.scaled.get("ragged_window")
+    if ragged is not None and ragged != 1:  # divided by the configured N, not its length
+        found = dataclasses.replace(
+            found, off_ragged=_rel(got, [e * ragged for e in equal_weights])
+        )
     kind, cause = _cause(model, found)
     fix = case.fixes.get(kind, FIXES[kind])
     return AuditResult(err, ratio, passed, tolerance, n, cause, fix, kind)
@@ -250,7 +259,8 @@ class Found:
     result; ``off_line``: how far the window's gradient is from the large batch's direction
     (relative, 0 when it is a multiple of it); ``off_equal``, ``off_router``: its relative
     distance from the equal-weights mean and from the large batch without the router loss;
-    ``scaled``: the adapter's known factors."""
+    ``scaled``: the adapter's known factors (``ragged_window``: the window's micro-batches
+    over the accumulation steps it was divided by, a factor on the equal-weights mean)."""
 
     ratio: float
     n: int
@@ -258,6 +268,7 @@ class Found:
     off_equal: float
     off_router: float | None
     scaled: dict[str, float]
+    off_ragged: float | None = None  # from the equal-weights mean times the ragged factor
 
 
 def _cause(model: nn.Module, f: Found) -> tuple[str, str]:
@@ -275,6 +286,14 @@ def _cause(model: nn.Module, f: Found) -> tuple[str, str]:
             f"the gradient is the large batch's times {ratio:.4f}, the labels a causal LM's "
             "loss counts after its shift over the labels the trainer divided by: it counted "
             "them before the shift (every sequence's first label, which no token predicts)"
+        )
+    if f.off_ragged is not None and f.off_ragged <= 1e-4:
+        factor = f.scaled["ragged_window"]
+        return "ragged_window", (
+            f"a ragged window: its {n} micro-batches were divided by the configured "
+            f"accumulation steps, not by {n} (the gradient is {factor:.3g}x the micro-batches' "
+            "means averaged), and each micro-batch's loss is its own mean, weighted equally "
+            "whatever its item count"
         )
     if f.off_router is not None and f.off_router <= 1e-4:
         setting = router_loss_setting(model)[0]

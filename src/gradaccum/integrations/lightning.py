@@ -455,6 +455,7 @@ _EXACT = (
 AUDIT_FIXES = {
     "mean_per_micro_batch": _EXACT,
     "equal_weights": _EXACT,
+    "ragged_window": _EXACT,
     "router_loss": "return the token loss alone through exact_output with gradaccum's "
     "ExactAccumulation(): it adds the model's router loss as its own term of the window "
     "(docs/lightning.md#a-mixture-of-experts-models-router-loss)",
@@ -513,5 +514,10 @@ def audit_window(trainer: Any, module: torch.nn.Module, data: Any) -> AuditWindo
     def equal() -> torch.Tensor:
         return sum(mean_loss(mb) for mb in seen) / len(seen)
 
+    def scaled() -> dict[str, float]:
+        """Lightning divides every micro-batch's loss by accumulate_grad_batches, a ragged
+        window's too (an epoch's last, with fewer micro-batches)."""
+        return {"ragged_window": stopped[0] / trainer.accumulate_grad_batches}
+
     # the window's length is known once it has run
-    return AuditWindow(module, window, big, equal, lambda: stopped[0], AUDIT_FIXES)
+    return AuditWindow(module, window, big, equal, lambda: stopped[0], AUDIT_FIXES, scaled)
