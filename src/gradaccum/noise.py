@@ -41,7 +41,7 @@ unbiased estimates with one fused norm per micro-batch; bench/noise.py measures 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -442,23 +442,23 @@ def advise(
     if per:
         batch = max(1, round(reading.value / per))
     low, high = reading.low, reading.high
-    if low <= effective_batch <= high:
-        why = (
-            "the effective batch lies inside B_simple's interval, so it cannot tell yet "
-            "whether larger or smaller batches would do better"
-        )
-        return BatchAdvice(**{**base.__dict__, "batch": batch, "why": why})
-    if not (low > 0 and high <= NARROW * low):
-        why = (
-            f"B_simple's interval spans more than a factor of {NARROW:g}, too wide to name a batch"
-        )
-        return BatchAdvice(**{**base.__dict__, "batch": batch, "why": why})
     if reading.windows < ADVICE_WINDOWS:
         why = (
             f"the reading rests on {reading.windows} windows; advice waits for "
             f"{ADVICE_WINDOWS} (a longer run)"
         )
-        return BatchAdvice(**{**base.__dict__, "batch": batch, "why": why})
+        return replace(base, batch=batch, why=why)
+    if not (low > 0 and high <= NARROW * low):
+        why = (
+            f"B_simple's interval spans more than a factor of {NARROW:g}, too wide to name a batch"
+        )
+        return replace(base, batch=batch, why=why)
+    if low <= effective_batch <= high:
+        why = (
+            "the effective batch lies inside B_simple's interval, so it cannot tell yet "
+            "whether larger or smaller batches would do better"
+        )
+        return replace(base, batch=batch, why=why)
     direction = "larger" if low > effective_batch else "smaller"
     near = reading.value if batch is None else batch * per
     tradeoff = (
