@@ -40,8 +40,6 @@ def write_exports(
 def _tokenizer(path: str):
     if not (Path(path) / "tokenizer.json").is_file():
         return None
-    import transformers
+    from gradaccum.integrations import hf_models
 
-    return transformers.AutoTokenizer.from_pretrained(
-        path, local_files_only=True, trust_remote_code=False
-    )
+    return hf_models.tokenizer(path)

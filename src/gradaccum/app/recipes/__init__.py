@@ -240,13 +240,11 @@ def hf_recipe(path: str) -> Recipe:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             pass  # not this check's to judge: the tokenizer's own load says what is wrong
     try:
-        import transformers
+        from gradaccum.integrations import hf_models
     except ImportError as err:
         raise ValueError("--hf-model needs transformers: pip install 'gradaccum[hf]'") from err
     try:
-        config = transformers.AutoConfig.from_pretrained(
-            str(config_file), local_files_only=True, trust_remote_code=False
-        )
+        config = hf_models.config(config_file)
     except (OSError, ValueError) as err:
         raise ValueError(
             f"--hf-model {path}: {config_file} is not a model configuration JSON "
@@ -261,15 +259,12 @@ def hf_recipe(path: str) -> Recipe:
     length = min(128, max_positions)
 
     def build() -> torch.nn.Module:
-        auto = transformers.AutoModelForCausalLM
         if not has_weights:
-            return auto.from_config(config, trust_remote_code=False)
+            return hf_models.causal_lm(config)
         try:
             # By its absolute path: the model records it (config's _name_or_path), and so
             # does a LoRA adapter saved from it, which then finds its base from anywhere.
-            return auto.from_pretrained(
-                str(source.resolve()), local_files_only=True, trust_remote_code=False
-            )
+            return hf_models.causal_lm(folder=source.resolve())
         except Exception as err:
             if "weights_only" not in str(err) and "Unpickl" not in type(err).__name__:
                 raise
@@ -293,7 +288,7 @@ def hf_recipe(path: str) -> Recipe:
 
         text = corpus_bytes(400_000)
         if source.is_dir() and (source / "tokenizer.json").exists():
-            tok = _tokenizer(transformers, source)
+            tok = hf_models.tokenizer(source)
             return torch.tensor(tok(text.decode("utf-8", "replace"))["input_ids"])
         return torch.frombuffer(bytearray(text), dtype=torch.uint8).long() % config.vocab_size
 
@@ -309,7 +304,7 @@ def hf_recipe(path: str) -> Recipe:
                 f"--data with --hf-model {path}: no tokenizer.json in that folder; save the "
                 "model's tokenizer beside it (tokenizer.save_pretrained)"
             )
-        tok = _tokenizer(transformers, source)
+        tok = hf_models.tokenizer(source)
         eos = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
         if eos is None:
             raise DataError(f"--hf-model {path}: its tokenizer has no end-of-text token")
@@ -345,13 +340,6 @@ def _refuse_custom_code(path: str, file: Any, read: Any) -> None:
             "from its folder, and gradaccum never runs a model's own code "
             "(trust_remote_code=False); use a model class that transformers ships"
         )
-
-
-def _tokenizer(transformers: Any, source: Any) -> Any:
-    """The folder's tokenizer, from its files alone, none of its code."""
-    return transformers.AutoTokenizer.from_pretrained(
-        str(source), local_files_only=True, trust_remote_code=False
-    )
 
 
 RECIPES: dict[str, Recipe] = {

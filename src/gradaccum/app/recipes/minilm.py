@@ -102,19 +102,9 @@ def pretrained_encoder() -> nn.Module:
     """The package's BertModel, without its pooler (mean pooling, as sentence-transformers
     pools: with the pooler missing, transformers reports its weights as unexpected, with a
     progress bar, which is silenced here)."""
-    from transformers import BertModel
-    from transformers.utils import logging
+    from gradaccum.integrations.hf_models import bert_encoder
 
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    try:
-        return BertModel.from_pretrained(
-            str(model_dir()), local_files_only=True, add_pooling_layer=False
-        )
-    finally:
-        logging.set_verbosity(verbosity)
-        logging.enable_progress_bar()
+    return bert_encoder(model_dir(), add_pooling_layer=False)
 
 
 def mean_pooled(encoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
