@@ -327,17 +327,21 @@ class ExactAccumulation(lightning.Callback):
         coefficient = router_coefficient(base)
         term.begin(assigned, rows, self.window.sync, coefficient)
         # the window's division is by its tokens, times Lightning's 1/N already on the gradient
-        weight = coefficient * float(self._tokens) / (float(rows) * trainer.accumulate_grad_batches)
-        total = torch.zeros(())
+        weight = (
+            coefficient
+            * float(self._tokens)
+            / (max(float(rows), 1.0) * trainer.accumulate_grad_batches)
+        )
+        total = None  # the term's sum over the window, on the device until read once
         for batch in self._batches:
             inputs = router_inputs(base, batch)
             with context():
                 outputs = base(**inputs)
             aux_sum, _, _ = term.term(outputs, inputs.get("attention_mask"))
             (aux_sum * weight).backward()
-            total = total + aux_sum.detach().cpu()
+            total = aux_sum.detach() if total is None else total + aux_sum.detach()
         term.check()  # the passes routed alike, and the model's aux_loss is of this form
-        return float(total) / float(rows), coefficient
+        return float(total) / max(float(rows), 1.0), coefficient
 
     def state_dict(self) -> dict[str, Any]:
         """Lightning's checkpoints keep the schedule's position and auto's state."""
