@@ -117,7 +117,7 @@ class InBatch(WindowLoss):
         empty: list[torch.Tensor],
         structure: Any,
         sync: Any,
-    ) -> tuple[list[list[torch.Tensor | None]], torch.Tensor, int]:
+    ) -> tuple[list[list[torch.Tensor | None]], torch.Tensor, Any]:
         """2. The window's (and every rank's) embeddings, the loss over them, and its
         gradient with respect to this rank's embeddings, split back by micro-batch."""
         sizes = [p[0].shape[0] for p in mine]
@@ -136,7 +136,6 @@ class InBatch(WindowLoss):
             leaves = [w for w in whole if w.requires_grad]
             found = torch.autograd.grad(loss_sum, leaves, allow_unused=True) if leaves else []
         by_leaf = dict(zip(map(id, leaves), found, strict=True))
-        count = count.item() if isinstance(count, torch.Tensor) else count
         grads: list[list[torch.Tensor | None]] = [[] for _ in mine]
         for k, w in enumerate(whole):
             g = by_leaf.get(id(w))

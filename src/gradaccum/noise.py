@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from gradaccum.stats import fieller, fit_line, t_quantile
-from gradaccum.window import total_norm
+from gradaccum.window import read_together, total_norm
 
 __all__ = [
     "BatchAdvice",
@@ -180,9 +180,9 @@ class NoiseScale:
     def record(self, sums: list[torch.Tensor], count: Any, multiplier: float = 1.0) -> None:
         """After each micro-batch's backward: the window's gradient summed so far (``sums``,
         carrying the loss ``multiplier`` of fp16 scaling) and that micro-batch's own item
-        count (int or 0-dim tensor; the prefix counts are summed at the window's end, with
-        one host sync). A micro-batch of no items (a padding replay) leaves the prefix as
-        it was."""
+        count (int or 0-dim tensor). Both stay where they are: the window's end reads them
+        with its other numbers, once (``pending``). A micro-batch of no items (a padding
+        replay) leaves the prefix as it was."""
         self.add_prefix(total_norm(sums).square() / multiplier**2, count)
 
     def add_prefix(self, sq_norm: torch.Tensor, count: Any) -> None:
@@ -194,8 +194,18 @@ class NoiseScale:
         then drops the last one and adds the window's global mean instead."""
         self._prefixes.append((sq_norm, count))
 
+    def pending(self) -> list[Any]:
+        """The window's prefixes so far, flat (squared norm, count, squared norm, ...), where
+        they live: read to the host with the window's other numbers, together
+        (``end_window(..., read=)``)."""
+        return [x for prefix in self._prefixes for x in prefix]
+
     def end_window(
-        self, window_sq_norm: float | None, total: int, window_point: bool = False
+        self,
+        window_sq_norm: float | None,
+        total: int,
+        window_point: bool = False,
+        read: list[tuple[float, Any]] | None = None,
     ) -> NoiseReading:
         """Fold one window into the estimates; returns the reading after it.
 
@@ -204,29 +214,26 @@ class NoiseScale:
         this rank's micro-batches before the reduction, and the window is the global batch.
         Alone, the last prefix already is the window. With ``window_point`` the last prefix
         is dropped: the last backward reduced it across ranks (``add_prefix``'s rule).
+        ``read``: the prefixes' values (``pending``), read with the window's other numbers;
+        else they are read here.
         """
         prefixes, self._prefixes = self._prefixes, []
+        if read is None:
+            values = read_together([x for prefix in prefixes for x in prefix])
+            read = list(zip(values[0::2], values[1::2], strict=True))
         if window_point:
-            prefixes = prefixes[:-1]
-        prefixes = [(s, c) for s, c in prefixes if not (isinstance(c, int) and c == 0)]
+            read = read[:-1]
+        read = [(s, c) for s, c in read if not (isinstance(c, int) and c == 0)]
         if window_sq_norm is None or total <= 0:
             return self.reading()
-        points = []
-        if prefixes:
-            device = prefixes[0][0].device
-            stacked = torch.stack(
-                [
-                    torch.stack([s.to(device).double(), torch.as_tensor(c, device=device).double()])
-                    for s, c in prefixes
-                ]
-            ).cpu()
-            sq = stacked[:, 0].tolist()
-            counts = stacked[:, 1].cumsum(0).tolist()  # items in each prefix
-            # E|G_B|^2 = |G|^2 + tr(Sigma) / B is a line in 1/B: fit it by least squares
-            # through every prefix (the whole window included). Each prefix alone gives an
-            # unbiased pair too, but the long prefixes sit close to the window and their
-            # differences are noise.
-            points = [(1 / c, s / (c * c)) for s, c in zip(sq, counts, strict=True) if c > 0]
+        # E|G_B|^2 = |G|^2 + tr(Sigma) / B is a line in 1/B: fit it by least squares through
+        # every prefix (the whole window included). Each prefix alone gives an unbiased pair
+        # too, but the long prefixes sit close to the window and their differences are noise.
+        points, items = [], 0.0
+        for sq, count in read:
+            items += count  # items in each prefix
+            if items > 0:
+                points.append((1 / items, sq / (items * items)))
         if window_point:
             points.append((1 / total, window_sq_norm))
         if len({x for x, _ in points}) < 2:

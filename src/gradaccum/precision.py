@@ -156,8 +156,11 @@ class Precision:
         """Backward of one micro-batch's summed loss, outside autocast, then buffer the grads."""
         loss_sum = self.scaled(loss_sum, count, first)
         # Autocast (ours, or one the user entered around us) is for the forward; backward's
-        # ops follow the forward's dtypes.
-        with torch.autocast(self.device_type, enabled=False):
+        # ops follow the forward's dtypes. Where none is on there is none to leave.
+        on = torch.amp.is_autocast_available(self.device_type) and torch.is_autocast_enabled(
+            self.device_type
+        )
+        with torch.autocast(self.device_type, enabled=False) if on else contextlib.nullcontext():
             loss_sum.backward()
         if self._buffered:
             self._absorb(params)

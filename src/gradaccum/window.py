@@ -28,7 +28,7 @@ from gradaccum.loss import (
     check_count,
     check_loss,
     check_term_count,
-    tensor_count_total,
+    count_value,
     unpack_term,
 )
 
@@ -174,7 +174,7 @@ class Tally:
             else:
                 self._count += count
             if self._loss is None:
-                self._loss = torch.zeros((), dtype=torch.float64, device=loss.device)
+                self._loss = loss.detach().new_zeros((), dtype=torch.float64)
             self._loss.add_(loss.detach())
         self.micro_batches += 1
         return loss, count
@@ -230,14 +230,36 @@ class Tally:
         given = {str(k): v for k, v in terms.items()}
         return [(t, *unpack_term(given[t.name], t.name, index)) for t in self._terms]
 
+    @property
+    def named(self) -> bool:
+        """The window's loss is named terms (``begin``), not one pair."""
+        return self._terms is not None
+
+    def sums(self) -> tuple[Any, Any]:
+        """A pair's item count and summed loss on this rank, where they are: a float64
+        tensor on the device where a count or the loss lives there (nothing read to the
+        host), else numbers. The device counts themselves are in ``device_counts``, for
+        ``check_counts`` once they are read."""
+        count: Any = self._count
+        if self._device_counts:
+            count = torch.stack([c.to(torch.float64) for _, c in self._device_counts]).sum()
+            count = count + self._count
+        return count, (0.0 if self._loss is None else self._loss)
+
+    def device_counts(self) -> list[torch.Tensor]:
+        return [c for _, c in self._device_counts]
+
+    def check_counts(self, values: list[float]) -> None:
+        """The device counts' values, read (``device_counts``' order): each a whole,
+        non-negative number of items, or the error naming its micro-batch."""
+        for (index, _), value in zip(self._device_counts, values, strict=True):
+            count_value(value, index)
+
     def totals(self, sync: Any) -> tuple[float, float]:
-        """The window's item count and summed loss over every rank (``Sync.totals``: one
-        all-reduce of two numbers, none in one process). For named terms: ``K`` (the end's
-        divisor) and ``K`` times the weighted sum of the terms' means, so that loss / count
-        is the window's loss; one all-reduce of the terms' sums."""
-        if self._terms is None:
-            count = self._count + tensor_count_total(self._device_counts)
-            return sync.totals(count, 0.0 if self._loss is None else self._loss.item())
+        """Named terms (a pair's are ``sums``): ``K`` (the end's divisor) and ``K`` times the
+        weighted sum of the terms' means over every rank, so that loss / count is the
+        window's loss; one all-reduce of the terms' sums, read on the host, where the
+        terms' counts are checked against those the window was begun with."""
         sums = [t.local_sum() for t in self._terms]
         wrong = [t for t in self._terms if not t.counted_as_begun()]
         reduced = sync.sum([*sums, float(len(wrong))])
@@ -358,20 +380,66 @@ def finish(
     """Divide ``grads`` (the window's summed gradient) by ``divisor`` in place and clip them to
     ``max_grad_norm``. Returns the normalized gradient's norm before clipping and whether the
     window steps: ``skip`` (``SkipNonFinite()`` by default) refuses it, and a refused
-    gradient is left as it is.
+    gradient is left as it is. ``divide_and_clip`` with its two numbers read.
 
     ``norm`` measures the global norm (``Sync.norm`` adds the other ranks' shards)."""
-    grad_norm = norm(grads).item() / divisor
-    if (skip or SKIP_NON_FINITE).skips(grad_norm):
-        return grad_norm, False
+    grad_norm, steps = divide_and_clip(grads, divisor, max_grad_norm, norm, skip)
+    return float(grad_norm), bool(steps)
+
+
+def divide_and_clip(
+    grads: list[torch.Tensor],
+    divisor: Any,
+    max_grad_norm: float | None,
+    norm: Callable[[list[torch.Tensor]], torch.Tensor] = total_norm,
+    skip: SkipPolicy | None = None,
+    keep: Any = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window's division, norm, decision and clip where the gradient lives, nothing read
+    to the host (as GradScaler decides on the device): returns the mean gradient's norm
+    before clipping (float64) and whether the window steps (a bool tensor: ``skip`` does
+    not refuse it, and ``keep``, e.g. the count is not 0). ``divisor``: a number or a
+    float64 tensor. A window that does not step is divided and multiplied by exactly 1:
+    its gradient is left as it is. Every window runs the same passes."""
+    grad_norm = norm(grads).double()
+    if not isinstance(divisor, torch.Tensor):
+        divisor = torch.full_like(grad_norm, divisor)
+    grad_norm = grad_norm / divisor
+    steps = (skip or SKIP_NON_FINITE).skips(grad_norm).logical_not() & keep
     if not grads:
-        return grad_norm, True
-    torch._foreach_div_(grads, divisor)
+        return grad_norm, steps
+    one = torch.ones_like(grad_norm)
+    divide = torch.where(steps, divisor, one)
     if max_grad_norm is not None:
-        coef = max_grad_norm / (grad_norm + 1e-6)
-        if coef < 1.0:
-            torch._foreach_mul_(grads, coef)
-    return grad_norm, True
+        # a true division (a number over a tensor would multiply by its reciprocal)
+        coef = torch.full_like(grad_norm, max_grad_norm) / (grad_norm + 1e-6)
+        clip = torch.where(steps & (coef < 1.0), coef, one)
+    # Each dtype by the factor in the precision a Python number takes there (float64 for
+    # float64, else float32; a low-precision gradient's multiplier in its own dtype): the
+    # same bits as the host's division and clip by a number.
+    for dtype in dict.fromkeys(g.dtype for g in grads):
+        group = [g for g in grads if g.dtype == dtype]
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        torch._foreach_div_(group, divide.to(wide))
+        if max_grad_norm is not None:
+            torch._foreach_mul_(group, clip.to(dtype if dtype in _LOW else wide))
+    return grad_norm, steps
+
+
+def read_together(values: list[Any]) -> list[Any]:
+    """Each value as a Python number: the 0-dim tensors that live on a device read to the
+    host together, in one transfer (stacked as float64): a window's one host
+    synchronization; a tensor on the CPU by ``item()`` (no wait), a number as it is."""
+    device = [v.detach().reshape(()).to(torch.float64) for v in values if _on_device(v)]
+    read = iter(torch.stack(device).cpu().tolist() if device else ())
+    return [
+        next(read) if _on_device(v) else v.item() if isinstance(v, torch.Tensor) else v
+        for v in values
+    ]
+
+
+def _on_device(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not value.is_cpu
 
 
 # -- why a window does not step -------------------------------------------------------------
@@ -389,10 +457,12 @@ class Skip(enum.StrEnum):
 class SkipPolicy:
     """Whether a window's gradient is stepped on, decided from its norm (the mean gradient's,
     before clipping), as optax's ``MultiSteps(should_skip_update_fn=...)`` decides: an object
-    owning its own settings. ``skips(grad_norm)`` is True to skip; ``reason(scaled)`` says
-    why (``scaled``: an fp16 loss scaler is in use)."""
+    owning its own settings. ``skips(grad_norm)`` takes the norm as a 0-dim float64 tensor
+    where the gradient lives and returns a bool tensor there, True to skip (decided on the
+    device, read with the window's other numbers); ``reason(scaled)`` says why
+    (``scaled``: an fp16 loss scaler is in use)."""
 
-    def skips(self, grad_norm: float) -> bool:
+    def skips(self, grad_norm: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def reason(self, scaled: bool) -> str:
@@ -406,8 +476,8 @@ class SkipNonFinite(SkipPolicy):
     def __repr__(self) -> str:
         return "SkipNonFinite()"
 
-    def skips(self, grad_norm: float) -> bool:
-        return not math.isfinite(grad_norm)
+    def skips(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        return torch.isfinite(grad_norm).logical_not()
 
     def reason(self, scaled: bool) -> str:
         return Skip.FP16_OVERFLOW if scaled else Skip.NON_FINITE
@@ -455,16 +525,32 @@ class Closing:
         the norm; the skip policy's decision; the clip; the noise estimate folds the window
         (a skipped window's prefixes are dropped); the step, the scheduler; the counters;
         one log line for a skipped window."""
-        total, loss_total = tally.totals(self.sync)
-        grad_norm: float | None = None
+        if tally.named:  # each term's sums and counts checked on the host first
+            total, loss_total = tally.totals(self.sync)
+        else:  # where they live, summed over ranks
+            total, loss_total = self.sync.totals(*tally.sums())
+        grads, carried = gather()
+        grad_norm_t, steps_t = divide_and_clip(
+            self.sync.local(grads),
+            total * carried / self.sync.world,
+            self.max_grad_norm,
+            self.sync.norm,
+            self.skip,
+            keep=total > 0,
+        )
+        prefixes = [] if self.noise is None else self.noise.pending()
+        counts = tally.device_counts()
+        # The window's one read to the host: count, loss, norm, decision, the counts left
+        # on the device (checked now) and the noise estimate's prefixes, together.
+        total, loss_total, grad_norm, steps, *rest = read_together(
+            [total, loss_total, grad_norm_t, steps_t, *counts, *prefixes]
+        )
+        tally.check_counts(rest[: len(counts)])
+        prefixes = rest[len(counts) :]
         skipped: str | None = None
         if total == 0:
-            skipped = Skip.ZERO_COUNT
+            skipped, grad_norm = Skip.ZERO_COUNT, None
         else:
-            grads, carried = gather()
-            grad_norm, steps = normalize(
-                grads, total, self.sync, carried, self.max_grad_norm, self.skip
-            )
             grad_norm /= scale
             if not steps:
                 scaled = self.precision is not None and self.precision.scaler is not None
@@ -472,7 +558,8 @@ class Closing:
         reading = None
         if self.noise is not None and skipped is None:
             window_point = self.sync.reduces(True)  # the last prefix is not this rank's alone
-            reading = self.noise.end_window(grad_norm**2, round(total), window_point)
+            read = list(zip(prefixes[0::2], prefixes[1::2], strict=True))
+            reading = self.noise.end_window(grad_norm**2, round(total), window_point, read)
         elif self.noise is not None:  # a skipped window's prefixes are not the next one's
             self.noise.drop_window()
         before = None if self.precision is None else self.precision.scale()

@@ -286,3 +286,60 @@ def _lr_before(index, windows):
     """LambdaLR's 0.5 / (1 + steps taken before this window)."""
     steps = sum(not poisoned for *_, poisoned in windows[:index])
     return 0.5 / (1 + steps)
+
+
+# -- one host synchronization per window on an accelerator -------------------------------------
+
+
+@pytest.mark.parametrize("noise", [False, True], ids=["plain", "noise"])
+def test_one_host_read_per_window_none_per_micro_batch_on_an_accelerator(noise):
+    """On a device that is not the CPU (tests/support/device.py counts every read of a value
+    back to the host), with max_grad_norm, counts left on the device and a NoiseScale or
+    none: nothing is read while the micro-batches run, and each window's end reads its
+    numbers once, through the manual API and step() alike, a skipped window too. The
+    results and the parameters are the CPU's, bit for bit."""
+    from support.device import OnDevice, host, on_device
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
+
+    def loss_fn(m, mb):
+        x, y, factor = mb
+        loss = torch.nn.functional.cross_entropy(m(x), y, ignore_index=-100, reduction="sum")
+        return loss * factor, (y != -100).sum()
+
+    def accumulator(net):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        return ga.Accumulator(
+            net, optimizer, max_grad_norm=0.5, noise=ga.NoiseScale() if noise else None
+        )
+
+    acc, cpu = accumulator(on_device(model())), accumulator(model())
+    g = torch.Generator().manual_seed(1)
+    for w in range(6):
+        window = []
+        for i in range(3):
+            x, y = torch.randn(4, 6, generator=g), torch.randint(0, 5, (4,), generator=g)
+            y[:i] = -100  # 4, 3 and 2 items
+            window.append((x, y, float("nan") if w == 3 and i == 1 else 1.0))
+        on_device_window = [(OnDevice(x), OnDevice(y), f) for x, y, f in window]
+        OnDevice.reads.clear()
+        if w % 2:
+            for i, mb in enumerate(on_device_window):
+                with acc.micro_batch():
+                    acc.backward(*loss_fn(acc.model, mb))
+                assert OnDevice.reads == [], f"micro-batch {i} of window {w}: {OnDevice.reads}"
+            got = acc.end_window()
+        else:
+            got = acc.step(on_device_window, loss_fn)
+        assert len(OnDevice.reads) == 1, f"window {w} read the host {OnDevice.reads}"
+        want = cpu.step(window, loss_fn)
+        assert isinstance(got.loss, float) and isinstance(got.grad_norm, float)
+        assert got.skipped == want.skipped and (got.skipped is not None) == (w == 3)
+        assert got.count == want.count == 9
+        if w != 3:
+            assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
+            assert (got.noise_scale, got.noise_interval) == (want.noise_scale, want.noise_interval)
+    for p, q in zip(acc.model.parameters(), cpu.model.parameters(), strict=True):
+        assert torch.equal(host(p), q)  # the CPU's steps, bit for bit
