@@ -209,6 +209,7 @@ def test_the_command_audits_a_trainer_from_a_file_and_exits_1_on_failure(tmp_pat
     proc = cli("audit", tmp_path / "train.py:make_trainer", cwd=tmp_path, check=False)
     assert proc.returncode == 1, proc.stderr
     assert "FAIL; the gradient is 3.9" in proc.stdout or "FAIL; the gradient is 4.0" in proc.stdout
+    assert "\nfix: put gradaccum's ExactAccumulationMixin first in your Trainer" in proc.stdout
     proc = cli("audit", tmp_path / "train.py:nothing", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().endswith("has no function 'nothing'")
     assert "Traceback" not in proc.stderr
@@ -252,3 +253,4 @@ def test_the_command_audits_a_lightning_trainer_from_a_file(tmp_path):
     proc = cli("audit", tmp_path / "fit.py:make", cwd=tmp_path, check=False)
     assert proc.returncode == 1, proc.stderr
     assert "FAIL; micro-batches are weighted equally" in proc.stdout
+    assert "\nfix: add gradaccum's callback, Trainer(callbacks=[ExactAccumulation" in proc.stdout
