@@ -14,7 +14,16 @@ import torch
 
 from gradaccum.validate import positive_int
 
-__all__ = ["batch_size", "map_tensors", "shard", "split", "take", "to_device", "windows"]
+__all__ = [
+    "batch_size",
+    "join_batches",
+    "map_tensors",
+    "shard",
+    "split",
+    "take",
+    "to_device",
+    "windows",
+]
 
 
 def _leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
@@ -142,3 +151,29 @@ def take(batch: Any, n: int) -> Any:
 def to_device(batch: Any, device: torch.device | str) -> Any:
     """``batch`` with every tensor moved to ``device``, containers kept."""
     return map_tensors(batch, lambda t: t.to(device))
+
+
+def join_batches(batches: list[Any], fills: dict[str, Any]) -> Any:
+    """Micro-batches as one batch: tensors joined on dim 0, padded on dim 1 to the longest
+    (``fills``: each key's pad value, 0 otherwise)."""
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return _join([b for b in batches], 0)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_join([b[i] for b in batches], 0) for i in range(len(first)))
+    return {
+        k: _join([b[k] for b in batches], fills.get(k, 0)) if isinstance(v, torch.Tensor) else v
+        for k, v in first.items()
+    }
+
+
+def _join(parts: list[torch.Tensor], fill: Any) -> torch.Tensor:
+    if parts[0].dim() >= 2:
+        longest = max(p.shape[1] for p in parts)
+        parts = [
+            torch.cat([p, p.new_full((p.shape[0], longest - p.shape[1], *p.shape[2:]), fill)], 1)
+            if p.shape[1] < longest
+            else p
+            for p in parts
+        ]
+    return torch.cat(parts)

@@ -38,14 +38,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from gradaccum.batching import join_batches
 from gradaccum.batchnorm import batchnorm_modules
+from gradaccum.integrations.adapter import AuditWindow
 from gradaccum.loss import router_loss_setting
 
 __all__ = ["FIXES", "AuditResult", "AuditWindow", "audit", "compare", "join_batches"]
@@ -87,28 +89,6 @@ class AuditResult:
 
     def __str__(self) -> str:
         return self.summary
-
-
-@dataclass(frozen=True)
-class AuditWindow:
-    """One window to audit, as a framework's adapter (or a plain loop) builds it.
-
-    ``run()`` accumulates the window's gradient the trainer's own way, without stepping;
-    ``big()`` is the same samples as one batch under the trainer's own loss, a mean;
-    ``equal()`` the micro-batches' own means averaged with equal weights. ``micro_batches``:
-    the window's, or a function that tells them once it has run. ``scaled``: a function,
-    called after the run, of the known causes that scale the gradient by a known factor,
-    as ``{cause name: factor}`` (a Trainer that divided by labels counted before the shift:
-    the shifted count over its count). ``fixes``: cause name -> what to do, one line with a
-    doc link, in this framework's terms (``FIXES`` names the causes)."""
-
-    model: nn.Module
-    run: Callable[[], None]
-    big: Callable[[], torch.Tensor]
-    equal: Callable[[], torch.Tensor]
-    micro_batches: int | Callable[[], int]
-    fixes: Mapping[str, str] = field(default_factory=dict)
-    scaled: Callable[[], Mapping[str, float]] | None = None
 
 
 # The causes the audit knows, and the fix for a plain loop (an adapter gives its framework's).
@@ -372,29 +352,3 @@ def _no_dropout(model: nn.Module) -> Iterator[None]:
     finally:
         for m, p in zip(drops, rates, strict=True):
             m.p = p
-
-
-def join_batches(batches: list[Any], fills: dict[str, Any]) -> Any:
-    """Micro-batches as one batch: tensors joined on dim 0, padded on dim 1 to the longest
-    (``fills``: each key's pad value, 0 otherwise)."""
-    first = batches[0]
-    if isinstance(first, torch.Tensor):
-        return _join([b for b in batches], 0)
-    if isinstance(first, (tuple, list)):
-        return type(first)(_join([b[i] for b in batches], 0) for i in range(len(first)))
-    return {
-        k: _join([b[k] for b in batches], fills.get(k, 0)) if isinstance(v, torch.Tensor) else v
-        for k, v in first.items()
-    }
-
-
-def _join(parts: list[torch.Tensor], fill: Any) -> torch.Tensor:
-    if parts[0].dim() >= 2:
-        longest = max(p.shape[1] for p in parts)
-        parts = [
-            torch.cat([p, p.new_full((p.shape[0], longest - p.shape[1], *p.shape[2:]), fill)], 1)
-            if p.shape[1] < longest
-            else p
-            for p in parts
-        ]
-    return torch.cat(parts)

@@ -60,8 +60,8 @@ import lightning
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-from gradaccum.batching import batch_size
-from gradaccum.diagnose.audit import AuditWindow, join_batches
+from gradaccum.batching import batch_size, join_batches
+from gradaccum.integrations.adapter import AuditWindow
 from gradaccum.integrations.window import FrameworkWindow, ScheduledWindows, noise_option
 from gradaccum.loss import router_loss_setting, routing_counts
 from gradaccum.noise import NoiseScale

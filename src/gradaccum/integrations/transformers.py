@@ -74,8 +74,8 @@ import torch
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from gradaccum.batching import batch_size
-from gradaccum.diagnose.audit import AuditWindow, join_batches
+from gradaccum.batching import batch_size, join_batches
+from gradaccum.integrations.adapter import AuditWindow
 from gradaccum.integrations.window import FrameworkWindow, ScheduledWindows, noise_option
 from gradaccum.loss import (
     causal_lm_loss,
