@@ -2,8 +2,13 @@
 
 import sys
 
-from gradaccum.app.cli import main
-from gradaccum.app.process import EXIT_INTERRUPTED, leave
+from gradaccum.app.process import EXIT_INTERRUPTED, leave, watch_loading
+
+# Ctrl-C is the command's before anything else loads (process.py imports the standard
+# library only): the command's own modules take a while to import on a loaded machine.
+watch_loading()
+
+from gradaccum.app.cli import main  # noqa: E402 - after the Ctrl-C handler, on purpose
 
 code = main()
 if code == EXIT_INTERRUPTED:
