@@ -343,6 +343,7 @@ def test_dpo_trainer_is_audited_pair_by_pair(tmp_path):
     print(f"audit of TRL's DPOTrainer: as shipped {shipped.summary}; with the mixin {ours.summary}")
     direct = rel_err(*dpo_window_and_reference(trl.DPOTrainer, tmp_path / "direct"))
     assert not shipped.passed and shipped.relative_error == pytest.approx(direct, rel=0.05)
+    assert "ExactAccumulationMixin, DPOTrainer" in shipped.fix and "items=" not in shipped.fix
     assert ours.passed
 
 

@@ -995,7 +995,15 @@ def audit_window(trainer: Any) -> AuditWindow:
         shifted = float(sum(int(_next_token_count(b)) for b in batches))
         return {"labels_before_shift": shifted / counted} if counted else {}
 
-    return AuditWindow(model, window, big, equal, len(batches), AUDIT_FIXES, scaled)
+    fixes = AUDIT_FIXES
+    if paired:  # the mixin counts a DPOTrainer's preference pairs by itself
+        pairs = (
+            "put gradaccum's ExactAccumulationMixin first in your DPOTrainer (class ExactDPO("
+            "ExactAccumulationMixin, DPOTrainer)): it weighs each micro-batch by its "
+            "preference pairs (docs/transformers.md)"
+        )
+        fixes = {**AUDIT_FIXES, "mean_per_micro_batch": pairs, "equal_weights": pairs}
+    return AuditWindow(model, window, big, equal, len(batches), fixes, scaled)
 
 
 def _reference_compute_loss(trainer: Any) -> Callable[..., Any]:
