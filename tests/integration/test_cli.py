@@ -4,11 +4,12 @@ is shown needs one (a fresh process, its exit), else the command's own main in t
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from helpers import cli
-from test_faults import in_process
+from test_faults import in_process, one_line
 
 from gradaccum.memory import parse_bytes
 
@@ -243,3 +244,37 @@ def test_the_verifying_process_waits_built_measures_the_asked_size_and_ends_unas
     with fresh_process_verifier("digits") as unasked:
         proc = unasked._next[0]
     assert proc.returncode is not None and proc.returncode != 0  # ended, not finished
+
+
+def test_a_budget_without_a_unit_is_refused_before_anything_is_built():
+    """``--budget 200`` is 200 bytes: it once measured the model for 49 s before refusing."""
+    for command in ("plan", "train"):
+        started = time.perf_counter()
+        proc = in_process(command, "--recipe", "digits", "--budget", "200")
+        took = time.perf_counter() - started
+        line = one_line(proc, "200 has no unit", "did you mean 200MB?")
+        assert took < 2.0, (command, took, line)
+    # a plain number of bytes large enough to be a budget is still taken (the margin refused)
+    line = one_line(in_process("plan", "--budget", "300000000", "--margin", "2"), "margin")
+    assert "budget" not in line
+
+
+def test_misspelled_flags_and_commands_are_refused_with_what_was_meant():
+    # a prefix is not taken for the flag it begins (--step 3 trained 3 steps)
+    one_line(in_process("train", "--step", "3"), "--step 3", "did you mean --steps?")
+    one_line(in_process("train", "--recipie", "digits"), "did you mean --recipe?", "train --help")
+    one_line(in_process("trian", "--steps", "3"), "did you mean train?")
+    # a flag before the command: the command line it most likely meant
+    one_line(
+        in_process("--recipie", "digits"),
+        "a command comes first: did you mean gradaccum train --recipe digits?",
+    )
+    # nothing near: no guess
+    assert "did you mean" not in in_process("plan", "--bogus", "3").stderr
+
+
+@pytest.mark.slow  # it plans (a few seconds of probes)
+def test_plan_names_flags_in_its_errors_as_train_does():
+    proc = in_process("plan", "--recipe", "digits", "--meter", "tensors", "--budget", "1MB")
+    line = one_line(proc, "too small", "--checkpointing auto")
+    assert "checkpointing=" not in line

@@ -154,11 +154,18 @@ def _accuracy(value: float) -> str | None:  # (0, 1]
     return None if 0 < value <= 1 else "must be a number in (0, 1]"
 
 
+# A number alone is bytes; below a megabyte nothing trains, so it is a unit left out
+_UNITLESS_BELOW = 10**6
+
+
 def _bytes(value: str) -> str | None:
     try:
-        parse_bytes(value)
+        size = parse_bytes(value)
     except (ValueError, TypeError) as err:
         return str(err)
+    text = str(value).strip()
+    if size < _UNITLESS_BELOW and text.replace(".", "", 1).isdigit():
+        return f"{text} has no unit, so it is {size} bytes; did you mean {text}MB?"
     return None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import re
@@ -34,12 +35,73 @@ class _Parser(argparse.ArgumentParser):
     check with the reason, not taken for a flag ("expected one argument")."""
 
     def __init__(self, *args, **kwargs) -> None:
+        # --step 3 is not --steps 3: a prefix is a typo, answered with the flag it resembles
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"^-\d")  # no flag of ours looks so
+        self.given: list[str] = []
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        self.given = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
-        say(f"gradaccum: error: {message}; see {self.prog} --help")
+        hint, prog = _suggestion(self, message)
+        say(f"gradaccum: error: {message}{hint}" + (" See" if hint else "; see") + f" {prog} --help")
         raise SystemExit(2)
+
+
+def _commands(root: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands' parsers by name (``train``: its parser)."""
+    for action in root._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+
+
+def _closest(word: str, known: list[str]) -> str | None:
+    found = difflib.get_close_matches(word, known, n=1, cutoff=0.75)
+    return found[0] if found else None
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> tuple[str, str]:
+    """(``" (did you mean --recipe?)"`` or "", the help to point to) for argparse's refusal
+    ``message``: a misspelled command, or flags no command of the line knows (argparse
+    reports those at the top, whichever command they were given to)."""
+    given = getattr(parser, "given", [])
+    commands = _commands(parser)
+    command = next((a for a in given if a in commands), None)
+    prog = parser.prog if command is None else commands[command].prog
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from", message)
+    if choice and "COMMAND" in message:
+        word = choice.group(1)
+        near = _closest(word, list(commands))
+        if near is not None:
+            return f"; did you mean {near}?", prog
+        # `gradaccum --recipie digits`: a flag before any command took the command's place
+        for i, flag in enumerate(a.split("=")[0] for a in given):
+            for name, sub in commands.items():
+                if flag.startswith("--") and (near := _closest(flag, _flags(sub))) is not None:
+                    line = " ".join([name, *given[:i], near, *given[i + 1 :]])
+                    return f"; a command comes first: did you mean gradaccum {line}?", prog
+        return "", prog
+    unknown = re.search(r"unrecognized arguments: (.*)", message)
+    if unknown and command is not None:
+        flags = _flags(commands[command])
+        pairs = [
+            (flag, near)
+            for flag in (word.split("=")[0] for word in unknown.group(1).split())
+            if flag.startswith("--") and (near := _closest(flag, flags)) is not None
+        ]
+        if len(pairs) == 1:
+            return f"; did you mean {pairs[0][1]}?", prog
+        if pairs:
+            return f"; did you mean {', '.join(f'{n} for {f}' for f, n in pairs)}?", prog
+    return "", prog
 
 
 def parser() -> argparse.ArgumentParser:
@@ -100,7 +162,9 @@ def _main(argv: list[str] | None) -> int:
         except ValueError as err:  # bad input: one clear line, no traceback
             if debug:
                 raise
-            _for_the_job(f"gradaccum: error: {err}")
+            from gradaccum.app.planning import as_flags  # the library's words as flags
+
+            _for_the_job(f"gradaccum: error: {as_flags(str(err))}")
             return EXIT_BAD_INPUT
         except KeyboardInterrupt as stop:  # a stop outside training (planning, loading)
             if debug:
