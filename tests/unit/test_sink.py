@@ -72,3 +72,22 @@ def test_a_process_that_does_not_write_writes_nothing(tmp_path):
 
 def test_durations():
     assert [duration(s) for s in (45, 185, 3720)] == ["45s", "3m05s", "1h02m"]
+
+
+def test_the_time_left_is_the_recent_windows_pace_once_a_few_have_run(tmp_path):
+    folder, p, said = RunFolder(tmp_path), progress(100), []
+    s = sink(folder, p, said)
+    s.open(0)
+    # a first window of 50 s (warm-up), then windows of 2 s, then of 4 s (the machine loaded)
+    seconds = [50.0] + [2.0] * 3 + [4.0] * 10
+    for step, took in enumerate(seconds, start=1):
+        p.schedule.step = step
+        s.write({**line(step), "seconds": took}, None, 1.0, (step - 1) / 100)
+        if step <= 3:  # the warm-up and two windows: too few to say
+            assert s.time_left(line(step)) is None
+        if step == 4:  # three 2 s windows, the warm-up left out
+            assert s.time_left(line(4)) == 96 * 2.0
+    # the last ten windows are 4 s each: 86 steps left at 4 s, not the session's average
+    assert s.time_left(line(14)) == 86 * 4.0
+    # the log line at 10% (step 10): nine windows since the warm-up, 30 s, for 90 steps left
+    assert said[-1].startswith("step    10/100") and said[-1].endswith("ETA 5m00s"), said

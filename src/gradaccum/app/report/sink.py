@@ -9,6 +9,7 @@ import contextlib
 import json
 import shutil
 import sys
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,10 @@ class MetricsSink:
         self.metrics: Any = None
         self.events: Any = None
         self.bar: Any = None
+        # (seconds, steps or samples) of this session's recent windows, the first (warm-up)
+        # left out: what the time left is measured from
+        self.recent: deque[tuple[float, int]] = deque(maxlen=_ETA_WINDOWS)
+        self.windows = 0
 
     def open_events(self, start: int) -> None:
         """TensorBoard's writer, when asked for and installed. Before the memory meter
@@ -138,6 +143,9 @@ class MetricsSink:
             if k.startswith("eval_") and k != "eval_loss"
         )
         p = self.progress
+        self.windows += 1
+        if self.windows > 1 and line.get("seconds") is not None:
+            self.recent.append((line["seconds"], line["effective_batch"] if p.in_samples else 1))
         if self.bar is not None:
             self.bar.set_postfix_str(text)
             self.bar.update(line["effective_batch"] if p.in_samples else 1)
@@ -149,9 +157,25 @@ class MetricsSink:
                 if p.in_samples
                 else f"{line['step']:>5}/{p.total_steps}"
             )
-            left = p.elapsed * (1 - now) / now if 0 < now < 1 else 0.0
-            eta = f"  ETA {duration(left)}" if left >= 1 else ""
+            left = self.time_left(line)
+            eta = f"  ETA {duration(left)}" if left is not None and left >= 1 else ""
             self.log(f"step {where}  {text}{eta}")
+
+    def time_left(self, line: dict[str, Any]) -> float | None:
+        """The run's time left at the pace of its recent windows (their measured seconds per
+        step, or per sample for a run measured in samples); None until a few have run. The
+        pace now, not the session's average: on a machine whose load changes, an average
+        over the start lags behind (it began at 7m29s and kept rising)."""
+        if len(self.recent) < _ETA_AFTER:
+            return None
+        p = self.progress
+        pace = sum(s for s, _ in self.recent) / sum(n for _, n in self.recent)
+        left = p.total_samples - line["samples"] if p.in_samples else p.total_steps - line["step"]
+        return max(left, 0) * pace
+
+
+_ETA_AFTER = 3  # windows measured (after the first) before the time left is said
+_ETA_WINDOWS = 10  # the recent windows it is measured over
 
 
 def _progress_bar(progress: Any):
