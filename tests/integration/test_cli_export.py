@@ -76,12 +76,10 @@ def test_an_effective_batch_with_no_equal_split_is_refused_in_one_line():
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("gradaccum: error: cannot export effective_batch 97 as equal"), last
     assert "per-rank batch 97 has no divisor" in last
-    # the plan is shown whole (what was planned, and its probes), then the one-line refusal;
-    # nothing of an export is printed
-    assert (
-        proc.stdout.startswith("effective batch 97: ") and "| micro-batch | probe |" in proc.stdout
-    )
-    assert "train_batch_size" not in proc.stdout and "accumulate_grad_batches" not in proc.stdout
+    # the plan is shown whole on stderr (what was planned, and its probes), then the one-line
+    # refusal; stdout, where the file would be, stays empty
+    assert "effective batch 97: " in proc.stderr and "| micro-batch | probe |" in proc.stderr
+    assert proc.stdout == ""
 
 
 DEEPSPEED_WINDOW = textwrap.dedent(
@@ -144,3 +142,121 @@ def test_deepspeed_initializes_the_bf16_export_with_fp32_accumulation():
     assert out["optimizer"] == "BF16_Optimizer"
     assert out["dtypes"] == ["torch.bfloat16", "torch.float32"]
     assert out["steps"] == [0, 0, 1]  # 3 micro-batches of 4: one optimizer step, at the end
+
+
+# Every framework's file as a user makes it: `gradaccum plan --export F > FILE`, then read by
+# the framework's own parser. One plan (digits, live tensor bytes: deterministic) measured
+# once; the other frameworks read it from the plan cache.
+DIGITS_64 = (
+    "--recipe",
+    "digits",
+    "--meter",
+    "tensors",
+    "--effective-batch",
+    64,
+    "--budget",
+    "3MiB",
+)
+
+
+@pytest.fixture(scope="module")
+def plan_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("plan-cache")
+
+
+def _exported(framework, folder, cache):
+    """The file a redirect of stdout makes, and stderr (what a person reads)."""
+    file = folder / f"{framework}.out"
+    with open(file, "w") as stdout:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gradaccum",
+                "plan",
+                *map(str, DIGITS_64),
+                "--export",
+                framework,
+            ],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "GRADACCUM_PLAN_CACHE": str(cache)},
+            timeout=300,
+            check=False,
+        )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the plan and the export's arithmetic are on stderr, for the person
+    assert "effective batch 64: " in proc.stderr and "| micro-batch | probe |" in proc.stderr
+    assert f"{framework}: micro-batch " in proc.stderr
+    return file, proc.stderr
+
+
+def _split(stderr, framework):
+    """(micro-batch, accumulation steps) as stderr's arithmetic line says them."""
+    line = next(x for x in stderr.splitlines() if x.startswith(f"{framework}: micro-batch "))
+    words = line.split()
+    return int(words[2]), int(words[4])
+
+
+@pytest.mark.slow  # a plan process each, and the framework's import
+def test_deepspeed_export_redirected_is_its_config(tmp_path, plan_cache):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    file, stderr = _exported("deepspeed", tmp_path, plan_cache)
+    config = json.loads(file.read_text())  # strict JSON, nothing before or after it
+    parsed = DeepSpeedConfig(config)
+    micro, steps = _split(stderr, "deepspeed")
+    assert parsed.train_batch_size == 64
+    assert (parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == (
+        micro,
+        steps,
+    )
+    assert micro * steps == 64
+
+
+@pytest.mark.slow  # a plan process each, and the framework's import
+def test_transformers_export_redirected_is_training_arguments(tmp_path, plan_cache):
+    from transformers import HfArgumentParser, TrainingArguments
+
+    file, stderr = _exported("transformers", tmp_path, plan_cache)
+    (args,) = HfArgumentParser(TrainingArguments).parse_json_file(file)
+    micro, steps = _split(stderr, "transformers")
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (micro, steps)
+    assert micro * steps == 64 and not args.bf16 and not args.fp16
+
+
+@pytest.mark.slow  # a plan process each, and the framework's import
+def test_lightning_export_redirected_is_trainer_settings(tmp_path, plan_cache):
+    import lightning as L
+    import yaml
+
+    file, stderr = _exported("lightning", tmp_path, plan_cache)
+    text = file.read_text()
+    settings = yaml.safe_load(text)
+    assert set(settings) == {"trainer"}  # LightningCLI's --config form
+    trainer = L.Trainer(**settings["trainer"], logger=False, enable_progress_bar=False)
+    micro, steps = _split(stderr, "lightning")
+    assert trainer.accumulate_grad_batches == steps and micro * steps == 64
+    assert f"DataLoader(batch_size={micro})" in text  # the one setting of the user's own code
+
+
+@pytest.mark.slow  # a plan process each, and the framework's import
+def test_accelerate_export_redirected_is_accelerator_arguments(tmp_path, plan_cache):
+    from accelerate import Accelerator
+
+    file, stderr = _exported("accelerate", tmp_path, plan_cache)
+    accelerator = Accelerator(**json.loads(file.read_text()))
+    micro, steps = _split(stderr, "accelerate")
+    assert accelerator.gradient_accumulation_steps == steps and micro * steps == 64
+    assert accelerator.mixed_precision == "no"
+
+
+@pytest.mark.slow  # a plan process each, and the framework's import
+def test_export_to_writes_the_file_and_leaves_the_plan_on_stdout(tmp_path, plan_cache, monkeypatch):
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(plan_cache))
+    target = tmp_path / "ds.json"
+    proc = cli("plan", *DIGITS_64, "--export", "deepspeed", "--export-to", target, threads=1)
+    assert proc.stdout.startswith("effective batch 64: ")
+    assert proc.stdout.rstrip().endswith(f": {target}")
+    assert json.loads(target.read_text())["train_batch_size"] == 64

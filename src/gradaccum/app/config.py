@@ -793,10 +793,18 @@ class PlanConfig:
     precision: str = PRECISION()
     export: str | None = Opt(
         None,
-        "also print the plan as this framework's settings, with an equal micro-batch x "
-        "accumulation steps x processes = the effective batch exactly",
+        "write the plan as this framework's file to stdout (the plan itself to stderr; with "
+        "--json, the JSON plan carries it): "
+        "DeepSpeed's config and TrainingArguments as JSON, Lightning's Trainer settings as "
+        "YAML, Accelerator's as JSON; an equal micro-batch x accumulation steps x processes "
+        "= the effective batch exactly",
         choices=FRAMEWORKS,
         metavar="FRAMEWORK",
+    )()
+    export_to: str | None = Opt(
+        None,
+        "write --export's file here instead of to stdout (stdout keeps the plan)",
+        metavar="PATH",
     )()
     replan: bool = REPLAN()
     json: bool = Opt(False, "print the plan as JSON")()
@@ -808,7 +816,10 @@ class PlanConfig:
         _resolve_recipe_defaults([self], self.recipe, None)
 
     def problems(self) -> list[str]:
-        return _field_problems(self)
+        out = _field_problems(self)
+        if self.export_to is not None and self.export is None:
+            out.append("export_to needs --export FRAMEWORK: which framework's file to write")
+        return out
 
 
 @dataclass(kw_only=True)

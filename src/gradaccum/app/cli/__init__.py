@@ -47,7 +47,8 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         hint, prog = _suggestion(self, message)
-        say(f"gradaccum: error: {message}{hint}" + (" See" if hint else "; see") + f" {prog} --help")
+        see = " See" if hint else "; see"
+        say(f"gradaccum: error: {message}{hint}{see} {prog} --help")
         raise SystemExit(2)
 
 

@@ -12,6 +12,7 @@ from gradaccum.app.measure import fresh_process_verifier
 from gradaccum.app.planner import plan_recipe
 from gradaccum.app.process import out, say
 from gradaccum.app.report.plots import plan_plot
+from gradaccum.plan import Export
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,8 +31,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = PlanConfig(**options.given(args, PlanConfig))
     if problems := cfg.problems():
         raise ValueError(invalid_configuration(problems))
-    if cfg.plot and not Path(cfg.plot).resolve().parent.is_dir():
-        raise ValueError(f"--plot {cfg.plot}: folder {Path(cfg.plot).parent} does not exist")
+    for flag, path in (("--plot", cfg.plot), ("--export-to", cfg.export_to)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{flag} {path}: folder {Path(path).parent} does not exist")
+    # --export alone: stdout is the framework's file, so a redirect makes the file; the
+    # plan, which a person reads, goes to stderr
+    to_stderr = cfg.export and not cfg.export_to and not cfg.json
+    show = (lambda *lines: say("\n".join(lines))) if to_stderr else out
     # the fresh process that verifies a new plan imports and builds while this one does (a
     # cached plan ends it unasked)
     with fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed, cfg.meter) as verify:
@@ -42,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         # An effective batch the framework cannot split equally: the plan is still shown
         # (the one line after it says which effective batches would export)
         if not cfg.json:
-            out(result.summary(), "", result.table(), "")
+            show(result.summary(), "", result.table(), "")
         raise
     plotted = plan_plot(result, cfg.plot) if cfg.plot else None
     if cfg.json:
@@ -50,10 +56,54 @@ def run(args: argparse.Namespace) -> int:
         if exported is not None:
             table["export"] = exported.to_dict()
         out(json.dumps(table, indent=2))
-    else:
-        out(result.summary(), "", result.table())
-        if plotted is not None:
-            out(f"\nplot: {plotted}")
-        if exported is not None:
-            out("", str(exported))
+        if exported is not None and cfg.export_to:
+            _write(cfg.export_to, framework_file(exported))
+        return 0
+    show(result.summary())
+    if exported is not None:  # the export's arithmetic, and why its micro-batch differs
+        show(*(f"{cfg.export}: {line}" for line in exported.comments))
+    show("", result.table())
+    if plotted is not None:
+        show(f"\nplot: {plotted}")
+    if exported is not None:
+        text = framework_file(exported)
+        if cfg.export_to:
+            _write(cfg.export_to, text)
+            out(f"\n{cfg.export} {_WHAT[cfg.export]}: {cfg.export_to}")
+        else:
+            out(text.rstrip("\n"))
     return 0
+
+
+# what each framework's file is, and how it is read
+_WHAT = {
+    "deepspeed": "config (deepspeed.initialize(config=...) or --deepspeed_config)",
+    "transformers": "TrainingArguments (HfArgumentParser(TrainingArguments).parse_json_file)",
+    "lightning": "Trainer settings (LightningCLI --config, or L.Trainer(**yaml['trainer']))",
+    "accelerate": "Accelerator arguments (Accelerator(**json.load(file)))",
+}
+
+
+def framework_file(exported: Export) -> str:
+    """The export as the file its framework reads: DeepSpeed's config (strict JSON), the
+    TrainingArguments fields as JSON (what HfArgumentParser.parse_json_file reads),
+    Lightning's ``trainer:`` section as YAML (LightningCLI's --config; its DataLoader batch
+    size in a comment, the one setting of the user's own code), Accelerator's keyword
+    arguments as JSON. What a person reads about it goes elsewhere (``comments``)."""
+    if exported.framework == "lightning":
+        lines = [
+            f"# DataLoader(batch_size={exported.micro_size}): the micro-batch, set where your "
+            "data is loaded",
+            "trainer:",
+            *(f"  {key}: {json.dumps(value)}" for key, value in exported.settings.items()),
+        ]
+        return "\n".join(lines) + "\n"
+    return json.dumps(exported.settings, indent=2) + "\n"
+
+
+def _write(path: str, text: str) -> None:
+    """The file whole or not at all (a temporary sibling, then a rename)."""
+    target = Path(path)
+    partial = target.with_name(f".{target.name}.partial")
+    partial.write_text(text)
+    partial.replace(target)
