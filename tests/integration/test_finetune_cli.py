@@ -91,11 +91,22 @@ def lora_run(tmp_path_factory, base, data):
     """One LoRA run, 16 steps, exporting at step 8 and at the end; two tests read it."""
     run = tmp_path_factory.mktemp("lora") / "run"
     proc = cli("train", *lora_args(base, data), "--export-every", 8, "--out", run)
-    return run, proc.stdout
+    return run, proc.stdout, proc.stderr
+
+
+def test_a_fine_tuning_run_says_nothing_of_other_packages(lora_run):
+    """DeepSpeed, installed and unused, said "Setting accelerator to CPU" as transformers
+    imported it to save the export; transformers drew loading and saving progress bars; PEFT
+    set off a FutureWarning of transformers'. None of it is about the run."""
+    _, stdout, stderr = lora_run
+    said = stdout + stderr
+    for chatter in ("Setting accelerator", "Loading weights", "Writing model shards", "it/s]"):
+        assert chatter not in said, (chatter, said[-3000:])
+    assert "Warning" not in stderr, stderr
 
 
 def test_lora_trains_only_the_adapters_and_exports_what_peft_loads(base, lora_run):
-    run, stdout = lora_run
+    run, stdout, _ = lora_run
     assert stdout.count("exported ") == 2, stdout  # at step 8 and at the end
     model, state = trained_model(base, run, lora=True)
 

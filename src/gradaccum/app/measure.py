@@ -33,7 +33,7 @@ import torch
 
 from gradaccum.app.checkpoints import sealed
 from gradaccum.app.folder import CHECKPOINT
-from gradaccum.app.process import exit_on_end_of_input
+from gradaccum.app.process import exit_on_end_of_input, quiet_third_parties
 from gradaccum.app.recipes import get_recipe, hf_recipe
 from gradaccum.batching import split, take, to_device
 from gradaccum.engine import Accumulator
@@ -234,6 +234,7 @@ def _count(n: int, one: str, many: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_third_parties()  # its output is the run's log
     ap = argparse.ArgumentParser(prog="python -m gradaccum.app.measure")
     source = ap.add_mutually_exclusive_group(required=True)
     source.add_argument("--recipe")

@@ -14,7 +14,7 @@ from gradaccum.app.build import build_model, build_optimizer, run_data
 from gradaccum.app.config import TrainConfig
 from gradaccum.app.measure import FreshProcessVerifier
 from gradaccum.app.planning import as_flags, verifier, window_plan
-from gradaccum.app.process import exit_with_parent
+from gradaccum.app.process import exit_with_parent, quiet_third_parties
 from gradaccum.app.recipes import get_recipe, hf_recipe
 
 
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m gradaccum.app.plan_process CONFIG OUT [--sequences FILE]``: the plan of a
     run's configuration (config.json's form), as ``gradaccum train`` makes it, written to OUT
     as {"info": plan} or {"error": one line}. Not a command: ``_plan_elsewhere`` runs it."""
+    quiet_third_parties()  # its output is the run's log
     ap = argparse.ArgumentParser(prog="python -m gradaccum.app.plan_process")
     ap.add_argument("config")
     ap.add_argument("out")

@@ -18,10 +18,12 @@ torch.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
 import threading
+import warnings
 from typing import Any
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "leave",
     "out",
     "quiet",
+    "quiet_third_parties",
     "say",
     "Stopped",
     "ending",
@@ -99,6 +102,35 @@ class Output:
 def quiet(*args: Any, **kwargs: Any) -> None:
     """The log of a process that does not speak (ranks other than 0: rank 0 speaks for the
     job)."""
+
+
+def quiet_third_parties() -> None:
+    """What other packages print that is not about the user's run, kept off the terminal, in
+    the command and the processes it starts (their output is its log): DeepSpeed's "Setting
+    accelerator to CPU" (transformers and accelerate import DeepSpeed when it is installed;
+    gradaccum never runs it), transformers' loading and saving progress bars, and PEFT's use
+    of a property transformers deprecates. Called before they are imported; a user's own
+    HF_HUB_DISABLE_PROGRESS_BARS is kept."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # inherited by the children
+    if "huggingface_hub" in sys.modules:  # imported already: it read the variable then
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+    # DeepSpeed's logger makes its own level and handler as it is imported; a filter on the
+    # logger, set now, stays
+    ds = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _NotDeepSpeedsDetection) for f in ds.filters):
+        ds.addFilter(_NotDeepSpeedsDetection())
+    warnings.filterwarnings(
+        "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+    )
+
+
+class _NotDeepSpeedsDetection(logging.Filter):
+    """DeepSpeed's guess at the hardware, said as it is imported, dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Setting accelerator to" not in record.getMessage()
 
 
 def leave(code: int) -> None:

@@ -19,6 +19,7 @@ from gradaccum.app.process import (
     ending,
     leave,
     out,
+    quiet_third_parties,
     say,
     unwatch_stops,
     watch_loading,
@@ -145,6 +146,7 @@ def _main(argv: list[str] | None) -> int:
         if getattr(sys, name) is None:
             setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 - for the process
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    quiet_third_parties()
     given = sys.argv[1:] if argv is None else argv
     debug = os.environ.get("GRADACCUM_DEBUG", "") not in ("", "0") or "--debug" in given
     # The subcommands import torch here. Ctrl-C stays stop_while_loading's until they are
