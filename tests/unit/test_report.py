@@ -109,9 +109,9 @@ def test_the_page_holds_the_runs_numbers_and_its_plots(run):
     assert ["held-out loss", f"{summary['held_out_loss']:.4f}"] in rows
     assert ["held-out accuracy", f"{summary['held_out_accuracy']:.4f}"] in rows
     assert ["peak training memory", mib(summary["peak_memory"])] in rows
-    assert ["micro size", "16"] in rows  # the plan
+    assert ["micro-batch", "16 samples; given with --micro-batch"] in rows  # the plan
     assert ["effective_batch", "32"] in rows and ["recipe", "digits"] in rows  # the config
-    assert ["lora", "null"] in rows
+    assert ["lora", "null"] in rows  # folded, at its default
 
     images = [attrs for tag, attrs in page.tags if tag == "img"]
     plots = sorted(run.glob("*.png"))
@@ -348,9 +348,10 @@ def test_the_plan_section_reads_in_units_with_its_probes_as_a_table(tmp_path):
     (run / "plan.json").write_text(json.dumps(plan))
     rows = Page(render(run)).rows
     assert ["peak measured at the planned size", format_bytes(167_138_304)] in rows
-    assert ["budget", f"{format_bytes(200_000_000)} (200,000,000 bytes)"] in rows
+    usable = format_bytes(200_000_000 * 0.85)
+    budget = f"{format_bytes(200_000_000)} (200,000,000 bytes); 15% kept free, {usable} usable"
+    assert ["budget", budget] in rows, rows
     assert ["planning took", "21.6 s"] in rows and ["micro-batches of a window", "4 x 16"] in rows
-    assert ["margin", "15% of the budget kept free"] in rows
     assert ["peak line", "4.5 MiB + 7.1 MiB per sample (fit error 4.9%)"] in rows
     # the probe's row, each peak whole (static and first-step bytes, 3 MB, included)
     assert ["4", "fit", "35.3 MiB", "34.1 MiB", "16.2 MiB"] in rows, rows
@@ -422,7 +423,7 @@ def test_batch_png_leaves_a_stretch_without_a_reading_as_a_gap(tmp_path):
 
     read = [True, True, False, False, True, True]
     lines = [
-        {"step": i + 1, "samples": 64 * (i + 1), "count": 8000}
+        {"step": i + 1, "samples": 64 * (i + 1), "count": 8000, "effective_batch": 64}
         | ({"noise_scale": 3000.0, "noise_low": 2000.0, "noise_high": 4000.0} if r else {})
         for i, r in enumerate(read)
     ]
@@ -446,3 +447,87 @@ def test_the_console_names_the_advised_batch_as_the_flag_to_give():
     assert "more optimizer steps" in said[1]
     short = noise_advice(256, NoiseReading(112.0, 80.0, 160.0, 20, 0.9), 4.0)
     assert "--effective-batch" not in short and "advice waits for 50" in short
+
+
+def test_the_plan_says_the_whole_run_phase_by_phase_and_every_number_in_words(tmp_path):
+    """plan.json's phases were a raw JSON dump and "batch bytes 131,072" went unexplained; the
+    configuration was 40 rows, many null: now what differs from the defaults, the rest folded."""
+    run = tmp_path / "run"
+    run.mkdir()
+    config = {**_defaults_of("gpt"), "budget": "200MB", "effective_batch": 128}
+    (run / "config.json").write_text(json.dumps(config))
+    plan = {
+        "effective_batch": 128, "world_size": 1, "micro_size": 16, "micro_batches": 8,
+        "last_micro_size": 16, "micro_sizes": [16] * 8, "largest_fitting": 18,
+        "predicted_peak": 150 * 2**20, "batch_bytes": 131_072, "source": "planned",
+        "checkpointing": False, "checkpointed_blocks": [],
+        "phases": [
+            {"name": "evaluation", "micro_size": 16, "peak_bytes": 40 * 2**20, "tried": []},
+            {"name": "checkpoint", "micro_size": 16, "peak_bytes": 30 * 2**20, "tried": []},
+        ],
+    }  # fmt: skip
+    (run / "plan.json").write_text(json.dumps(plan))
+    page = render(run)
+    rows = Page(page).rows
+    assert ["effective batch", "128 samples = 8 x 16"] in rows, rows
+    assert ["micro-batch", "16 samples (largest that fits: 18); planned: measured"] in rows
+    assert ["the window's input batch (held while it trains)", "128.0 KiB"] in rows
+    assert ["phase of the run", "micro-batch", "peak, measured", ""] in rows
+    assert ["training", "16", "150.0 MiB", "the most"] in rows
+    assert ["evaluation", "16", "40.0 MiB", ""] in rows
+    assert "131,072" not in page and '"peak_bytes"' not in page and "batch bytes" not in page
+    # the configuration: the two options set, then the rest folded
+    section = page[page.index('id="config"') :]
+    shown, folded = section.split("<details>")
+    assert Page(shown).rows == [["effective_batch", "128"], ["budget", "200MB"]]
+    assert f"the other {len(config) - 2} options, at their defaults" in folded
+
+
+def _defaults_of(recipe):
+    from gradaccum.app.config import TrainConfig
+
+    return TrainConfig.of(recipe=recipe).flat()
+
+
+def test_batch_png_is_in_samples_and_its_interval_cut_to_what_the_readings_support(tmp_path):
+    """The demo's plot drew B_simple at 24,175 items with a band from 0 to 37,889 on a log
+    axis while the advice said 29 samples: B_simple is drawn in samples (items over the
+    window's items per sample), a reading whose interval reaches zero is a gap, and the band
+    stops at 10x the batch."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    from gradaccum.app.report.plots import batch_plot
+
+    axes = []
+
+    class Kept:
+        def subplots(self, **kw):
+            fig, ax = pyplot.subplots(**kw)
+            axes.append(ax)
+            return fig, ax
+
+        def close(self, fig):
+            pyplot.close(fig)
+
+    noise = [(24174.8, 0.0, 37888.8), (3717.5, 2364.7, 5876.1), (3000.0, 1000.0, 900_000.0)]
+    lines = [
+        {"step": i + 1, "samples": 64 * (i + 1), "count": 8128, "effective_batch": 64,
+         "noise_scale": b, "noise_low": lo, "noise_high": hi}
+        for i, (b, lo, hi) in enumerate(noise)
+    ]  # fmt: skip
+    batch_plot(Kept(), tmp_path, lines)
+    (ax,) = axes
+    [b_simple] = [line for line in ax.lines if line.get_label() == "B_simple"]
+    ys = list(b_simple.get_ydata())
+    assert math.isnan(ys[0])  # its interval reaches zero: nothing to draw
+    assert ys[1] == pytest.approx(3717.5 * 64 / 8128)  # 29.3 samples, as the advice says
+    low, high = ax.get_ylim()
+    assert high == 640  # 10x the batch of 64
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "its 90% interval (cut at 10x the batch)" in labels
+    assert ax.get_ylabel() == "samples per step"

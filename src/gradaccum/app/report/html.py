@@ -36,7 +36,7 @@ from gradaccum.app.folder import (
     RunFolder,
 )
 from gradaccum.app.folder import SUMMARY as SUMMARY_JSON
-from gradaccum.app.report.metrics import SUMMARY
+from gradaccum.app.report.metrics import SUMMARY, seconds_text
 from gradaccum.memory import format_bytes
 from gradaccum.plan import Fit
 
@@ -49,8 +49,10 @@ EXPECTED = "give a run folder written by gradaccum train"
 PLOTS = {
     LOSS_PLOT: "training loss per window and held-out loss against the optimizer step",
     MEMORY_PLOT: "peak training memory so far, in MiB, against the optimizer step",
-    BATCH_PLOT: "effective batch per window and the critical batch B_simple with its "
-    "interval, in items per step, against the samples seen",
+    BATCH_PLOT: "effective batch per window and the critical batch B_simple with its 90% "
+    "interval, in samples per step (B_simple's items over the window's items per sample, as "
+    "the advice says it), against the samples seen; a reading whose interval reaches zero is "
+    "a gap, and the interval is cut at 10x the batch",
 }
 
 STOPS = {
@@ -90,6 +92,7 @@ td.ok{color:#1b5e20}td.warn{color:#a15c00}
 figure{margin:0}
 figure img{display:block;max-width:100%;height:auto;border:1px solid #e4e4e4}
 figcaption{font-size:.9rem;color:#555;margin-top:.25rem}
+details{margin:.3rem 0}summary{cursor:pointer;color:#555}
 footer{margin-top:2.5rem;font-size:.85rem;color:#777}
 """
 
@@ -147,7 +150,7 @@ def render(
         ("incidents", "Incidents", _incidents(incidents, summary)),
         ("plots", "Plots", _plots(folder.path)),
         ("plan", "Plan", _plan(plan) if plan is not None else _p("no plan.json", "dim")),
-        ("config", "Configuration", _mapping(config)),
+        ("config", "Configuration", _config(config)),
         ("resumes", "Resumes", _resumes(resumes) if resumes else None),
     ]
     sections = [s for s in sections if s[2] is not None]
@@ -264,14 +267,7 @@ def _bytes(n: Any) -> str:
 
 
 def _seconds(s: Any) -> str:
-    if not _is_number(s):
-        return _num(s)
-    if s < 60:
-        return f"{s:.1f} s"
-    minutes, sec = divmod(round(s), 60)
-    if minutes < 60:
-        return f"{minutes} min {sec:02d} s"
-    return f"{minutes // 60} h {minutes % 60:02d} min"
+    return seconds_text(s) if _is_number(s) else _num(s)
 
 
 def _changes(v: Any) -> str:
@@ -323,52 +319,125 @@ def _mapping(obj: dict[str, Any]) -> str:
     return _table(None, [[(k, "key mono"), (_raw(v), "mono")] for k, v in obj.items()])
 
 
+def _config(config: dict[str, Any]) -> str:
+    """config.json as what this run set: the options that differ from their defaults (the
+    recipe's own, where it has them), the rest folded below them."""
+    if not config:
+        return _p("(empty)", "dim")
+    defaults = _defaults(config)
+    set_ = {k: v for k, v in config.items() if k not in defaults or defaults[k] != v}
+    rest = {k: v for k, v in config.items() if k not in set_}
+    if not defaults:  # an older or damaged config.json: shown as it is
+        return _mapping(config)
+    parts = [_mapping(set_) if set_ else _p("every option at its default", "dim")]
+    if rest:
+        parts.append(
+            f"<details><summary>the other {len(rest)} options, at their defaults</summary>\n"
+            + _mapping(rest)
+            + "\n</details>"
+        )
+    return "\n".join(parts)
+
+
+def _defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """Every option's default for this run's recipe (config.json's form); {} when the file's
+    recipe or model cannot make a configuration."""
+    from gradaccum.app.config import TrainConfig
+
+    source = {k: config[k] for k in ("recipe", "hf_model") if config.get(k) is not None}
+    try:
+        return TrainConfig.of(**source).flat()
+    except (TypeError, ValueError):
+        return {}
+
+
 # -- the sections -----------------------------------------------------------------------------
 
 
-_PLAN_BYTES = ("budget", "predicted_peak", "static_bytes", "overhead_bytes", "bytes_per_sample")
+_PLAN_BYTES = ("predicted_peak", "static_bytes", "overhead_bytes", "batch_bytes")
 _PLAN_LABELS = {
     "predicted_peak": "peak measured at the planned size",
     "static_bytes": "static (parameters, buffers, optimizer state)",
     "overhead_bytes": "first-step overhead",
-    "bytes_per_sample": "per sample (the fit's slope)",
-    "largest_fitting": "largest micro-batch that fits",
-    "micro_sizes": "micro-batches of a window",
+    "batch_bytes": "the window's input batch (held while it trains)",
     "seconds": "planning took",
 }
+_SOURCES = {"planned": "planned: measured", "given": "given with --micro-batch"}
+# what the rows below say, together, of plan.json (the rest is shown as it is)
+_PLAN_SAID = {
+    *_PLAN_LABELS, "effective_batch", "world_size", "per_rank_batch", "micro_size",
+    "micro_batches", "last_micro_size", "micro_sizes", "largest_fitting", "budget", "margin",
+    "bytes_per_sample", "checkpointing", "checkpointed_blocks", "device", "precision", "sync",
+    "source", "probes", "peak_fit", "activation_fit", "notes", "phases",
+}  # fmt: skip
 
 
 def _plan(plan: dict[str, Any]) -> str:
-    """plan.json as a reader wants it: sizes in bytes' units, times rounded, the fits as a
-    line, the probes as a table of their own."""
+    """plan.json as the console says it: a table in the run's units (samples, bytes as
+    KiB/MiB/GiB, times rounded as the console rounds them), the run's phases as rows, the
+    probes as a table of their own; a key the page does not know is shown as it is."""
     if not plan:
         return _p("(empty)", "dim")
-    rows = []
-    for key, value in plan.items():
-        if key in ("probes", "peak_fit", "activation_fit", "notes") or value in ([], None):
-            continue
-        if key == "budget" and _is_number(value):
-            shown = f"{_bytes(value)} ({value:,} bytes)"
-        elif key in _PLAN_BYTES:
-            shown = _bytes(value)
-        elif key == "seconds":
-            shown = _seconds(value)
-        elif key == "margin" and _is_number(value):
-            shown = f"{value:.0%} of the budget kept free"
-        elif key == "micro_sizes" and isinstance(value, list):
-            shown = " + ".join(f"{n} x {size}" for size, n in Counter(value).items())
-        else:
-            shown = _num(value)
-        rows.append([(_PLAN_LABELS.get(key, _label(key)), "key"), (shown, "mono")])
+    rows: list[list[Cell]] = []
+
+    def row(label: str, text: str) -> None:
+        rows.append([(label, "key"), (text, "mono")])
+
+    sizes = plan.get("micro_sizes")
+    if _is_number(plan.get("effective_batch")):
+        shape = ""
+        if isinstance(sizes, list) and sizes:
+            shape = " = " + " + ".join(f"{n} x {size}" for size, n in Counter(sizes).items())
+        ranks = plan.get("world_size")
+        per = f" per rank, {ranks} ranks" if _is_number(ranks) and ranks > 1 else ""
+        row("effective batch", f"{_num(plan['effective_batch'])} samples{shape}{per}")
+    elif isinstance(sizes, list):
+        row(
+            "micro-batches of a window", " + ".join(f"{n} x {m}" for m, n in Counter(sizes).items())
+        )
+    if plan.get("micro_size") is not None:
+        largest = plan.get("largest_fitting")
+        fits = f" (largest that fits: {_num(largest)})" if largest is not None else ""
+        source = _SOURCES.get(plan.get("source"), plan.get("source"))
+        how = f"; {source}" if source else ""
+        row("micro-batch", f"{_num(plan['micro_size'])} samples{fits}{how}")
+    if "checkpointing" in plan:
+        blocks = plan.get("checkpointed_blocks") or []
+        on = f"on, {len(blocks)} blocks" if blocks else "on"
+        row("activation checkpointing", on if plan["checkpointing"] else "off")
+    if _is_number(budget := plan.get("budget")):
+        margin = plan.get("margin")
+        kept = ""
+        if _is_number(margin):
+            kept = f"; {margin:.0%} kept free, {_bytes(budget * (1 - margin))} usable"
+        row("budget", f"{_bytes(budget)} ({budget:,} bytes){kept}")
+    for key in ("predicted_peak", "static_bytes", "overhead_bytes", "batch_bytes"):
+        if _is_number(plan.get(key)) and (plan[key] or key != "batch_bytes"):
+            row(_PLAN_LABELS[key], _bytes(plan[key]))
     for key, name in (("peak_fit", "peak line"), ("activation_fit", "activations saved")):
         if (fit := _fit(plan.get(key))) is None:
             continue
         line = f"{fit.line()} ({fit.quality()})" if key == "peak_fit" else fit.activations()
-        rows.append([(name, "key"), (line, "mono")])
+        row(name, line)
+    where = [str(plan[k]) for k in ("device", "precision") if plan.get(k)]
+    if plan.get("sync"):
+        where.append(f"gradient sync once per {plan['sync']}")
+    if where:
+        row("measured on", ", ".join(where))
+    if _is_number(plan.get("seconds")):
+        row("planning took", _seconds(plan["seconds"]))
+    for key, value in plan.items():
+        if key not in _PLAN_SAID and value not in ([], None):
+            row(_label(key), _raw(value))
     parts = [_table(None, rows)]
+    phases = _phases(plan)
+    if phases:
+        parts.append(phases)
     probes = [p for p in plan.get("probes") or [] if isinstance(p, dict)]
-    # each the whole peak, as the summary counts it: the static and first-step bytes too
-    base = sum(v for k in ("static_bytes", "overhead_bytes") if _is_number(v := plan.get(k)))
+    # each the whole peak, as the summary counts it: the static, first-step and batch bytes
+    base = sum(
+        v for k in ("static_bytes", "overhead_bytes", "batch_bytes") if _is_number(v := plan.get(k))
+    )
 
     def whole(v: Any) -> str:
         return _bytes(base + v) if _is_number(v) else _num(v)
@@ -391,6 +460,29 @@ def _plan(plan: dict[str, Any]) -> str:
         )
     parts += [_p(str(n), "dim") for n in plan.get("notes") or []]
     return "\n".join(parts)
+
+
+def _phases(plan: dict[str, Any]) -> str | None:
+    """The whole run, phase by phase (training's window, then each measured phase): its
+    micro-batch and its peak, the largest marked."""
+    phases = [p for p in plan.get("phases") or [] if isinstance(p, dict)]
+    if not phases:
+        return None
+    runs = [("training", plan.get("micro_size"), plan.get("predicted_peak"))]
+    runs += [(str(p.get("name")), p.get("micro_size"), p.get("peak_bytes")) for p in phases]
+    peaks = [peak for _, _, peak in runs if _is_number(peak)]
+    top = max(peaks, default=None)
+    rows: list[list[Cell]] = []
+    for name, size, peak in runs:
+        mark = "the most" if peak == top and top is not None else ""
+        rows.append([name, (_num(size), "num"), (_bytes(peak), "num"), (mark, "dim")])
+    for p in phases:
+        for size, peak in p.get("tried") or []:
+            rows.append(
+                [f"{p.get('name')} (tried)", (_num(size), "num"), (_bytes(peak), "num"),
+                 ("above the usable budget", "warn")]
+            )  # fmt: skip
+    return _table(["phase of the run", "micro-batch", "peak, measured", ""], rows)
 
 
 def _fit(saved: Any) -> Fit | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["STEP", "SUMMARY", "Metric"]
+__all__ = ["STEP", "SUMMARY", "Metric", "seconds_text"]
 
 
 @dataclass(frozen=True)
@@ -65,3 +65,14 @@ SUMMARY = (
     Metric("noise_advice", "noise scale advice", "text", printed=False),
     Metric("noise_tradeoff", "the effective batch's trade-off", "text", printed=False),
 )
+
+
+def seconds_text(s: float) -> str:
+    """A duration as the summary table and the report both write it: 2.9 s, 37 min 13 s,
+    1 h 02 min."""
+    if s < 60:
+        return f"{s:.1f} s"
+    minutes, sec = divmod(round(s), 60)
+    if minutes < 60:
+        return f"{minutes} min {sec:02d} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"

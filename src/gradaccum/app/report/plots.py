@@ -1,6 +1,6 @@
 """A run's plots, drawn from its metrics lines at the end of a run: loss.png (train and
 held-out loss, incidents marked), memory.png (peak training memory) and batch.png (the
-effective batch against the critical batch B_simple and its interval)."""
+effective batch against the critical batch B_simple and its interval, in samples)."""
 
 from __future__ import annotations
 
@@ -58,45 +58,61 @@ def draw(out: Path, lines: list[dict[str, Any]], incidents: list[dict[str, Any]]
     batch_plot(plt, out, lines)
 
 
+# The interval's top is drawn at most this many times the largest effective batch: the
+# readings are prefixes of windows no larger than it, and say little of batches far beyond
+_CEILING = 10
+
+
 def batch_plot(plt, out: Path, lines: list[dict[str, Any]]) -> None:
-    """batch.png: the effective batch of each window against B_simple and its interval, both
-    in items, over the samples seen."""
+    """batch.png: the effective batch of each window against B_simple and its 90% interval,
+    in the effective batch's own unit (samples: B_simple's items divided by the window's
+    items per sample, as the advice says it), over the samples seen. A reading whose
+    interval reaches zero (|G|^2 not clearly above zero) says nothing of B and is left out,
+    a gap in the line; the interval is cut at 10x the largest batch, where the readings
+    stop saying anything."""
     seen = [x.get("samples", x["step"]) for x in lines]
+    # items per sample of each window (an older metrics line without effective_batch: items)
+    per = [
+        x["count"] / x["effective_batch"] if x.get("effective_batch") and x["count"] else 1.0
+        for x in lines
+    ]
+    batch = [x.get("effective_batch") or x["count"] for x in lines]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.step(seen, [x["count"] for x in lines], where="pre", label="effective batch (items)")
-    noise = [(n, x) for n, x in zip(seen, lines, strict=True) if x.get("noise_scale")]
-    # A log scale down to a tenth of the smallest value shown: an interval reaching 0 is
-    # drawn to the bottom edge rather than stretching the axis to nothing.
-    shown = [x["count"] for x in lines if x["count"]] + [x["noise_scale"] for _, x in noise]
+    unit = "samples" if any(x.get("effective_batch") for x in lines) else "items"
+    ax.step(seen, batch, where="pre", label=f"effective batch ({unit})")
+    read = [bool(x.get("noise_scale")) and (x.get("noise_low") or 0) > 0 for x in lines]
+    top = _CEILING * max(batch, default=1)
+    shown = [b for b in batch if b] + [
+        x["noise_scale"] / p for x, p, r in zip(lines, per, read, strict=True) if r
+    ]
     bottom = 0.1 * min(shown, default=1)
-    if noise:
+    if any(read):
         # Every window, NaN where there was no reading: a stretch without one is a gap in
         # the line, not a straight line drawn across it.
         nan = float("nan")
-        read = [bool(x.get("noise_scale")) for x in lines]
-        ax.plot(
-            seen,
-            [x["noise_scale"] if r else nan for x, r in zip(lines, read, strict=True)],
-            label="B_simple",
-        )
+        mid = [x["noise_scale"] / p if r else nan for x, p, r in zip(lines, per, read, strict=True)]
+        low = [x["noise_low"] / p if r else nan for x, p, r in zip(lines, per, read, strict=True)]
+        high = [x["noise_high"] / p if r else nan for x, p, r in zip(lines, per, read, strict=True)]
+        cut = any(h > top for h in high if h == h)
+        ax.plot(seen, [min(m, top) if m == m else m for m in mid], label="B_simple")
         ax.fill_between(
             seen,
-            [max(x["noise_low"], bottom) if r else nan for x, r in zip(lines, read, strict=True)],
-            [x["noise_high"] if r else nan for x, r in zip(lines, read, strict=True)],
+            [max(v, bottom) if v == v else v for v in low],
+            [min(v, top) if v == v else v for v in high],
             where=read,
             alpha=0.25,
-            label="its 90% interval",
+            label="its 90% interval" + (f" (cut at {_CEILING}x the batch)" if cut else ""),
         )
     ax.set_yscale("log")
-    ax.set_ylim(bottom=bottom)
-    # Items as plain numbers (50, not 5 x 10^1), labelled at 1, 2 and 5 of each decade.
+    ax.set_ylim(bottom=bottom, top=top)
+    # Plain numbers (50, not 5 x 10^1), labelled at 1, 2 and 5 of each decade.
     from matplotlib import ticker
 
     ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.10g}"))
     ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel("samples seen")
-    ax.set_ylabel("items per step")
+    ax.set_ylabel(f"{unit} per step")
     ax.set_title(f"{out.name}: effective batch and critical batch")
     ax.legend(loc="best")
     ax.grid(alpha=0.3, which="both")

@@ -9,7 +9,7 @@ import torch
 from gradaccum.app.folder import BASELINE, INCIDENTS, TENSORBOARD
 from gradaccum.app.folder import SUMMARY as SUMMARY_JSON
 from gradaccum.app.report import plots
-from gradaccum.app.report.metrics import SUMMARY
+from gradaccum.app.report.metrics import SUMMARY, seconds_text
 from gradaccum.app.run import Run
 from gradaccum.engine import Accumulator
 from gradaccum.memory import format_bytes
@@ -130,7 +130,7 @@ def summary_table(s: dict[str, Any]) -> str:
         if unit == "bytes":
             return format_bytes(v)
         if unit == "seconds":
-            return f"{v:.1f} s"
+            return seconds_text(v)  # as the report writes it
         if isinstance(v, int) and not isinstance(v, bool):
             return f"{v:,}"  # 1,219,200 items, as the step lines count them
         return f"{v:.4f}" if isinstance(v, float) else str(v)
