@@ -276,5 +276,20 @@ def test_misspelled_flags_and_commands_are_refused_with_what_was_meant():
 @pytest.mark.slow  # it plans (a few seconds of probes)
 def test_plan_names_flags_in_its_errors_as_train_does():
     proc = in_process("plan", "--recipe", "digits", "--meter", "tensors", "--budget", "1MB")
-    line = one_line(proc, "too small", "--checkpointing auto")
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]  # after the planning line
+    assert "too small" in line and "--checkpointing auto" in line, line
     assert "checkpointing=" not in line
+
+
+@pytest.mark.slow  # it plans (a few seconds of probes and a fresh process)
+def test_a_plan_of_one_micro_batch_says_there_is_no_accumulation():
+    """docs/cli.md's digits at 256 in 300MB planned one micro-batch of 256 and said only
+    "1 micro-batch per window"."""
+    proc = in_process(
+        "plan", "--recipe", "digits", "--meter", "tensors", "--effective-batch", 16,
+        "--budget", "300MB", "--replan",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "the whole per-rank batch of 16 fits in one micro-batch (measured at 16" in proc.stdout
+    assert "no accumulation at this budget" in proc.stdout

@@ -12,7 +12,7 @@ from gradaccum.app.measure import fresh_process_verifier
 from gradaccum.app.planner import plan_recipe
 from gradaccum.app.process import out, say
 from gradaccum.app.report.plots import plan_plot
-from gradaccum.plan import Export
+from gradaccum.plan import Export, Plan
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -60,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
             _write(cfg.export_to, framework_file(exported))
         return 0
     show(result.summary())
+    if result.micro_batches == 1:
+        show(_whole_batch(result))
     if exported is not None:  # the export's arithmetic, and why its micro-batch differs
         show(*(f"{cfg.export}: {line}" for line in exported.comments))
     show("", result.table())
@@ -73,6 +75,20 @@ def run(args: argparse.Namespace) -> int:
         else:
             out(text.rstrip("\n"))
     return 0
+
+
+def _whole_batch(result: Plan) -> str:
+    """One micro-batch of the whole per-rank batch, said as such: no accumulation at this
+    budget, and (when the line says nothing) that the size was measured, not predicted."""
+    measured = result.probes[-1] if result.probes else None
+    how = f" (measured at {measured.micro_size}, {measured.kind})" if measured else ""
+    line = (
+        f"the whole per-rank batch of {result.per_rank_batch} fits in one micro-batch"
+        f"{how}: no accumulation at this budget"
+    )
+    if not result.peak_fit.plausible:
+        line += "; the memory line says nothing here, so the size was found by measuring"
+    return line
 
 
 # what each framework's file is, and how it is read
