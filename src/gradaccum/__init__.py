@@ -25,7 +25,7 @@ _EXPORTS = {
     "per_token sample_mean sequence_count sequence_ids token_count token_cross_entropy",
     "gradaccum.noise": "NoiseReading NoiseScale",
     "gradaccum.oom": "OOMReplay",
-    "gradaccum.plan": "Plan plan",
+    "gradaccum.plan": "Plan PlanRequest plan",
     "gradaccum.plan.estimate": "Estimate estimate",
     "gradaccum.precision": "Precision",
     "gradaccum.recompute": "disable_checkpointing enable_checkpointing",

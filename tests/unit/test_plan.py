@@ -453,3 +453,32 @@ def test_a_name_that_moved_into_the_plan_package_answers_from_its_old_home_with_
         assert getattr(importlib.import_module(old), name) is moved
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         importlib.import_module(old).nothing_here  # noqa: B018 (the access is the test)
+
+
+def test_a_plan_request_asks_what_the_same_keywords_ask_and_the_old_positions_still_answer():
+    """``plan(..., PlanRequest(...))`` and ``plan(..., effective_batch=..., budget=...)`` make
+    the same plan (the live-tensor meter is deterministic); the old positional settings give
+    it too, with a DeprecationWarning; a keyword that is no setting is a TypeError."""
+    import dataclasses
+
+    model, batch, loss_fn = cnn_setup()
+
+    def plan(*args, **kw):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        found = ga.plan(model, optimizer, batch, loss_fn, *args, **kw)
+        return {k: v for k, v in found.to_dict().items() if k != "seconds"}
+
+    asked = ga.PlanRequest(effective_batch=12, budget="1GiB", meter="tensors", probe_sizes=[1, 2])
+    by_request = plan(asked)
+    assert by_request == plan(**dataclasses.asdict(asked))
+    assert by_request["micro_size"] == 12 and by_request["budget"] == 2**30
+    with pytest.warns(DeprecationWarning, match="effective_batch, budget given by position"):
+        assert plan(12, "1GiB", meter="tensors", probe_sizes=[1, 2]) == by_request
+    # keywords with a request replace its fields
+    assert plan(asked, effective_batch=6)["per_rank_batch"] == 6
+    with pytest.raises(TypeError, match="unexpected keyword argument 'budgte'"):
+        plan(effective_batch=12, budgte="1GiB")
+    with pytest.raises(TypeError, match="missing the setting 'budget'"):
+        plan(effective_batch=12)
+    with pytest.raises(ValueError, match="cannot plan: margin must be .*; meter must be one of"):
+        plan(dataclasses.replace(asked, margin=1.5, meter="nope"))

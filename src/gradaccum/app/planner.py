@@ -1,6 +1,6 @@
 """One planner for `gradaccum plan` and `gradaccum train`: a plan is answered from the plan
 cache when one is stored for what it depends on, else measured (``Planner.measure``: the
-library's ``plan()`` with its settings as one ``PlanRequest``, the planned size verified in a
+library's ``plan()`` asked one ``PlanRequest``, the planned size verified in a
 fresh process on the CPU, the run's phases when the command has them) and stored. `plan`
 plans the window alone (``plan_recipe``); `train` covers its evaluations, checkpoints and
 exports too, in a process of its own on the CPU (app/planning.py says when)."""
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,36 +17,9 @@ from gradaccum.app import plan_cache
 from gradaccum.app.measure import FreshProcessVerifier
 from gradaccum.batching import to_device
 from gradaccum.memory import parse_bytes
-from gradaccum.plan import Plan, plan
+from gradaccum.plan import Plan, PlanRequest, plan
 
-__all__ = ["PlanRequest", "Planner", "plan_recipe"]
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """What a plan is asked: the per-rank effective batch, the budget in bytes and its margin
-    kept free, the meter, activation checkpointing, precision, the processes the batch is
-    split over, and the gradient sync ("auto": FSDP2's choice, planned)."""
-
-    effective_batch: int
-    budget: int
-    margin: float
-    meter: str = "auto"
-    checkpointing: str = "off"
-    precision: str = "fp32"
-    world_size: int = 1
-    sync: str = "window"
-
-    def settings(self) -> dict[str, Any]:
-        """The request as the plan cache keys it."""
-        return {
-            "effective_batch": self.effective_batch,
-            "budget": self.budget,
-            "margin": self.margin,
-            "meter": self.meter,
-            "checkpointing": self.checkpointing,
-            "precision": self.precision,
-        }
+__all__ = ["Planner", "plan_recipe"]
 
 
 class Planner:
@@ -107,20 +79,7 @@ class Planner:
         """A new plan, measured on this planner's model and sample (``verify``: the fresh
         process that measures the planned size; ``phases``: the run's other parts)."""
         return plan(
-            self.model,
-            self.optimizer,
-            self.sample,
-            loss_fn,
-            effective_batch=request.effective_batch,
-            budget=request.budget,
-            world_size=request.world_size,
-            margin=request.margin,
-            meter=request.meter,
-            precision=request.precision,
-            checkpointing=request.checkpointing,
-            verify=verify,
-            sync=request.sync,
-            phases=phases,
+            self.model, self.optimizer, self.sample, loss_fn, request, verify=verify, phases=phases
         )
 
     def plan(self, make: Callable[[], dict[str, Any]], *, keep: bool = True) -> dict[str, Any]:
@@ -161,8 +120,7 @@ def plan_recipe(cfg: Any, verify: FreshProcessVerifier, log) -> tuple[Any, Plan]
     settings = {
         "command": "plan",  # the window alone: train's plans cover its evaluations too
         "recipe": cfg.recipe,
-        **request.settings(),
-        "world_size": cfg.world_size,
+        **request.to_dict(),
     }
     planner = Planner(model, optimizer, sample, device, settings, log=log, replan=cfg.replan)
     found = planner.stored()

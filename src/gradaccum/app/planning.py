@@ -25,10 +25,11 @@ from gradaccum.app.config import TrainConfig
 from gradaccum.app.exports import write_exports
 from gradaccum.app.folder import CHECKPOINT, CONFIG, PLAN, RunFolder
 from gradaccum.app.measure import FreshProcessVerifier, fresh_process_verifier
-from gradaccum.app.planner import Planner, PlanRequest
+from gradaccum.app.planner import Planner
 from gradaccum.app.recipes import Recipe
 from gradaccum.app.recipes.userdata import SequenceData
 from gradaccum.checkpoint import preserved_rng
+from gradaccum.plan import PlanRequest
 from gradaccum.precision import PRECISIONS
 from gradaccum.recompute import enable_checkpointing
 
@@ -140,7 +141,7 @@ def window_plan(
         asked = request(cfg, per_rank, each_rank)
         settings = {
             "recipe": cfg.source.recipe if not cfg.source.hf_model else "hf",
-            **asked.settings(),
+            **asked.to_dict(),
             "world": world,
             # the phases measured beside the window: a merge copies the model
             "merge_lora": cfg.output.merge_lora,

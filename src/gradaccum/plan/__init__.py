@@ -1,8 +1,9 @@
 """Planning: the micro-batch that fits a memory budget, measured where the run will train.
 
-``plan()`` and ``Plan`` (core.py, result.py), the prober that measures real windows
-(prober.py), the run's other parts measured beside the window (phases.py), a plan as another
-framework's settings (exports.py) and a pipeline's number of micro-batches (pipeline.py).
+``plan()``, what it is asked and ``Plan`` (core.py, request.py, result.py), the prober that
+measures real windows (prober.py), the run's other parts measured beside the window
+(phases.py), a plan as another framework's settings (exports.py) and a pipeline's number of
+micro-batches (pipeline.py).
 
 ``gradaccum.plan`` is also the name of the function ``ga.plan``: the package's own
 ``__init__`` (gradaccum/__init__.py) keeps ``gradaccum.plan`` the function when this package
@@ -12,6 +13,7 @@ loads; import what you need from here by name (``from gradaccum.plan import Plan
 from gradaccum.plan.core import CHECKPOINTING, plan, too_small
 from gradaccum.plan.exports import FRAMEWORKS, Export, equal_split, export
 from gradaccum.plan.pipeline import PipelinePlan, measure_stage, plan_micro_batches
+from gradaccum.plan.request import PlanRequest
 from gradaccum.plan.result import Fit, Phase, Plan, Probe, signed_bytes
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "Phase",
     "PipelinePlan",
     "Plan",
+    "PlanRequest",
     "Probe",
     "equal_split",
     "export",

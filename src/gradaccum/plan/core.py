@@ -19,7 +19,7 @@ import copy
 import gc
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -28,17 +28,15 @@ import torch
 from gradaccum.batching import batch_size, map_tensors
 from gradaccum.checkpoint import preserved_rng
 from gradaccum.engine import LossFn
-from gradaccum.memory import METERS, MemoryMeter, format_bytes, parse_bytes
+from gradaccum.memory import MemoryMeter, format_bytes
 from gradaccum.plan.phases import measure_phases
 from gradaccum.plan.prober import Measured, Prober
+from gradaccum.plan.request import CHECKPOINTING, PlanRequest
 from gradaccum.plan.result import Plan, Probe
 from gradaccum.recompute import checkpointing_enabled, disable_checkpointing, enable_checkpointing
 from gradaccum.sync import SYNC_MODES, is_sharded, one_process
-from gradaccum.validate import int_problem
 
 __all__ = ["CHECKPOINTING", "plan", "too_small"]
-
-CHECKPOINTING = ("off", "on", "auto")
 
 
 @one_process()  # rank 0 plans for every rank on its own, plain model
@@ -47,46 +45,23 @@ def plan(
     optimizer: torch.optim.Optimizer,
     sample_batch: Any,
     loss_fn: LossFn,
-    effective_batch: int,
-    budget: int | str,
-    world_size: int = 1,
-    *,
-    margin: float = 0.15,
-    probe_sizes: Sequence[int] | None = None,
-    checkpointing: str = "off",
-    precision: str = "fp32",
-    accumulate_dtype: Any = "auto",
+    *request: Any,
     verify: Callable[[int, int, bool], int] | None = None,
-    meter: str = "auto",
-    sync: str = "window",
     phases: Mapping[str, Callable[[int], Any]] | None = None,
+    **settings: Any,
 ) -> Plan:
     """Plan the micro-batch for ``effective_batch`` samples (over all ranks) in ``budget``.
 
-    ``sample_batch``: a batch at its largest shape (longest sequences); its samples are
-    repeated when a probe needs more of them (memory depends on shapes, not values).
-    ``budget``: bytes, or a string such as "2GiB" or "1500MB"; on CUDA it bounds the
-    allocator's peak, on CPU the resident memory of training: parameters, buffers and
-    optimizer state, plus what the process's RSS grows by while it trains. ``margin``: the
-    fraction of the budget kept free for what the measurement cannot see: on CPU, fresh
-    runs of the same training peak several percent apart (glibc's heap layout varies from
-    process to process), so the default keeps 15% free. ``checkpointing``: "off", "on"
-    (checkpoint the model's repeated blocks) or "auto" (only if nothing fits without).
-    ``probe_sizes``: micro-batch sizes to measure (default 1, 2, 4, 8, capped by the
-    per-rank batch). After the fit, a window at the planned size is measured too, and the
-    size steps down until it fits:
-    in this process by default, or by ``verify(micro_size, micro_batches, checkpointing) ->
-    peak bytes``,
-    which ``gradaccum plan`` points at a fresh process (where training will run, and where
-    CPU memory is not shaped by the probes before it). ``meter``: "auto" (CUDA's allocator
-    on a GPU, resident memory on CPU), "rss", or "tensors" (live tensor bytes: deterministic,
-    blind to the allocator's own overheads).
+    ``request``: a ``PlanRequest`` (``plan(model, optimizer, sample, loss_fn, request)``),
+    or its fields as keywords (``effective_batch=256, budget="2GiB", margin=0.15, ...``;
+    keywords given with a request replace its fields). ``sample_batch``: a batch at its
+    largest shape (longest sequences); its samples are repeated when a probe needs more of
+    them (memory depends on shapes, not values).
 
-    ``sync``: for a DDP or FSDP2 model, the gradient sync the probes run under (every rank
-    calls ``plan`` together, and the fullest rank's measurements decide), or "auto": under
-    FSDP2 both are measured, and ``"window"`` (one reduce-scatter per window, the whole
-    unsharded gradient held between micro-batches) is chosen when it fits, else ``"micro"``
-    (one per micro-batch, one shard held); the plan's notes give both predictions and why.
+    After the fit, a window at the planned size is measured too, and the size steps down
+    until it fits: in this process by default, or by ``verify(micro_size, micro_batches,
+    checkpointing) -> peak bytes``, which ``gradaccum plan`` points at a fresh process
+    (where training will run, and where CPU memory is not shaped by the probes before it).
 
     ``phases``: the run's other parts, ``{"evaluation": fn, "checkpoint": fn, ...}``, each
     ``fn(micro_size)`` run in this process after the planned window (the optimizer state
@@ -94,50 +69,16 @@ def plan(
     whole run. A phase over the usable budget at the planned micro-batch is measured again
     at half the size, and half again, and gets a micro-batch of its own
     (``plan.phase_size(name)``); one that does not fit at one sample is refused.
+
+    With ``sync="auto"`` under FSDP2 both sync modes are measured (every rank calls
+    ``plan`` together, and the fullest rank's measurements decide): ``"window"`` (one
+    reduce-scatter per window, the whole unsharded gradient held between micro-batches)
+    when it fits, else ``"micro"``; the plan's notes give both predictions and why.
     """
-    if sync == "auto":
-        return _plan_sync(
-            model,
-            optimizer,
-            sample_batch,
-            loss_fn,
-            effective_batch,
-            budget,
-            world_size,
-            margin=margin,
-            probe_sizes=probe_sizes,
-            checkpointing=checkpointing,
-            precision=precision,
-            accumulate_dtype=accumulate_dtype,
-            verify=verify,
-            meter=meter,
-            phases=phases,
-        )
-    problems: list[str] = []
-    if sync not in SYNC_MODES:
-        problems.append(f"sync must be one of {', '.join([*SYNC_MODES, 'auto'])}, got {sync!r}")
-    for value, name in ((effective_batch, "effective_batch"), (world_size, "world_size")):
-        if (problem := int_problem(value, name)) is not None:
-            problems.append(problem)
-    try:
-        budget_bytes = parse_bytes(budget)
-    except ValueError as err:
-        problems.append(f"budget: {err}")
-        budget_bytes = 0
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-        problems.append(f"margin must be a fraction in [0, 1), got {margin!r}")
-    if meter not in METERS:
-        problems.append(f"meter must be one of {', '.join(METERS)}, got {meter!r}")
-    if checkpointing not in CHECKPOINTING:
-        problems.append(
-            f"checkpointing must be one of {', '.join(CHECKPOINTING)}, got {checkpointing!r}"
-        )
-    if not problems and effective_batch % world_size:
-        problems.append(
-            f"effective_batch {effective_batch} does not divide over world_size {world_size} "
-            f"ranks ({effective_batch} = {world_size} x {effective_batch // world_size} + "
-            f"{effective_batch % world_size}); choose a multiple of {world_size}"
-        )
+    asked = PlanRequest.of(*request, **settings)
+    if asked.sync == "auto":
+        return _plan_sync(model, optimizer, sample_batch, loss_fn, asked, verify, phases)
+    problems = asked.problems()
     sample_n = 0
     try:
         sample_n = batch_size(sample_batch)
@@ -145,22 +86,16 @@ def plan(
         problems.append(f"sample_batch: {err}")
     if problems:
         raise ValueError("cannot plan: " + "; ".join(problems))
-    per_rank = effective_batch // world_size
-
     if sample_n == 0:
         raise ValueError("cannot plan: sample_batch holds no sample")
-    if probe_sizes is None:
+    per_rank, budget_bytes, margin = asked.per_rank, asked.budget_bytes(), asked.margin
+    if asked.probe_sizes is None:
         probe_sizes = [s for s in (1, 2, 4, 8) if s <= max(2, per_rank)]
     else:
-        probe_sizes = sorted(set(probe_sizes))
-        bad = [s for s in probe_sizes if int_problem(s, "a probe size") is not None]
-        if bad or len(probe_sizes) < 2:
-            raise ValueError(
-                f"probe_sizes must be two or more different integers >= 1, got {list(probe_sizes)}"
-            )
+        probe_sizes = sorted(set(asked.probe_sizes))
 
     device = next(p for p in model.parameters()).device
-    memory = MemoryMeter(device, meter)
+    memory = MemoryMeter(device, asked.meter)
     started = time.perf_counter()
     saved = {
         "model": copy.deepcopy(model.state_dict()),
@@ -174,7 +109,7 @@ def plan(
     # the probes' dropout and data order must not advance any generator
     with preserved_rng(), _heap_set_aside():
         try:
-            use_ckpt = checkpointing == "on"
+            use_ckpt = asked.checkpointing == "on"
             while True:
                 prober = Prober(
                     model,
@@ -182,10 +117,10 @@ def plan(
                     sample_batch,
                     loss_fn,
                     use_ckpt,
-                    precision,
-                    accumulate_dtype,
+                    asked.precision,
+                    asked.accumulate_dtype,
                     memory,
-                    sync,
+                    asked.sync,
                     batch_bytes,
                 )
                 m = prober.measure(probe_sizes, usable)
@@ -201,7 +136,7 @@ def plan(
                         break
                 # Nothing fits as it is, by the line or measured at one sample per
                 # micro-batch: with "auto", try recomputing activations before refusing.
-                if checkpointing != "auto" or use_ckpt:
+                if asked.checkpointing != "auto" or use_ckpt:
                     raise ValueError(
                         too_small(model, budget_bytes, margin, use_ckpt, need, measured)
                     )
@@ -220,8 +155,8 @@ def plan(
             "the planned size was measured directly"
         )
     return Plan(
-        effective_batch=effective_batch,
-        world_size=world_size,
+        effective_batch=asked.effective_batch,
+        world_size=asked.world_size,
         per_rank_batch=per_rank,
         micro_size=micro,
         micro_batches=micro_batches,
@@ -244,21 +179,21 @@ def plan(
         seconds=time.perf_counter() - started,
         largest_fitting=largest,
         notes=tuple(notes),
-        precision=precision,
-        sync=sync,
+        precision=asked.precision,
+        sync=asked.sync,
         phases=measured_phases,
     )
 
 
-def _plan_sync(model, optimizer, sample_batch, loss_fn, effective_batch, budget, world_size, **kw):
+def _plan_sync(model, optimizer, sample_batch, loss_fn, asked: PlanRequest, verify, phases):
     """``plan(sync="auto")``: under FSDP2, both sync modes measured; "window" when it fits."""
-    args = (model, optimizer, sample_batch, loss_fn, effective_batch, budget, world_size)
+    args = (model, optimizer, sample_batch, loss_fn)
     if not is_sharded(model):  # DDP holds the whole gradient either way
-        return plan(*args, **kw)
+        return plan(*args, replace(asked, sync="window"), verify=verify, phases=phases)
     plans: dict[str, Plan | ValueError] = {}
     for mode in SYNC_MODES:
         try:
-            plans[mode] = plan(*args, sync=mode, **kw)
+            plans[mode] = plan(*args, replace(asked, sync=mode), verify=verify, phases=phases)
         except ValueError as err:  # the budget is too small for this mode
             plans[mode] = err
     window, micro = plans["window"], plans["micro"]
