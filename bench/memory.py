@@ -2,7 +2,7 @@
 
 1. `gradaccum plan` (a fresh CLI process, as a user runs it) for three budgets: planning
    time, the planned micro-batch, its predicted peak, and the peak measured by training
-   3 windows of it in another fresh process (python -m gradaccum.app.measure).
+   3 windows of it in another fresh process (python -m gradaccum.app.worker, asked a Measure).
 2. Peak memory vs N at a fixed effective batch of 64: micro-batch 64/N. Each point is a
    fresh process training 3 windows (resident memory), plus the live tensor bytes of one
    window in this process (what CUDA's allocator would report).
@@ -35,19 +35,10 @@ NS = [1, 2, 4, 8, 16]
 
 
 def fresh_peak(micro: int, micro_batches: int) -> int:
-    cmd = [
-        sys.executable,
-        "-m",
-        "gradaccum.app.measure",
-        "--recipe",
-        "gpt",
-        "--micro",
-        str(micro),
-        "--micro-batches",
-        str(micro_batches),
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return int(json.loads(out.strip().splitlines()[-1])["peak"])
+    from gradaccum.app.measure import fresh_process_verifier
+
+    with fresh_process_verifier("gpt") as verify:  # a fresh process (app/worker.py)
+        return verify(micro, micro_batches, False)
 
 
 def plan_cli(budget: str) -> tuple[dict, float]:

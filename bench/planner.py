@@ -224,7 +224,7 @@ NOTES = [
     "so the default pass's errors are that spread, not the plan's; the 15% margin is kept "
     "free for it.",
     "- *Planning run* against *rerun*: the planning run plans in a process of its own "
-    "(`python -m gradaccum.app.plan_process`) and trains in one that only read its answer; "
+    "(`python -m gradaccum.app.worker`) and trains in one that only read its answer; "
     "the rerun reads the stored plan, as a resume does. Both meters count what the "
     "baseline's measurement before the first step left resident (minilm's linear probe, a "
     "first forward pass: memory.json's `carried`).",

@@ -242,7 +242,7 @@ def test_the_verifying_process_waits_built_measures_the_asked_size_and_ends_unas
             peaks.append(verify(micro, 2, False))
     assert own < peaks[0] < peaks[1]
     with fresh_process_verifier("digits") as unasked:
-        proc = unasked._next[0]
+        proc = unasked._next.proc
     assert proc.returncode is not None and proc.returncode != 0  # ended, not finished
 
 
@@ -293,3 +293,18 @@ def test_a_plan_of_one_micro_batch_says_there_is_no_accumulation():
     assert proc.returncode == 0, proc.stderr
     assert "the whole per-rank batch of 16 fits in one micro-batch (measured at 16" in proc.stdout
     assert "no accumulation at this budget" in proc.stdout
+
+
+def test_a_fresh_process_exits_when_its_parents_pipe_closes():
+    """``python -m gradaccum.app.worker`` given its request, then its parent gone (its stdin
+    closed, as a killed parent's is): it exits on its own, with the orphan's status, instead
+    of planning on alone."""
+    from gradaccum.app.fresh import Child, PlanRun
+    from gradaccum.app.process import EXIT_ORPHANED
+
+    child = Child(PlanRun(config={"recipe": "digits", "effective_batch": 64}))
+    try:
+        child.proc.stdin.close()
+        assert child.proc.wait(timeout=120) == EXIT_ORPHANED
+    finally:
+        child.close()

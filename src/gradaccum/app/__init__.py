@@ -12,7 +12,8 @@ Python, ``train(TrainConfig.of(...))`` runs what ``gradaccum train`` runs, and i
     trainer.py    Trainer(run).fit(): the loop over its components (listed there)
     kinds.py      one process or DDP, FSDP2, a pipeline: what differs between them
     folder.py     the run folder: layout, lock, atomic writes, JSON; every file name
-    planning.py measure.py plan_process.py plan_cache.py    the plan of a run
+    planner.py planning.py plan_cache.py    the plan of a run
+    fresh.py worker.py measure.py   the plan's fresh processes: one request, one entry point
     report/       summary, report.html, plots, TensorBoard events, the metrics sink
     recipes/      the built-in models and data
 

@@ -1,29 +1,22 @@
-"""A fresh process that trains a recipe's windows and reports the memory they took.
+"""A fresh process's measurement of a planned micro-batch, and the verifier that asks for it.
 
-`gradaccum plan` and `gradaccum train` run this to measure a planned micro-batch as
-training will see it: in a new process, from the first step. A module, not a command:
+`gradaccum plan` and `gradaccum train` measure a planned micro-batch as training will see
+it: in a new process, from the first step (``python -m gradaccum.app.worker`` with a
+``fresh.Measure`` request, then the ``fresh.Size`` to measure: app/fresh.py). The process
+builds the model first (``Built``) and then reads the size, so a verification pays only for
+its windows.
 
-    python -m gradaccum.app.measure --recipe gpt --micro 20 --micro-batches 8
-    python -m gradaccum.app.measure --hf-model DIR --lora-settings JSON --sample BATCH.pt ...
-    python -m gradaccum.app.measure --recipe gpt --wait   # then {"micro": ...} on stdin
+A Hugging Face model (with its LoRA as the run applies it) or a recipe trained on your own
+data trains on the request's ``sample``: a batch of the largest shape the data makes
+(``torch.save``-d by the planner, read with ``weights_only``), its rows repeated.
 
-With ``--wait`` (how the planner runs it: ``FreshProcessVerifier``) it builds the model
-first and then reads the size to measure, and the sample's path, as one JSON line.
-
-A Hugging Face model (``--hf-model``, with ``--lora`` as the run applies it) or a recipe
-trained on your own data trains on ``--sample``: a batch of the largest shape the data
-makes (``torch.save``-d by the planner, read with ``weights_only``), its rows repeated.
-
-Prints one JSON line: {"peak": bytes}. On CPU: parameters and buffers (counted tensor by
-tensor) plus how far the resident set's high-water mark rose above the baseline taken once
-the model and optimizer exist; on CUDA: the allocator's peak.
+The answer is the peak in bytes. On CPU: parameters and buffers (counted tensor by tensor)
+plus how far the resident set's high-water mark rose above the baseline taken once the
+model and optimizer exist; on CUDA: the allocator's peak.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,30 +26,25 @@ import torch
 
 from gradaccum.app.checkpoints import sealed
 from gradaccum.app.folder import CHECKPOINT
-from gradaccum.app.process import exit_on_end_of_input, quiet_third_parties
+from gradaccum.app.fresh import Child, Measure, Size
 from gradaccum.app.recipes import get_recipe, hf_recipe
 from gradaccum.batching import split, take, to_device
 from gradaccum.engine import Accumulator
-from gradaccum.memory import METERS, TrainingMemory
+from gradaccum.memory import TrainingMemory
 from gradaccum.recompute import enable_checkpointing
 
 
-class _Built:
+class Built:
     """What a measurement needs before it knows the micro-batch: torch imported, the recipe,
     its model (seeded, with LoRA as the run applies it) on the device. A waiting process
     builds this while the planner probes, so a verification pays only for its windows."""
 
-    def __init__(
-        self,
-        recipe_name: str | None,
-        seed: int,
-        *,
-        hf_model: str | None = None,
-        lora: dict | None = None,
-    ) -> None:
-        self.recipe = hf_recipe(hf_model) if hf_model else get_recipe(recipe_name)
-        self.seed = seed
-        torch.manual_seed(seed)
+    def __init__(self, request: Measure) -> None:
+        self.request = request
+        hf_model, lora = request.hf_model, request.lora
+        self.recipe = hf_recipe(hf_model) if hf_model else get_recipe(request.recipe)
+        self.seed = request.seed
+        torch.manual_seed(request.seed)
         model = self.recipe.build_model()
         if lora is not None:
             from gradaccum.integrations.peft import apply_lora
@@ -66,16 +54,11 @@ class _Built:
             model = model.cuda()
         self.model = model
 
-    def measure(
-        self,
-        micro: int,
-        micro_batches: int,
-        windows: int,
-        precision: str,
-        checkpointing: bool,
-        meter: str = "auto",
-        sample: str | None = None,
-    ) -> int:
+    def measure(self, size: Size) -> int:
+        """Peak bytes of the request's windows at ``size``, with an evaluation and a
+        checkpoint between them, as the run has."""
+        micro, micro_batches, sample = size.micro_size, size.micro_batches, size.sample
+        windows, precision, meter = self.request.windows, self.request.precision, self.request.meter
         recipe, model = self.recipe, self.model
         if sample is not None:
             batch = take(torch.load(sample, weights_only=True), micro * micro_batches)
@@ -83,7 +66,7 @@ class _Built:
             batch = recipe.sample_batch(micro * micro_batches)
         if torch.cuda.is_available():
             batch = to_device(batch, torch.device("cuda"))
-        if checkpointing:
+        if size.checkpointing:
             enable_checkpointing(model)
         evaluate = recipe_evaluation(recipe, self.seed, batch, micro)
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
@@ -142,11 +125,11 @@ def fresh_process_verifier(
     to train on instead of the recipe's (settable later, as ``.sample``, before the first
     measurement). Use it in a ``with`` block: its first process starts at once and waits,
     built, for the size to measure; leaving the block ends a process that was never asked."""
-    source = ["--hf-model", hf_model] if hf_model else ["--recipe", str(recipe)]
-    if lora is not None:
-        source += ["--lora-settings", json.dumps(lora)]
-    source += ["--precision", precision, "--seed", str(seed), "--meter", meter]
-    return FreshProcessVerifier(source, sample)
+    request = Measure(
+        recipe=None if hf_model else str(recipe), hf_model=hf_model, lora=lora,
+        precision=precision, seed=seed, meter=meter,
+    )  # fmt: skip
+    return FreshProcessVerifier(request, sample)
 
 
 class FreshProcessVerifier:
@@ -154,21 +137,16 @@ class FreshProcessVerifier:
     builds its model while the planner probes (importing torch and building the model are
     most of a small recipe's verification), then reads the size from its stdin: a process
     that has measured nothing is as fresh as one started for the size. (Starting the next
-    one while one measures gained nothing on 2 cores: the two compete for them.) Its stdin is a pipe
-    only this process writes: if this process dies, the child reads end-of-file and exits
-    instead of running on alone."""
+    one while one measures gained nothing on 2 cores: the two compete for them.) Its stdin
+    is a pipe only this process writes: if this process dies, the child reads end-of-file
+    and exits instead of running on alone."""
 
-    def __init__(self, source: list[str], sample: str | None = None) -> None:
-        self._source, self.sample = source, sample
-        self._next: tuple[subprocess.Popen, Any] | None = self._start()
+    def __init__(self, request: Measure, sample: str | None = None) -> None:
+        self.request, self.sample = request, sample
+        self._next: Child | None = self._start()
 
-    def _start(self) -> tuple[subprocess.Popen, Any]:
-        errors = tempfile.TemporaryFile(mode="w+")  # a model's loading bars; read on failure
-        cmd = [sys.executable, "-m", "gradaccum.app.measure", *self._source, "--wait"]
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True
-        )
-        return proc, errors
+    def _start(self) -> Child:
+        return Child(self.request, stderr="keep")  # a model's loading bars: read on failure
 
     def __call__(self, micro: int, micro_batches: int, checkpointing: bool) -> int:
         # One fresh process: resident memory varies by a few percent from one process to
@@ -179,38 +157,18 @@ class FreshProcessVerifier:
             f"{with_ckpt} in a fresh process",
             file=sys.stderr,
         )
-        proc, errors = self._next or self._start()
+        child = self._next or self._start()
         self._next = None
-        try:
-            request = {
-                "micro": micro,
-                "micro_batches": micro_batches,
-                "ckpt": checkpointing,
-                "sample": self.sample,
-            }
-            try:
-                proc.stdin.write(json.dumps(request) + "\n")
-                proc.stdin.flush()
-            except BrokenPipeError:
-                pass  # it died while building: its stderr says why, below
-            out = proc.stdout.read()
-            proc.wait()
-            if proc.returncode != 0:
-                errors.seek(0)
-                raise RuntimeError(
-                    f"measuring micro-batch {micro} failed:\n{errors.read()[-2000:]}"
-                )
-            return int(json.loads(out.strip().splitlines()[-1])["peak"])
-        finally:
-            _end(proc, errors)
+        with child:
+            child.send(Size(micro_size=micro, micro_batches=micro_batches,
+                            checkpointing=checkpointing, sample=self.sample))  # fmt: skip
+            return int(child.result(what=f"measuring micro-batch {micro}"))
 
     def close(self) -> None:
         """End the waiting process, if no measurement took it (it holds nothing to finish)."""
         if self._next is not None:
-            proc, errors = self._next
+            self._next.close()
             self._next = None
-            proc.kill()
-            _end(proc, errors)
 
     def __enter__(self) -> FreshProcessVerifier:
         return self
@@ -219,63 +177,5 @@ class FreshProcessVerifier:
         self.close()
 
 
-def _end(proc: subprocess.Popen, errors: Any) -> None:
-    for stream in (proc.stdin, proc.stdout):
-        try:
-            stream.close()
-        except BrokenPipeError:
-            pass
-    proc.wait()
-    errors.close()
-
-
 def _count(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    quiet_third_parties()  # its output is the run's log
-    ap = argparse.ArgumentParser(prog="python -m gradaccum.app.measure")
-    source = ap.add_mutually_exclusive_group(required=True)
-    source.add_argument("--recipe")
-    source.add_argument("--hf-model")
-    ap.add_argument("--lora-settings", default=None, help="apply_lora's arguments, as JSON")
-    ap.add_argument("--sample", default=None)
-    ap.add_argument("--micro", type=int, default=None)
-    ap.add_argument("--micro-batches", type=int, default=None)
-    ap.add_argument("--windows", type=int, default=2)  # RSS settles after the first
-    ap.add_argument("--precision", default="fp32")
-    ap.add_argument("--checkpointing", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--meter", default="auto", choices=METERS)
-    ap.add_argument(
-        "--wait", action="store_true", help="build, then read the size from stdin as JSON"
-    )
-    a = ap.parse_args(argv)
-    if not a.wait and (a.micro is None or a.micro_batches is None):
-        ap.error("--micro and --micro-batches are needed without --wait")
-    lora = None if a.lora_settings is None else json.loads(a.lora_settings)
-    built = _Built(a.recipe, a.seed, hf_model=a.hf_model, lora=lora)
-    micro, micro_batches, checkpointing, sample = (
-        a.micro,
-        a.micro_batches,
-        a.checkpointing,
-        a.sample,
-    )
-    if a.wait:
-        line = sys.stdin.readline()
-        if not line:
-            return 0  # never asked: the plan was made without this process
-        request = json.loads(line)
-        micro, micro_batches = request["micro"], request["micro_batches"]
-        checkpointing, sample = request["ckpt"], request["sample"]
-        exit_on_end_of_input()
-    peak = built.measure(
-        micro, micro_batches, a.windows, a.precision, checkpointing, a.meter, sample
-    )
-    print(json.dumps({"peak": peak}), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,12 +5,8 @@ command's, so the plan's advice is translated into flags here."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -23,7 +19,8 @@ from gradaccum.app import launch
 from gradaccum.app.checkpoints import sealed
 from gradaccum.app.config import TrainConfig
 from gradaccum.app.exports import write_exports
-from gradaccum.app.folder import CHECKPOINT, CONFIG, PLAN, RunFolder
+from gradaccum.app.folder import CHECKPOINT, PLAN, RunFolder
+from gradaccum.app.fresh import Child, PlanRun
 from gradaccum.app.measure import FreshProcessVerifier, fresh_process_verifier
 from gradaccum.app.planner import Planner
 from gradaccum.app.recipes import Recipe
@@ -168,42 +165,21 @@ def window_plan(
 
 
 def _plan_elsewhere(cfg: TrainConfig, data: Any, log) -> dict[str, Any]:
-    """The plan, made by ``python -m gradaccum.app.plan_process`` on the run's configuration
-    (and --data's sequences, handed over in a file): it builds the model and data as the run
-    does, plans, stores the plan in the cache and hands it back. Its lines are this run's
-    log lines; its refusal (a budget too small) is this run's, in one line. The child gets
-    the read end of a pipe only this process writes to: if this process dies, it exits."""
+    """The plan, made in a fresh process (``fresh.PlanRun``) on the run's configuration (and
+    --data's sequences, handed over in a file): it builds the model and data as the run does,
+    plans, stores the plan in the cache and hands it back. Its lines are this run's log
+    lines; its refusal (a budget too small) is this run's, in one line. If this process
+    dies, the child's stdin closes and it exits."""
     with tempfile.TemporaryDirectory(prefix="gradaccum-plan-") as tmp:
-        config, out = Path(tmp) / CONFIG, Path(tmp) / PLAN  # (named as the run names them)
-        # this process has just read the cache (and named an entry it could not use)
-        config.write_text(json.dumps({**cfg.flat(), "replan": True}))
-        cmd = [sys.executable, "-m", "gradaccum.app.plan_process", str(config), str(out)]
+        sequences = None
         if isinstance(data, SequenceData):
-            sequences = Path(tmp) / "sequences.pt"
+            sequences = str(Path(tmp) / "sequences.pt")
             train, held = (data.ids, data.labels), (data.eval_ids, data.eval_labels)
             torch.save({"train": train, "eval": held}, sequences)
-            cmd += ["--sequences", str(sequences)]
-        read, write = os.pipe()
-        cmd += ["--parent-pipe", str(read)]
-        try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, pass_fds=(read,))
-            try:
-                for line in proc.stdout:
-                    log(line.rstrip("\n"))
-                proc.wait()
-            finally:
-                if proc.poll() is None:  # interrupted here: the child goes too
-                    proc.kill()
-                    proc.wait()
-        finally:
-            os.close(read)
-            os.close(write)
-        answer = json.loads(out.read_text()) if out.is_file() else {}
-    if "info" in answer:
-        return answer["info"]
-    if "error" in answer:
-        raise ValueError(answer["error"])
-    raise RuntimeError(f"planning in a fresh process failed (exit status {proc.returncode})")
+        # this process has just read the cache (and named an entry it could not use)
+        request = PlanRun(config={**cfg.flat(), "replan": True}, sequences=sequences)
+        with Child(request) as child:
+            return child.result(log, what="planning")
 
 
 def _plan_now(

@@ -34,7 +34,6 @@ __all__ = [
     "EXIT_PEER_GONE",
     "Output",
     "exit_on_end_of_input",
-    "exit_with_parent",
     "leave",
     "out",
     "quiet",
@@ -222,17 +221,6 @@ def unwatch_stops() -> None:
             signal.signal(
                 sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
             )
-
-
-def exit_with_parent(fd: int) -> None:
-    """A helper process: exit as soon as the pipe from the parent closes (it is gone)."""
-
-    def watch() -> None:
-        while os.read(fd, 1):
-            pass
-        os._exit(EXIT_ORPHANED)
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def exit_on_end_of_input() -> None:
