@@ -472,8 +472,9 @@ def test_a_plan_request_asks_what_the_same_keywords_ask_and_the_old_positions_st
     by_request = plan(asked)
     assert by_request == plan(**dataclasses.asdict(asked))
     assert by_request["micro_size"] == 12 and by_request["budget"] == 2**30
-    with pytest.warns(DeprecationWarning, match="effective_batch, budget given by position"):
+    with pytest.warns(DeprecationWarning, match="effective_batch, budget given by position") as w:
         assert plan(12, "1GiB", meter="tensors", probe_sizes=[1, 2]) == by_request
+    assert w[0].filename == __file__  # the line that called plan()
     # keywords with a request replace its fields
     assert plan(asked, effective_batch=6)["per_rank_batch"] == 6
     with pytest.raises(TypeError, match="unexpected keyword argument 'budgte'"):

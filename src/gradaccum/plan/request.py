@@ -75,7 +75,7 @@ class PlanRequest:
                 f"plan()'s {', '.join(given)} given by position: pass them by keyword or "
                 "as a PlanRequest (positional settings go in gradaccum 0.8)",
                 DeprecationWarning,
-                stacklevel=3,
+                stacklevel=4,  # of(), plan(), one_process()'s wrapper, the caller
             )
             settings = {**given, **settings}
         missing = [name for name in ("effective_batch", "budget") if name not in settings]
