@@ -19,11 +19,7 @@ def private_cache(tmp_path, monkeypatch):
 
 
 def planner(said, **options):
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(model.parameters())
-    sample = (torch.zeros(8, 4), torch.zeros(8))
-    return Planner(model, optimizer, sample, torch.device("cpu"), SETTINGS, log=said.append,
-                   **options)  # fmt: skip
+    return Planner(torch.device("cpu"), SETTINGS, log=said.append, **options)
 
 
 def test_a_plan_is_made_once_then_read_from_the_cache():
@@ -52,3 +48,19 @@ def test_a_plan_every_rank_makes_together_never_reads_or_writes_the_cache(tmp_pa
     for _ in range(2):
         planner([], cached=False).plan(make)
     assert made == [1, 1] and not (tmp_path / "plans").exists()
+
+
+def test_gradaccum_plan_answers_from_the_cache_before_it_builds_anything():
+    """A stored plan under `gradaccum plan`'s key, which is known before the model is built,
+    is the answer: nothing is measured (the stored plan is a made-up one, micro-batch 16,
+    which no measurement of the recipe gives) and no fresh process is asked."""
+    from gradaccum.app.config import PlanConfig
+    from gradaccum.app.planner import plan_recipe, recipe_planner
+
+    cfg = PlanConfig(recipe="gpt", effective_batch=64, budget="1GiB")
+    said = []
+    _, _, planner_ = recipe_planner(cfg, said.append)
+    planner_.keep(make_plan(64, micro=16).to_dict())
+    recipe, answer = plan_recipe(cfg, said.append)
+    assert recipe.name == "gpt" and answer == make_plan(64, micro=16)
+    assert len(said) == 1 and said[0].startswith("the plan is the cached one")

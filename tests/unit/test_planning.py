@@ -83,3 +83,22 @@ def test_evaluation_runs_at_the_plans_own_micro_batch_for_it_resumed_too(tmp_pat
     monkeypatch.setattr(DigitsData, "evaluate", spy)
     train(TrainConfig.of(resume=str(out), steps=3, **given), log=lambda *a, **k: None)
     assert sizes and set(sizes) == {3}
+
+
+def test_a_runs_plan_is_keyed_by_what_shapes_its_memory_and_not_by_its_length_or_lr():
+    """train's cache key is known before the model is built: the run's options less its
+    length, cadences, output and learning rate. A longer run or another learning rate finds
+    the same plan; another sequence length, LoRA rank, precision or export does not."""
+    from gradaccum.app import plan_cache
+    from gradaccum.app.planning import cache_settings, request
+
+    def key(**options):
+        cfg = TrainConfig.of(recipe="gpt", **options)
+        asked = request(cfg, cfg.batch.effective_batch, each_rank=False)
+        return plan_cache.key(cache_settings(cfg, asked, 1))
+
+    base = key()
+    same = [key(steps=999), key(lr=0.1), key(eval_every=7), key(out="elsewhere")]
+    assert set(same) == {base}
+    other = [key(seq_len=32), key(lora=8), key(precision="bf16"), key(merge_lora=True)]
+    assert base not in other and len(set(other)) == len(other)

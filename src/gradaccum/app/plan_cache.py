@@ -3,14 +3,15 @@ again (planning measures memory for seconds to minutes).
 
 A plan is kept under ``$XDG_CACHE_HOME/gradaccum/plans/`` (``~/.cache`` without it), one
 JSON file per key; ``$GRADACCUM_PLAN_CACHE`` names another folder, or ``off`` turns the
-cache off. The key is a hash of everything the plan depends on: the model (each
-parameter's and buffer's name, shape, dtype and whether it trains, so a LoRA model differs
-from its base), the largest sample batch's shapes (the data's longest sequences), the
-recipe, the files of ``--hf-model`` and ``--data`` (size and modification time), the per-rank
-effective batch, budget, margin, meter, checkpointing, precision, the device (a GPU's name
-and memory), the machine, its thread count, and the versions of Python, torch and
-gradaccum. Anything else changed plans again. ``--replan`` plans again regardless (and
-stores the new plan).
+cache off. The key is a hash of everything the plan depends on, all of it known before the
+model is built or the data loaded (a cache hit costs what reading it costs): the recipe and
+the options that shape its model and data (the run's configuration less what cannot change
+memory: its length, cadences, output, learning rate), the files of ``--hf-model`` and
+``--data`` (size and modification time), the per-rank effective batch, budget, margin,
+meter, checkpointing, precision, the source of gradaccum itself (the recipes' models and the
+planner), the device (a GPU's name and memory), the machine, its thread count, and the
+versions of Python, torch and gradaccum. Anything else changed plans again. ``--replan``
+plans again regardless (and stores the new plan).
 
 An entry is trusted only whole: it carries the sha256 of its own contents, and the plan in
 it must be one ``plan()`` makes for this request (positive sizes that add up to the batch
@@ -36,10 +37,9 @@ import torch
 
 from gradaccum import __version__
 from gradaccum.app.process import say
-from gradaccum.batching import map_tensors
 from gradaccum.plan import Plan
 
-FORMAT = 2  # 2: train's plans cover the whole run (phases), the window's batch counted
+FORMAT = 3  # 3: keyed without the model (the code and the settings that build it)
 _LARGEST = 16 * 2**20  # bytes: far above any plan's record; a larger file is not one
 # the sizes plan() lays a window out in: each an integer >= 1
 _SIZES = ("effective_batch", "world_size", "per_rank_batch", "micro_size", "micro_batches")
@@ -62,32 +62,35 @@ def key(parts: dict[str, Any]) -> str:
 
 
 def signature(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    sample: Any,
-    device: torch.device,
-    settings: dict[str, Any],
-    paths: tuple[str | None, ...] = (),
+    device: torch.device, settings: dict[str, Any], paths: tuple[str | None, ...] = ()
 ) -> dict[str, Any]:
-    """What a plan depends on, as JSON: ``settings`` are the plan's own arguments (budget,
-    margin, meter, checkpointing, precision, effective batch, recipe); ``paths`` the files
-    the model and data come from."""
-    shapes: list[Any] = []
-    map_tensors(sample, lambda t: shapes.append([list(t.shape), str(t.dtype)]))
-    tensors = hashlib.sha256()
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        tensors.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad};".encode())
+    """What a plan depends on, as JSON, known without building the model or loading the
+    data: ``settings`` are the plan's own arguments and the model's (the recipe and its
+    options, or the run's configuration: budget, margin, meter, checkpointing, precision,
+    effective batch, LoRA, ...); ``paths`` the files the model and data come from (size and
+    modification time); the code that builds the recipes and plans (``code_digest``), the
+    versions, the machine and the device."""
     return {
         "format": FORMAT,
         "versions": [platform.python_version(), torch.__version__, __version__],
+        "code": code_digest(),
         "machine": [socket.gethostname(), platform.machine(), torch.get_num_threads()],
         "device": _device(device),
-        "model": [type(model).__qualname__, tensors.hexdigest()],
-        "optimizer": type(optimizer).__qualname__,
-        "sample": shapes,
         "files": [_files(p) for p in paths if p is not None],
         **settings,
     }
+
+
+def code_digest() -> str:
+    """The sha256 of gradaccum's own source files (names and bytes): the recipes' models
+    and data, the planner and the engine it measures. A changed line of any of them plans
+    again; reading them takes milliseconds."""
+    root = Path(__file__).resolve().parents[1]  # the gradaccum package
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(f"{path.relative_to(root)}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:24]
 
 
 def load(

@@ -9,30 +9,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gradaccum.app import plan_cache
-from gradaccum.app.measure import FreshProcessVerifier
 from gradaccum.batching import to_device
 from gradaccum.memory import parse_bytes
 from gradaccum.plan import Plan, PlanRequest, plan
 
-__all__ = ["Planner", "plan_recipe"]
+if TYPE_CHECKING:
+    from gradaccum.app.measure import FreshProcessVerifier
+
+__all__ = ["Planner", "plan_recipe", "recipe_planner"]
 
 
 class Planner:
-    """The plan of one model and setting. ``settings``: the plan's own arguments (budget,
-    margin, meter, checkpointing, precision, effective batch, recipe, ...); ``paths``: the
-    files the model and data come from; ``cached=False``: never read or write the cache (a
-    plan every rank makes together); ``replan``: make it anew and store it."""
+    """The plan of one model and setting, answered from the cache before the model is built.
+    ``settings``: what the plan depends on beside the files (the plan's own arguments:
+    budget, margin, meter, checkpointing, precision, effective batch; the recipe and what
+    shapes its model and data); ``paths``: the files the model and data come from;
+    ``cached=False``: never read or write the cache (a plan every rank makes together);
+    ``replan``: make it anew and store it."""
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        sample: Any,
         device: torch.device,
         settings: dict[str, Any],
         paths: tuple[str | None, ...] = (),
@@ -42,12 +43,7 @@ class Planner:
         cached: bool = True,
     ) -> None:
         self.log, self.replan = log, replan
-        self.model, self.optimizer, self.sample = model, optimizer, sample
-        self.parts = (
-            plan_cache.signature(model, optimizer, sample, device, settings, paths)
-            if cached
-            else None
-        )
+        self.parts = plan_cache.signature(device, settings, paths) if cached else None
 
     def stored(self) -> tuple[Plan, dict[str, Any]] | None:
         """The cached plan (said in a line, with where it is and how long it took to read),
@@ -68,19 +64,20 @@ class Planner:
         if self.parts is not None:
             plan_cache.store(self.parts, info)
 
+    @staticmethod
     def measure(
-        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sample: Any,
         loss_fn: Any,
         request: PlanRequest,
         *,
         verify: FreshProcessVerifier | None = None,
         phases: dict[str, Callable[[int], Any]] | None = None,
     ) -> Plan:
-        """A new plan, measured on this planner's model and sample (``verify``: the fresh
-        process that measures the planned size; ``phases``: the run's other parts)."""
-        return plan(
-            self.model, self.optimizer, self.sample, loss_fn, request, verify=verify, phases=phases
-        )
+        """A new plan, measured on ``model`` and ``sample`` (``verify``: the fresh process
+        that measures the planned size; ``phases``: the run's other parts)."""
+        return plan(model, optimizer, sample, loss_fn, request, verify=verify, phases=phases)
 
     def plan(self, make: Callable[[], dict[str, Any]], *, keep: bool = True) -> dict[str, Any]:
         """The cached plan's record, else ``make()``'s, stored (``keep=False``: ``make``
@@ -96,18 +93,12 @@ class Planner:
         return info
 
 
-def plan_recipe(cfg: Any, verify: FreshProcessVerifier, log) -> tuple[Any, Plan]:
-    """(recipe, plan) for `gradaccum plan` (a PlanConfig): a built-in recipe's window alone,
-    from the cache or measured, on the device training would use (where the verifying
-    process measures too)."""
+def recipe_planner(cfg: Any, log) -> tuple[Any, PlanRequest, Planner]:
+    """(recipe, request, planner) of `gradaccum plan` (a PlanConfig): everything its plan's
+    key needs, known without building the model."""
     from gradaccum.app.recipes import get_recipe
 
-    recipe = get_recipe(cfg.recipe)
-    torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = recipe.build_model().to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sample = to_device(recipe.sample_batch(8), device)
     request = PlanRequest(
         effective_batch=cfg.effective_batch,
         budget=parse_bytes(cfg.budget),
@@ -120,13 +111,30 @@ def plan_recipe(cfg: Any, verify: FreshProcessVerifier, log) -> tuple[Any, Plan]
     settings = {
         "command": "plan",  # the window alone: train's plans cover its evaluations too
         "recipe": cfg.recipe,
+        "seed": cfg.seed,
         **request.to_dict(),
     }
-    planner = Planner(model, optimizer, sample, device, settings, log=log, replan=cfg.replan)
+    return get_recipe(cfg.recipe), request, Planner(device, settings, log=log, replan=cfg.replan)
+
+
+def plan_recipe(cfg: Any, log) -> tuple[Any, Plan]:
+    """(recipe, plan) for `gradaccum plan` (a PlanConfig): a built-in recipe's window alone,
+    from the cache (before the model is built: a hit costs what reading it costs) or
+    measured, on the device training would use (where the verifying process measures too)."""
+    from gradaccum.app.measure import fresh_process_verifier
+
+    recipe, request, planner = recipe_planner(cfg, log)
     found = planner.stored()
     if found is not None:
         return recipe, found[0]
-    log(f"planning {recipe.name}: {recipe.summary}; probing micro-batch sizes 1, 2, 4, 8")
-    result = planner.measure(recipe.loss_fn, request, verify=verify)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # the fresh process that verifies the new plan imports and builds while this one does
+    with fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed, cfg.meter) as verify:
+        torch.manual_seed(cfg.seed)
+        model = recipe.build_model().to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sample = to_device(recipe.sample_batch(8), device)
+        log(f"planning {recipe.name}: {recipe.summary}; probing micro-batch sizes 1, 2, 4, 8")
+        result = planner.measure(model, optimizer, sample, recipe.loss_fn, request, verify=verify)
     planner.keep(result.to_dict())
     return recipe, result

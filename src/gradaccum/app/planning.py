@@ -133,18 +133,10 @@ def window_plan(
     per_rank = math.ceil(cfg.batch.effective_batch / world)
     info = None
     if rank == 0 or each_rank:
-        sample = recipe.sample_batch(8)
         # (FSDP2's plans are collectives of every rank: each rank plans, never from a file)
         asked = request(cfg, per_rank, each_rank)
-        settings = {
-            "recipe": cfg.source.recipe if not cfg.source.hf_model else "hf",
-            **asked.to_dict(),
-            "world": world,
-            # the phases measured beside the window: a merge copies the model
-            "merge_lora": cfg.output.merge_lora,
-        }
         planner = Planner(
-            model, optimizer, sample, device, settings, (cfg.source.hf_model, cfg.source.data),
+            device, cache_settings(cfg, asked, world), (cfg.source.hf_model, cfg.source.data),
             log=log, replan=cfg.memory.replan, cached=not each_rank,
         )  # fmt: skip
         if here or each_rank or world > 1 or device.type != "cpu":
@@ -154,7 +146,16 @@ def window_plan(
                 phases = (
                     None if each_rank or data is None else run_phases(cfg, model, optimizer, data)
                 )
-                return _plan_now(cfg, planner, asked, recipe, device, log, phases, started)
+                return _plan_now(
+                    cfg,
+                    (model, optimizer, recipe.sample_batch(8)),
+                    asked,
+                    recipe,
+                    device,
+                    log,
+                    phases,
+                    started,
+                )
 
             info = planner.plan(make)
         else:  # the plan process stores what it makes in the cache itself
@@ -184,7 +185,7 @@ def _plan_elsewhere(cfg: TrainConfig, data: Any, log) -> dict[str, Any]:
 
 def _plan_now(
     cfg: TrainConfig,
-    planner: Planner,
+    built: tuple[torch.nn.Module, torch.optim.Optimizer, Any],
     asked: PlanRequest,
     recipe: Recipe,
     device: torch.device,
@@ -205,8 +206,8 @@ def _plan_now(
         if not each_rank and device.type == "cpu":
             # On CPU the planned size is measured in a fresh process, where training will
             # run: this one's heap is shaped by the probes (CUDA's allocator is precise here).
-            verify = stack.enter_context(_verifier(cfg, planner.sample, Path(tmp), started))
-        planned = planner.measure(recipe.loss_fn, asked, verify=verify, phases=phases)
+            verify = stack.enter_context(_verifier(cfg, built[2], Path(tmp), started))
+        planned = Planner.measure(*built, recipe.loss_fn, asked, verify=verify, phases=phases)
     log(planned.summary())
     return {**planned.to_dict(), "source": "planned"}
 
@@ -229,6 +230,23 @@ def _verifier(cfg: TrainConfig, sample: Any, tmp: Path, started: FreshProcessVer
         verify.sample = str(tmp / "sample.pt")
         torch.save(sample, verify.sample)
     return verify
+
+
+# The run's options that cannot change what its plan measures: its length and stops, its
+# cadences, its output, the learning rate. Every other option keys the plan cache.
+NOT_PLANNED = frozenset(
+    "steps epochs samples target_loss target_accuracy max_time max_memory out resume config "
+    "eval_every checkpoint_every export_every keep_checkpoints replan tensorboard guard lr "
+    "weight_decay warmup_steps lr_scaling".split()
+)
+
+
+def cache_settings(cfg: TrainConfig, asked: PlanRequest, world: int) -> dict[str, Any]:
+    """What a run's plan depends on beside its files, known before the model is built: the
+    run's configuration (the recipe, its data and model options, LoRA, the exports) less
+    ``NOT_PLANNED``, the request, and the processes it is split over."""
+    run = {k: v for k, v in cfg.flat().items() if k not in NOT_PLANNED}
+    return {"run": run, **asked.to_dict(), "world": world}
 
 
 def request(cfg: TrainConfig, per_rank: int, each_rank: bool) -> PlanRequest:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from gradaccum.app.cli import options
 from gradaccum.app.config import PlanConfig, invalid_configuration
-from gradaccum.app.measure import fresh_process_verifier
 from gradaccum.app.planner import plan_recipe
 from gradaccum.app.process import out, say
 from gradaccum.app.report.plots import plan_plot
@@ -38,10 +37,7 @@ def run(args: argparse.Namespace) -> int:
     # plan, which a person reads, goes to stderr
     to_stderr = cfg.export and not cfg.export_to and not cfg.json
     show = (lambda *lines: say("\n".join(lines))) if to_stderr else out
-    # the fresh process that verifies a new plan imports and builds while this one does (a
-    # cached plan ends it unasked)
-    with fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed, cfg.meter) as verify:
-        recipe, result = plan_recipe(cfg, verify, say)
+    recipe, result = plan_recipe(cfg, say)  # (from the cache, or measured)
     try:
         exported = result.export(cfg.export) if cfg.export else None
     except ValueError:
