@@ -60,3 +60,17 @@ def test_a_recipe_without_one_evaluates_its_data():
     got = recipe_evaluation(recipe, 0, recipe.sample_batch(2), 1)(model)
     data = recipe.make_data(0)
     assert got == data.evaluate(model, 1, limit=2)
+
+
+def test_the_run_in_miniature_goes_on_until_its_peak_stops_climbing():
+    """The fresh process's windows, evaluation and checkpoint repeat until the peak settles:
+    a climb that one cycle, or two, would have missed (the resident set of digits' windows
+    rising over five cycles, as a run of 6 steps with 3 evaluations saw) keeps it going."""
+    from gradaccum.app.measure import settled
+
+    mib = 2**20
+    climb = [int(x * mib) for x in (37.8, 39.8, 41.7, 41.8, 41.8, 41.8)]
+    stops = next(n for n in range(1, len(climb) + 1) if settled(climb[:n]))
+    assert stops == 5 and climb[stops - 1] == max(climb)
+    assert not settled(climb[:2])  # never fewer than three cycles
+    assert settled([40 * mib] * 3)

@@ -56,7 +56,7 @@ class Built:
 
     def measure(self, size: Size) -> int:
         """Peak bytes of the request's windows at ``size``, with an evaluation and a
-        checkpoint between them, as the run has."""
+        checkpoint between them, as the run has, cycle after cycle until it settles."""
         micro, micro_batches, sample = size.micro_size, size.micro_batches, size.sample
         windows, precision, meter = self.request.windows, self.request.precision, self.request.meter
         recipe, model = self.recipe, self.model
@@ -73,21 +73,40 @@ class Built:
         optimizer = torch.optim.AdamW(trainable, lr=1e-3)
         acc = Accumulator(model, optimizer, precision=precision)
         memory = TrainingMemory(model, next(model.parameters()).device, meter)
-        for _ in range(windows):
-            acc.step(split(batch, micro), recipe.loss_fn)
-            memory.window_done()  # as the run's loop does between windows
-        # The run in miniature: an evaluation and a checkpoint between windows, then windows
-        # again. Training after an evaluation peaks higher than before it (freed blocks of
-        # other sizes, kernels' caches for other shapes), which windows alone never show.
-        evaluate(model)
-        with tempfile.TemporaryDirectory(prefix="gradaccum-measure-") as tmp:
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-            torch.save(sealed(state), Path(tmp) / CHECKPOINT)  # as the run writes one
-            del state
-        for _ in range(windows):
-            acc.step(split(batch, micro), recipe.loss_fn)
-            memory.window_done()
-        return memory.peak()
+        # The run in miniature: windows, then an evaluation and a checkpoint, over and over,
+        # until the peak settles. With glibc's moving mmap threshold the resident set of
+        # the same windows climbs for several of them (freed blocks of other sizes, an
+        # evaluation's, kept in the heap): a run of several evaluations peaked above a
+        # miniature of one cycle by more than the plan may be under
+        # (bench/results/planner.md).
+        peaks: list[int] = []
+        while len(peaks) < _MOST_CYCLES:
+            for _ in range(windows):
+                acc.step(split(batch, micro), recipe.loss_fn)
+                memory.window_done()  # as the run's loop does between windows
+            peaks.append(memory.peak())
+            if settled(peaks):
+                break
+            evaluate(model)
+            with tempfile.TemporaryDirectory(prefix="gradaccum-measure-") as tmp:
+                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+                torch.save(sealed(state), Path(tmp) / CHECKPOINT)  # as the run writes one
+                del state
+        return peaks[-1]
+
+
+# Cycles of the run in miniature (windows, an evaluation, a checkpoint): at least
+# _FEWEST_CYCLES, then until _SETTLED_CYCLES in a row raised the peak by under _SETTLED.
+_FEWEST_CYCLES, _MOST_CYCLES, _SETTLED_CYCLES, _SETTLED = 3, 8, 2, 0.01
+
+
+def settled(peaks: list[int]) -> bool:
+    """Whether the miniature's peaks, one per cycle, have stopped climbing: at least the
+    fewest cycles, and the last ones each under 1% above the one before."""
+    if len(peaks) < max(_FEWEST_CYCLES, _SETTLED_CYCLES + 1):
+        return False
+    last = peaks[-_SETTLED_CYCLES - 1 :]
+    return all(b <= a * (1 + _SETTLED) for a, b in zip(last, last[1:], strict=False))
 
 
 def recipe_evaluation(recipe: Any, seed: int, batch: Any, micro: int):
