@@ -7,6 +7,9 @@
    window with ``OOMReplay`` runs out, is replayed at half size, and its step is compared
    with the float64 full batch.
 3. Seconds per optimizer step against N, the micro-batches of one effective batch.
+5. The estimate against the real run (``ga.estimate``, fake tensors, against the same window
+   on this GPU): allocated, reserved and the device total (nvidia-smi's used memory, from
+   ``torch.cuda.mem_get_info``) for the MLP, the gpt recipe and a tiny Llama (full, LoRA, bf16).
 4. The plan against the whole run's real peak: ``gradaccum train`` on gpt, segment, minilm
    and a LoRA tiny GPT-2 on text of varying line lengths, each at two budgets, 20 steps with
    held-out evaluations and checkpoints; the plan's measured peak beside the run's
@@ -234,6 +237,83 @@ def plans_vs_runs(device: torch.device, tmp: Path, began: float, only=None) -> l
     return rows
 
 
+def estimate_vs_real(device: torch.device) -> list[dict[str, Any]]:
+    """``ga.estimate`` for this GPU beside the real window: two windows of two micro-batches,
+    AdamW, on a freshly emptied allocator; the device total is nvidia-smi's used memory after
+    the run (the allocator keeps its peak segments cached, so it is context + reserved)."""
+    from gradaccum.app.recipes import get_recipe
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-4)
+
+    def mlp_sample(n: int):
+        return batch(n)
+
+    cases: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
+        ("mlp", model, mlp_sample, loss_fn, {}),
+    ]
+    gpt = get_recipe("gpt")
+    cases.append(("gpt recipe", gpt.build_model, gpt.sample_batch, gpt.loss_fn, {}))
+    try:
+        import transformers
+
+        config = transformers.LlamaConfig(
+            num_hidden_layers=4, hidden_size=512, intermediate_size=1376, num_attention_heads=8,
+            vocab_size=32000, max_position_embeddings=1024,
+        )  # fmt: skip
+
+        def llama():
+            return transformers.AutoModelForCausalLM.from_config(config)
+
+        def lm_sample(n: int):
+            ids = torch.randint(0, 32000, (n, 512))
+            return {"input_ids": ids, "labels": ids}
+
+        def lm_loss(net, b):
+            return ga.causal_lm_loss(net(input_ids=b["input_ids"]).logits, b["labels"])
+
+        cases.append(("llama 4x512, full", llama, lm_sample, lm_loss, {}))
+        cases.append(("llama 4x512, bf16", llama, lm_sample, lm_loss, {"precision": "bf16"}))
+        try:
+            from gradaccum.integrations.peft import apply_lora
+
+            lora = {"prepare": lambda m: apply_lora(m, r=8)}
+            cases.append(("llama 4x512, LoRA r=8", llama, lm_sample, lm_loss, lora))
+        except ImportError:
+            pass
+    except ImportError:
+        pass
+    rows = []
+    for name, build, sample, loss, how in cases:
+        est = ga.estimate(build, adamw, sample, loss, micro_size=4, micro_batches=2, **how)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.manual_seed(0)
+        net = build()
+        if how.get("prepare"):
+            net = how["prepare"](net)
+        net = net.to(device)
+        acc = ga.Accumulator(net, adamw([p for p in net.parameters() if p.requires_grad]),
+                             precision=how.get("precision", "fp32"))  # fmt: skip
+
+        def to_device(x):
+            return x.to(device) if isinstance(x, torch.Tensor) else x
+
+        for _ in range(2):
+            micro = [torch.utils._pytree.tree_map(to_device, sample(4)) for _ in range(2)]
+            acc.step(micro, loss)
+        _sync(device)
+        free, total = torch.cuda.mem_get_info(device)
+        real = {
+            "allocated": torch.cuda.max_memory_allocated(device),
+            "reserved": torch.cuda.max_memory_reserved(device),
+            "total": total - free,
+        }
+        rows.append({"case": name, "predicted": est.to_dict(), "measured": real})
+        del net, acc
+    return rows
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print(
@@ -248,7 +328,13 @@ def main() -> int:
         "torch": torch.__version__,
         "machine": platform.machine(),
     }
-    for key, check in (("exactness", exactness), ("oom", real_oom), ("per_step", seconds_per_step)):
+    checks = (
+        ("exactness", exactness),
+        ("oom", real_oom),
+        ("per_step", seconds_per_step),
+        ("estimate", estimate_vs_real),
+    )
+    for key, check in checks:
         try:
             results[key] = check(device)
         except Exception as err:  # one failed check is a result; the others still run
@@ -315,6 +401,23 @@ def report(r: dict[str, Any]) -> str:
             )
         return out
 
+    def estimates(rows: list[dict] | None) -> list[str]:
+        if rows is None:
+            return ["not run"]
+        out = [
+            "| case | allocated: estimate | real | reserved: estimate | real | "
+            "total: estimate | real |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for x in rows:
+            p, m = x["predicted"], x["measured"]
+            cells = [
+                f"{mib(p[k])} | {mib(m[k])} ({(p[k] - m[k]) / m[k]:+.1%})"
+                for k in ("allocated", "reserved", "total")
+            ]
+            out.append(f"| {x['case']} | " + " | ".join(cells) + " |")
+        return out
+
     return "\n".join(
         [
             "# CUDA checks",
@@ -328,6 +431,7 @@ def report(r: dict[str, Any]) -> str:
             *section("A real out-of-memory error", "oom", oom),
             *section("Seconds per step against N", "per_step", per_step),
             *section("The plan against the whole run's peak (20 steps)", "plans", plans),
+            *section("The estimate (fake tensors) against the real window", "estimate", estimates),
         ]
     )
 

@@ -40,6 +40,7 @@ from gradaccum.app.targets import Targets, parse_seconds
 from gradaccum.memory import METERS, parse_bytes
 from gradaccum.pipeline import SCHEDULES
 from gradaccum.plan import CHECKPOINTING, FRAMEWORKS
+from gradaccum.plan.estimate.devices import GPUS
 from gradaccum.precision import PRECISIONS
 from gradaccum.schedule import LR_RULES, schedule_problems
 
@@ -239,6 +240,21 @@ CHECKPOINTING_OPT = Opt(
     choices=CHECKPOINTING,
 )
 PRECISION = Opt("fp32", "fp32, bf16 (autocast) or fp16 (autocast + GradScaler)", choices=PRECISIONS)
+SEQ_LEN = Opt(
+    None,
+    "tokens per sequence for --data (default: the model's own length, at most 128); "
+    "documents are packed, prompt/completion pairs padded",
+    check=at_least(2),
+)
+LORA = Opt(
+    None,
+    "train LoRA adapters of this rank on the frozen --hf-model (PEFT; pip install "
+    "'gradaccum[finetune]')",
+    check=at_least(1),
+    metavar="R",
+)
+ESTIMATE_OPTIMIZERS = ("adamw", "adam", "sgd")
+ESTIMATE_ONLY = ("hf_model", "seq_len", "lora", "micro_batch")
 
 
 @dataclass(kw_only=True)
@@ -255,12 +271,7 @@ class Source:
         metavar="PATH",
     )()
     text_field: str = Opt("text", "the .jsonl field that holds each document's text")()
-    seq_len: int | None = Opt(
-        None,
-        "tokens per sequence for --data (default: the model's own length, at most 128); "
-        "documents are packed, prompt/completion pairs padded",
-        check=at_least(2),
-    )()
+    seq_len: int | None = SEQ_LEN()
     eval_fraction: float = Opt(
         0.1, "share of --data's sequences held out for evaluation (seeded)", check=_fraction
     )()
@@ -276,13 +287,7 @@ class Source:
 class Model:
     """LoRA adapters"""
 
-    lora: int | None = Opt(
-        None,
-        "train LoRA adapters of this rank on the frozen --hf-model (PEFT; pip install "
-        "'gradaccum[finetune]')",
-        check=at_least(1),
-        metavar="R",
-    )()
+    lora: int | None = LORA()
     lora_alpha: float | None = Opt(
         None, "LoRA scaling alpha (default: 2 x --lora)", check=_positive
     )()
@@ -811,14 +816,53 @@ class PlanConfig:
     plot: str | None = Opt(
         None, "draw predicted vs measured memory per probed size to this PNG", metavar="FILE.png"
     )()
+    # the estimate for a GPU that is not here (docs/planning.md, "Estimating for a GPU ...")
+    device: str = Opt(
+        "auto",
+        "the device to plan for: auto (this machine), cpu, or cuda (measured on a GPU when one "
+        "is here, else estimated with fake tensors)",
+        choices=("auto", "cpu", "cuda"),
+    )()
+    estimate: bool = Opt(
+        False,
+        "estimate the CUDA peak with fake tensors (no GPU needed); with a GPU here, beside "
+        "the measured plan",
+    )()
+    gpu: str = Opt("cuda", "the GPU family the estimate adds constants for", choices=tuple(GPUS))()
+    hf_model: str | None = HF_MODEL(
+        help="estimate a Hugging Face causal LM from a local directory or config JSON (its "
+        "config alone; weights never load); replaces --recipe"
+    )
+    seq_len: int | None = SEQ_LEN(
+        help="tokens per sequence of --hf-model's estimate (default: 128)"
+    )
+    optimizer: str = Opt("adamw", "the estimate's optimizer", choices=ESTIMATE_OPTIMIZERS)()
+    lora: int | None = LORA(
+        help="estimate LoRA adapters of this rank on the frozen --hf-model (bf16 base under "
+        "--precision bf16)"
+    )
+    micro_batch: int | None = MICRO_BATCH(
+        help="estimate this micro-batch size alone (default: the largest that fits --budget)"
+    )
 
     def __post_init__(self) -> None:
-        _resolve_recipe_defaults([self], self.recipe, None)
+        _resolve_recipe_defaults([self], self.recipe, self.hf_model)
+
+    def estimates(self, gpu_here: bool) -> bool:
+        """Whether this plan is the fake-tensor estimate rather than a measurement."""
+        return self.estimate or (self.device == "cuda" and not gpu_here)
 
     def problems(self) -> list[str]:
         out = _field_problems(self)
         if self.export_to is not None and self.export is None:
             out.append("export_to needs --export FRAMEWORK: which framework's file to write")
+        only = [f"--{n.replace('_', '-')}" for n in ESTIMATE_ONLY if getattr(self, n)]
+        if only and not (self.estimate or self.device == "cuda"):
+            out.append(f"{', '.join(only)} apply to the estimate: add --device cuda or --estimate")
+        if self.lora is not None and self.hf_model is None:
+            out.append("lora needs --hf-model PATH: PEFT adapts Hugging Face models")
+        if self.seq_len is not None and self.hf_model is None:
+            out.append("seq_len applies to --hf-model; a built-in recipe has its own length")
         return out
 
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
+import torch
+
 from gradaccum.app.cli import options
 from gradaccum.app.config import PlanConfig, invalid_configuration
+from gradaccum.app.estimating import estimate_command, render
 from gradaccum.app.planner import plan_recipe
 from gradaccum.app.process import out, say
 from gradaccum.app.report.plots import plan_plot
@@ -33,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in (("--plot", cfg.plot), ("--export-to", cfg.export_to)):
         if path and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{flag} {path}: folder {Path(path).parent} does not exist")
+    if cfg.estimates(gpu_here := torch.cuda.is_available()) and not gpu_here:
+        return estimated(cfg)
     # --export alone: stdout is the framework's file, so a redirect makes the file; the
     # plan, which a person reads, goes to stderr
     to_stderr = cfg.export and not cfg.export_to and not cfg.json
@@ -51,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         table = {"recipe": recipe.name, **result.to_dict()}
         if exported is not None:
             table["export"] = exported.to_dict()
+        if cfg.estimate:  # a GPU is here: the estimate beside the measurement
+            table["estimate"] = estimate_command(beside(cfg, result.micro_size))
         out(json.dumps(table, indent=2))
         if exported is not None and cfg.export_to:
             _write(cfg.export_to, framework_file(exported))
@@ -70,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
             out(f"\n{cfg.export} {_WHAT[cfg.export]}: {cfg.export_to}")
         else:
             out(text.rstrip("\n"))
+    if cfg.estimate:  # a GPU is here: the estimate beside the measurement
+        out("", *render(estimate_command(beside(cfg, result.micro_size)), None))
     return 0
 
 
@@ -119,3 +129,17 @@ def _write(path: str, text: str) -> None:
     partial = target.with_name(f".{target.name}.partial")
     partial.write_text(text)
     partial.replace(target)
+
+
+def beside(cfg: PlanConfig, micro_batch: int) -> PlanConfig:
+    return dataclasses.replace(cfg, micro_batch=micro_batch)
+
+
+def estimated(cfg: PlanConfig) -> int:
+    """The fake-tensor estimate for a GPU that is not here (docs/planning.md)."""
+    result = estimate_command(cfg)
+    if cfg.json:
+        out(json.dumps(result, indent=2))
+    else:
+        out(*render(result, result["budget"]))
+    return 0

@@ -15,6 +15,7 @@ from gradaccum.plan.estimate import cuda
 from gradaccum.plan.estimate.devices import gpu as find_gpu
 from gradaccum.plan.estimate.result import PARTS, Estimate
 from gradaccum.plan.estimate.trace import (
+    HostReads,
     Tally,
     TraceError,
     apply_order,
@@ -136,7 +137,7 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
     fake, tally = fake_mode(), Tally()
     with fake:
         try:
-            with moves_in_place():
+            with moves_in_place(), HostReads():
                 module = model()
                 if how["prepare"] is not None:
                     module = how["prepare"](module)

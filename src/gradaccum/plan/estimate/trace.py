@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = [
+    "HostReads",
     "Tally",
     "TraceError",
     "apply_order",
@@ -58,6 +59,21 @@ def fake_mode() -> Any:
     # real tensors made before the trace (a constant, the RNG state that checkpointing saves)
     # may meet fake ones
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _answer(func, args) -> Any:
+    """A host read's answer under fake tensors (see the module's docstring)."""
+    dtype = args[0].dtype
+    return True if dtype == torch.bool else 1 if not dtype.is_floating_point else 1.0
+
+
+class HostReads(TorchDispatchMode):
+    """Answers host reads and nothing else: for building the model, which is not traced."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _SCALAR:
+            return _answer(func, args)
+        return func(*args, **(kwargs or {}))
 
 
 class Tally(TorchDispatchMode):
@@ -124,8 +140,7 @@ class Tally(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _SCALAR:
-            dtype = args[0].dtype
-            return True if dtype == torch.bool else 1 if not dtype.is_floating_point else 1.0
+            return _answer(func, args)
         try:
             out = func(*args, **kwargs)
         except (TraceError, KeyboardInterrupt):
@@ -185,24 +200,37 @@ def apply_order(model: torch.nn.Module) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def moves_in_place() -> Iterator[None]:
-    """``Module.to(device, dtype)`` that changes nothing returns the module untouched.
+    """``Module.to(device, dtype)`` that replaces what it converts instead of swapping it.
 
     Under fake tensors, ``Module.to`` swaps each parameter with its converted self, and the
-    swap refuses a tensor that the fake mode holds a weak reference to, even when the
-    conversion changed nothing (PEFT moves each new adapter to its base layer's device so).
-    A conversion that changes something runs as always."""
+    swap refuses a tensor the fake mode holds a weak reference to (PEFT moves each new adapter
+    to its base layer's device and dtype so). Here each converted parameter becomes a new
+    ``Parameter`` (tied ones stay tied) and each converted buffer a new buffer; one that needs
+    no conversion is left as it is."""
     original = torch.nn.Module.to
 
     def to(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        tensors = [*module.parameters(), *module.buffers()]
-        if all(
-            (device is None or t.device == device)
-            and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
-            for t in tensors
-        ):
-            return module
-        return original(module, *args, **kwargs)
+        done: dict[int, torch.Tensor] = {}
+
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in done:
+                floating = t.is_floating_point() or t.is_complex()
+                new = t.to(device=device or t.device, dtype=dtype if dtype and floating else None)
+                if new is not t and isinstance(t, torch.nn.Parameter):
+                    new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                done[id(t)] = new
+            return done[id(t)]
+
+        for sub in module.modules():
+            for name, tensor in [
+                *sub.named_parameters(recurse=False),
+                *sub.named_buffers(recurse=False),
+            ]:
+                new = convert(tensor)
+                if new is not tensor:
+                    setattr(sub, name, new)
+        return module
 
     torch.nn.Module.to = to
     try:

@@ -1,0 +1,212 @@
+"""`gradaccum plan --device cuda` without a GPU (or with ``--estimate``): the fake-tensor
+estimate of a recipe or a Hugging Face config, in a process of its own.
+
+The trace runs in ``python -m gradaccum.app.estimating CONFIG OUT``, so that an op torch cannot
+fake, or an abort inside torch, ends in one line and never takes the command down. With
+``--micro-batch`` it estimates that size; otherwise the largest micro-batch whose device total
+fits ``--budget`` (a window of two micro-batches peaks as one of any larger number: from the
+second on, every buffer the window holds is there), and the micro-batches per window that make
+``--effective-batch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gradaccum.app.config import PlanConfig
+from gradaccum.memory import format_bytes, parse_bytes
+
+__all__ = ["estimate_command", "main", "render"]
+
+
+def estimate_command(cfg: PlanConfig) -> dict[str, Any]:
+    """The estimate's result (``Estimate.to_dict()`` and the search), from its own process;
+    a ValueError with one line when the trace fails."""
+    with tempfile.TemporaryDirectory(prefix="gradaccum-estimate-") as tmp:
+        config, out = Path(tmp, "estimate-request.json"), Path(tmp, "estimate-result.json")
+        config.write_text(json.dumps(dataclasses.asdict(cfg)))
+        done = subprocess.run(
+            [sys.executable, "-m", "gradaccum.app.estimating", str(config), str(out)],
+            capture_output=True,
+            text=True,
+        )
+        if out.exists():
+            result = json.loads(out.read_text())
+            if "error" in result:
+                raise ValueError(result["error"])
+            return result["estimate"]
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+    raise ValueError(f"the memory trace's process ended ({how}) without an estimate: {last}")
+
+
+def render(result: dict[str, Any], budget: int | None) -> list[str]:
+    """The estimate for a person: the summary, what it assumed, the table of parts."""
+    fits = ""
+    if budget is not None:
+        word = "fits" if result["total"] <= budget else "does not fit"
+        fits = f"; {word} the budget of {format_bytes(budget)}"
+    lines = [
+        f"ESTIMATE for {result['gpu']} (traced with fake tensors on this machine, not "
+        f"measured): micro-batch {result['micro_batch']} x {result['per_window']} per window"
+        f"{fits}",
+    ]
+    if result.get("largest"):
+        lines.append(f"largest micro-batch that fits: {result['largest']}")
+    lines += [f"assumed: {a}" for a in result["assumptions"]]
+    rows = [("allocated (max_memory_allocated)", result["allocated"])]
+    rows += [(f"  {name}", size) for name, size in result["parts"].items()]
+    rows += [
+        ("reserved (max_memory_reserved)", result["reserved"]),
+        ("  CUDA context (assumed)", result["context"]),
+        ("device total (nvidia-smi)", result["total"]),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines += ["", *(f"{name:<{width}}  {format_bytes(size):>10}" for name, size in rows)]
+    return lines
+
+
+# ----- the estimating process --------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gradaccum.app.estimating CONFIG OUT``: writes {"estimate": ...} or
+    {"error": one line} to OUT. Not a command: ``estimate_command`` runs it."""
+    ap = argparse.ArgumentParser(prog="python -m gradaccum.app.estimating")
+    ap.add_argument("config")
+    ap.add_argument("out")
+    a = ap.parse_args(argv)
+    from gradaccum.plan.estimate.trace import TraceError
+
+    cfg = PlanConfig(**json.loads(Path(a.config).read_text()))
+    try:
+        result = _estimate(cfg)
+    except (TraceError, ValueError, TypeError) as err:
+        Path(a.out).write_text(json.dumps({"error": str(err).splitlines()[0]}))
+        return 2
+    Path(a.out).write_text(json.dumps({"estimate": result}))
+    return 0
+
+
+def _estimate(cfg: PlanConfig) -> dict[str, Any]:
+    import gradaccum as ga
+
+    model, sample, loss_fn, prepare, assumed = _workload(cfg)
+    per_rank = math.ceil(cfg.effective_batch / cfg.world_size)
+
+    def at(micro: int, windows: int = 2) -> ga.Estimate:
+        return ga.estimate(
+            model,
+            _optimizer(cfg.optimizer),
+            sample,
+            loss_fn,
+            micro_size=micro,
+            micro_batches=min(windows, 2),
+            gpu=cfg.gpu,
+            precision=cfg.precision,
+            checkpointing=cfg.checkpointing == "on",
+            prepare=prepare,
+        )
+
+    budget = parse_bytes(cfg.budget)
+    largest = None
+    if cfg.micro_batch is not None:
+        micro = cfg.micro_batch
+        est = at(micro, math.ceil(per_rank / micro))
+    else:
+        # the largest size whose total fits: memory grows with the micro-batch
+        low, high, best = 1, per_rank, None
+        while low <= high:
+            mid = (low + high) // 2
+            trial = at(mid)
+            if trial.total <= budget:
+                low, best = mid + 1, (mid, trial)
+            else:
+                high = mid - 1
+        if best is None:
+            one = at(1)
+            raise ValueError(
+                f"even a micro-batch of 1 needs {format_bytes(one.total)} on {cfg.gpu}, over "
+                f"--budget {cfg.budget}; try --checkpointing on, --precision bf16 or --lora"
+            )
+        micro, est = best
+        largest = micro
+    result = est.to_dict()
+    result["per_window"] = math.ceil(per_rank / micro)
+    result["largest"] = largest
+    result["budget"] = budget
+    result["assumptions"] = assumed + result["assumptions"]
+    return result
+
+
+def _optimizer(name: str):
+    import torch
+
+    makers = {
+        "adamw": lambda p: torch.optim.AdamW(p, lr=1e-4),
+        "adam": lambda p: torch.optim.Adam(p, lr=1e-4),
+        "sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+    }
+    return makers[name]
+
+
+def _workload(cfg: PlanConfig):
+    """The model factory, sample, loss and LoRA step for the estimate, and what it assumed."""
+    import torch
+
+    from gradaccum.app.recipes import get_recipe, hf_recipe
+
+    if cfg.hf_model is None:
+        recipe = get_recipe(cfg.recipe)
+        assumed = [f"recipe {recipe.name}: its own model and sample shape"]
+        return recipe.build_model, recipe.sample_batch, recipe.loss_fn, None, assumed
+    recipe = hf_recipe(cfg.hf_model)  # refuses remote code and unreadable configs
+    from gradaccum.integrations import hf_models
+
+    config = hf_models.config(cfg.hf_model)  # a folder or its config file
+    length = cfg.seq_len or 128
+    low = cfg.lora is not None and cfg.precision == "bf16"
+    assumed = [
+        f"{config.model_type} causal LM from its config (random init: weights never load), "
+        f"{length} tokens per sequence",
+    ]
+
+    def build() -> torch.nn.Module:
+        if not low:
+            return hf_models.causal_lm(config)
+        # built in bf16 (a conversion after the build would be one more copy)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            return hf_models.causal_lm(config)
+        finally:
+            torch.set_default_dtype(previous)
+
+    def sample(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.zeros(n, length, dtype=torch.long)
+        return {"input_ids": ids, "labels": ids}
+
+    prepare = None
+    if cfg.lora is not None:
+        from gradaccum.integrations.peft import apply_lora
+
+        def prepare(model: torch.nn.Module) -> torch.nn.Module:
+            return apply_lora(model, r=cfg.lora)
+
+        assumed.append(
+            f"LoRA r={cfg.lora} on the default attention projections, "
+            + ("base frozen in bf16" if low else "base frozen in fp32")
+        )
+    return build, sample, recipe.loss_fn, prepare, assumed
+
+
+if __name__ == "__main__":
+    sys.exit(main())

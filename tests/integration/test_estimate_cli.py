@@ -1,0 +1,81 @@
+"""`gradaccum plan --device cuda` on a machine without a GPU: the fake-tensor estimate, from the
+command (in this process: its main, exit status and output; the trace in its own process)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_faults import in_process
+
+pytestmark = pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="with a GPU here, --device cuda measures"
+)
+
+
+def tiny(tmp_path, model_type="llama", **extra):
+    config = {
+        "model_type": model_type,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 64,
+        "max_position_embeddings": 64,
+        **extra,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_a_recipe_estimated_for_cuda_gives_its_numbers_in_bytes():
+    done = in_process("plan", "--device", "cuda", "--recipe", "digits", "--micro-batch", "8",
+                      "--effective-batch", "32", "--gpu", "t4", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["micro_batch"] == 8 and result["per_window"] == 4
+    assert result["estimate"] is True and result["gpu"] == "t4"
+    assert result["reserved"] >= result["allocated"] > result["parts"]["parameters"] > 0
+    assert result["total"] == result["reserved"] + result["context"]
+
+
+@pytest.mark.slow  # a fresh process tracing a model: about 15 s on a quiet machine
+def test_an_hf_config_with_lora_is_estimated_and_says_what_it_assumed(tmp_path):
+    done = in_process("plan", "--device", "cuda", "--hf-model", tiny(tmp_path), "--lora", "2",
+                      "--seq-len", "16", "--micro-batch", "2", "--precision", "bf16",
+                      "--budget", "24GB")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "ESTIMATE for cuda" in text and "not measured" in text
+    assert "LoRA r=2" in text and "16 tokens per sequence" in text
+    assert "autocast: CUDA's bf16 op lists" in text
+    for row in ("allocated", "reserved", "device total", "optimizer state", "activations"):
+        assert row in text
+
+
+@pytest.mark.slow  # a fresh process tracing a model: about 15 s on a quiet machine
+def test_the_largest_micro_batch_under_the_budget_is_searched():
+    done = in_process("plan", "--device", "cuda", "--recipe", "digits", "--effective-batch",
+                      "64", "--budget", "2GB", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["largest"] == result["micro_batch"] == 64 and result["total"] <= 2 * 10**9
+
+
+@pytest.mark.slow  # a fresh process tracing a model: about 15 s on a quiet machine
+def test_an_op_the_trace_cannot_run_ends_in_one_line_naming_op_and_module(tmp_path):
+    # a mixture of experts: its experts' grouped matmul has no fake kernel for fp32 inputs
+    folder = tiny(tmp_path, "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    done = in_process("plan", "--device", "cuda", "--hf-model", folder, "--micro-batch", "2",
+                      "--seq-len", "8")  # fmt: skip
+    assert done.returncode == 2
+    line = done.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert "cannot run aten." in line and "(in model.layers.0." in line
+
+
+def test_estimate_options_without_the_estimate_are_refused():
+    done = in_process("plan", "--lora", "4")
+    assert done.returncode == 2
+    assert "--lora apply to the estimate: add --device cuda or --estimate" in done.stderr
