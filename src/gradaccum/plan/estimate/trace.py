@@ -68,11 +68,13 @@ def _answer(func, args) -> Any:
 
 
 class HostReads(TorchDispatchMode):
-    """Answers host reads and nothing else: for building the model, which is not traced."""
+    """Answers host reads and nothing else: for building the model, which is not traced. A
+    yes-or-no read answers no here: initialisers resample ``while (x out of range).any()``,
+    and a yes would never end."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _SCALAR:
-            return _answer(func, args)
+            return False if args[0].dtype == torch.bool else _answer(func, args)
         return func(*args, **(kwargs or {}))
 
 
