@@ -115,7 +115,7 @@ def test_scheduled_windows_step_after_the_schedules_window_whatever_came_before(
     steps there, and at no multiple before it."""
     from gradaccum.integrations.window import ScheduledWindows
 
-    windows = ScheduledWindows(ga.BatchSchedule("steps:1=24", start=8, unit=4), micro=4)
+    windows = ScheduledWindows(ga.BatchSchedule("steps:1=24", start=8, unit=4), micro_size=4)
     assert windows.smallest() == 2
     done = 0
     for want in (2, 6, 6):
@@ -129,7 +129,7 @@ def test_scheduled_windows_step_after_the_schedules_window_whatever_came_before(
 
 
 @pytest.mark.parametrize(
-    ("schedule", "micro", "world", "message"),
+    ("schedule", "micro_size", "world", "message"),
     [
         (ga.BatchSchedule("constant", start=8, unit=2), 4, 1, "unit \\(2\\) must be a multiple"),
         (ga.BatchSchedule("constant", start=6, unit=4), 4, 1, "start \\(6\\) must be a multiple"),
@@ -137,9 +137,25 @@ def test_scheduled_windows_step_after_the_schedules_window_whatever_came_before(
     ],
 )
 def test_scheduled_windows_refuse_a_batch_that_is_not_whole_micro_batches(
-    schedule, micro, world, message
+    schedule, micro_size, world, message
 ):
     from gradaccum.integrations.window import ScheduledWindows
 
     with pytest.raises(ValueError, match=message):
-        ScheduledWindows(schedule, micro, world)
+        ScheduledWindows(schedule, micro_size, world)
+
+
+def test_scheduled_windows_old_micro_name_still_works_with_a_deprecation_warning():
+    """``micro=`` and ``.micro`` were the names of ``micro_size`` in 0.7: they keep working,
+    warning, until 0.8; given with ``micro_size`` they are refused."""
+    from gradaccum.integrations.window import ScheduledWindows
+
+    schedule = ga.BatchSchedule("steps:1=24", start=8, unit=4)
+    with pytest.warns(DeprecationWarning, match="micro_size"):
+        old = ScheduledWindows(schedule, micro=4)
+    new = ScheduledWindows(ga.BatchSchedule("steps:1=24", start=8, unit=4), micro_size=4)
+    assert old.micro_size == 4 and old.next_window(0) == new.next_window(0) == (2, 2)
+    with pytest.warns(DeprecationWarning, match="micro_size"):
+        assert old.micro == 4
+    with pytest.raises(TypeError, match="micro_size and micro"):
+        ScheduledWindows(schedule, 4, micro=4)

@@ -198,23 +198,27 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> Run:
     # kernels' caches, which a fresh process pays inside its first window): the run's meter
     # counts it, as the plan's fresh process does.
     with Resident(device) as before_training:
-        micro, checkpointing, sync, eval_micro = planning.micro_batch(
+        micro_size, checkpointing, sync, eval_micro_size = planning.micro_size(
             cfg, folder, saved, kind, model, optimizer, recipe, device, log, data
         )
-        baseline(model, micro)
-    if cfg.batch.batch_schedule == "auto" and micro * kind.replicas >= effective and saved is None:
-        micro = max(1, math.ceil(effective / kind.replicas / 2))
+        baseline(model, micro_size)
+    if (
+        cfg.batch.batch_schedule == "auto"
+        and micro_size * kind.replicas >= effective
+        and saved is None
+    ):
+        micro_size = max(1, math.ceil(effective / kind.replicas / 2))
         log(
             f"--batch-schedule auto measures the noise scale, which needs 2+ micro-batches "
-            f"per window: micro-batch {micro}"
+            f"per window: micro-batch {micro_size}"
         )
     schedule = BatchSchedule(
         cfg.batch.batch_schedule,
         start=effective,
-        unit=micro * kind.replicas,
+        unit=micro_size * kind.replicas,
         maximum=cfg.batch.max_effective_batch,
     )
-    acc = kind.window(cfg, model, optimizer, micro, sync, device, log)
+    acc = kind.window(cfg, model, optimizer, micro_size, sync, device, log)
     if cfg.numerics.compile:
         recipe = compiled(recipe, model, kind, log)
     # With clipping, a gradient spike's step is already bounded: the loss tells damage.
@@ -229,8 +233,8 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> Run:
         data=data,
         optimizer=optimizer,
         acc=acc,
-        micro_batch=micro,
-        eval_micro_batch=eval_micro,
+        micro_size=micro_size,
+        eval_micro_size=eval_micro_size,
         checkpointing=checkpointing,
         signature=signature,
         progress=Progress(schedule, total_steps, total_samples),
@@ -244,7 +248,7 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> Run:
         where = f"step {schedule.step} of {total_steps}"
         if total_samples is not None:
             where = f"step {schedule.step}, sample {schedule.samples:,} of {total_samples:,}"
-        log(f"resuming {folder.path} at {where} (micro-batch {micro})")
+        log(f"resuming {folder.path} at {where} (micro-batch {micro_size})")
     run.progress.skip_ahead()
     return run
 
@@ -298,13 +302,13 @@ class _Baseline:
         self.folder, self.data, self.log = folder, data, log
         self.pending = measure and hasattr(data, "baseline")
 
-    def __call__(self, model: torch.nn.Module, micro_batch: int) -> None:
+    def __call__(self, model: torch.nn.Module, micro_size: int) -> None:
         if not self.pending:
             return
         self.pending = False
         self.log("measuring the baseline before training ...")
         with preserved_rng():
-            result = self.data.baseline(model, micro_batch)
+            result = self.data.baseline(model, micro_size)
         shown = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "name")
         self.log(f"baseline ({result['name']}): held-out {shown}")
         self.folder.write_json(BASELINE, result)

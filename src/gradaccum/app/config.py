@@ -764,10 +764,10 @@ class TrainConfig:
             )
         if self.memory.checkpointing != "off":
             out.append("pipeline_stages runs without activation checkpointing: --checkpointing off")
-        micro, effective = batch.micro_batch, batch.effective_batch
-        if micro is not None and micro <= effective and effective % micro:
+        micro_size, effective = batch.micro_batch, batch.effective_batch
+        if micro_size is not None and micro_size <= effective and effective % micro_size:
             out.append(
-                f"pipeline_stages needs equal micro-batches: micro_batch {micro} does not "
+                f"pipeline_stages needs equal micro-batches: micro_batch {micro_size} does not "
                 f"divide effective_batch {effective}"
             )
         return out

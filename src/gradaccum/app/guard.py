@@ -287,9 +287,9 @@ class Probe:
     random generators are put back). One process only (``alone``): elsewhere every rank
     would have to agree on the shards' sum, and a pipeline's forward is its schedule."""
 
-    def __init__(self, folder, data, model, loss_fn, micro_batch: int, device, kind: Any):
+    def __init__(self, folder, data, model, loss_fn, micro_size: int, device, kind: Any):
         self.folder, self.data, self.model, self.loss_fn = folder, data, model, loss_fn
-        self.micro_batch, self.device, self.alone = micro_batch, device, kind.world == 1
+        self.micro_size, self.device, self.alone = micro_size, device, kind.world == 1
 
     def __call__(self, back: int, highest: float | None) -> str | None:
         if back == 0 or highest is None or not self.alone:
@@ -302,7 +302,7 @@ class Probe:
         buffers = {k: v.clone() for k, v in self.model.named_buffers()}
         total = count = 0.0
         with torch.no_grad(), preserved_rng():
-            for mb in split(to_device(batch, self.device), self.micro_batch):
+            for mb in split(to_device(batch, self.device), self.micro_size):
                 loss_sum, n = self.loss_fn(self.model, mb)
                 total += float(loss_sum)
                 count += float(n)

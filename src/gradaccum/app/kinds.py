@@ -74,7 +74,7 @@ class RunKind:
             each_rank=False, data=data,
         )  # fmt: skip
 
-    def window(self, cfg: Any, model, optimizer, micro_batch: int, sync: str, device, log) -> Any:
+    def window(self, cfg: Any, model, optimizer, micro_size: int, sync: str, device, log) -> Any:
         """The window runner: an Accumulator over the model, DDP's copy on several ranks.
         Under DDP the ranks replay an out-of-memory window together, at the price of the
         window's reduction no longer overlapping its last backward: worth it where memory
@@ -106,10 +106,10 @@ class RunKind:
         """This process's part of the window's batch."""
         return shard(batch, self.rank, self.replicas) if self.replicas > 1 else batch
 
-    def step(self, acc: Any, batch: Any, micro_batch: int, loss_fn: Any) -> StepResult:
-        """One window: the batch cut into micro-batches of ``micro_batch``, one optimizer
+    def step(self, acc: Any, batch: Any, micro_size: int, loss_fn: Any) -> StepResult:
+        """One window: the batch cut into micro-batches of ``micro_size``, one optimizer
         step."""
-        return acc.step(split(batch, micro_batch), loss_fn)
+        return acc.step(split(batch, micro_size), loss_fn)
 
     def agree(self, value: Any) -> Any:
         """Rank 0's value on the ranks that act on it together (all of them when together;
@@ -187,7 +187,7 @@ class Sharded(RunKind):
             cfg, model, optimizer, recipe, device, self.rank, self.world, log, each_rank=True
         )
 
-    def window(self, cfg, model, optimizer, micro_batch, sync, device, log):
+    def window(self, cfg, model, optimizer, micro_size, sync, device, log):
         return _accumulator(cfg, model, optimizer, sync, replay=False)
 
     # Every rank writes its part of step N's checkpoint into shards/step-N.tmp/; when all
@@ -291,9 +291,9 @@ class Pipelined(RunKind):
     def plan(self, cfg, model, optimizer, recipe, device, log, data=None):
         return planning.pipeline_plan(cfg, model, log)
 
-    def window(self, cfg, model, optimizer, micro_batch, sync, device, log):
+    def window(self, cfg, model, optimizer, micro_size, sync, device, log):
         """This stage's ``PipelineWindow``: its part of the model as a ``PipelineStage``, the
-        window's micro-batches of ``micro_batch``, the tied head's copies kept equal."""
+        window's micro-batches of ``micro_size``, the tied head's copies kept equal."""
         from torch.distributed.pipelining import PipelineStage
 
         from gradaccum.loss import causal_lm_loss
@@ -308,7 +308,7 @@ class Pipelined(RunKind):
             PipelineStage(model, self.rank, self.world, device),
             optimizer,
             causal_lm_loss,
-            cfg.batch.effective_batch // micro_batch,
+            cfg.batch.effective_batch // micro_size,
             schedule=self.schedule,
             max_grad_norm=cfg.numerics.max_grad_norm or None,
             tied=model.tied(),
@@ -322,7 +322,7 @@ class Pipelined(RunKind):
     def across(self, cfg: Any) -> str:
         return f" through {self.world} pipeline stages ({self.schedule})"
 
-    def step(self, acc: Any, batch: Any, micro_batch: int, loss_fn: Any) -> StepResult:
+    def step(self, acc: Any, batch: Any, micro_size: int, loss_fn: Any) -> StepResult:
         return acc.step(batch["input_ids"], target=batch["labels"])
 
     def evaluated(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -57,18 +57,18 @@ class Built:
     def measure(self, size: Size) -> int:
         """Peak bytes of the request's windows at ``size``, with an evaluation and a
         checkpoint between them, as the run has, cycle after cycle until it settles."""
-        micro, micro_batches, sample = size.micro_size, size.micro_batches, size.sample
+        micro_size, micro_batches, sample = size.micro_size, size.micro_batches, size.sample
         windows, precision, meter = self.request.windows, self.request.precision, self.request.meter
         recipe, model = self.recipe, self.model
         if sample is not None:
-            batch = take(torch.load(sample, weights_only=True), micro * micro_batches)
+            batch = take(torch.load(sample, weights_only=True), micro_size * micro_batches)
         else:
-            batch = recipe.sample_batch(micro * micro_batches)
+            batch = recipe.sample_batch(micro_size * micro_batches)
         if torch.cuda.is_available():
             batch = to_device(batch, torch.device("cuda"))
         if size.checkpointing:
             enable_checkpointing(model)
-        evaluate = recipe_evaluation(recipe, self.seed, batch, micro)
+        evaluate = recipe_evaluation(recipe, self.seed, batch, micro_size)
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
         optimizer = torch.optim.AdamW(trainable, lr=1e-3)
         acc = Accumulator(model, optimizer, precision=precision)
@@ -82,7 +82,7 @@ class Built:
         peaks: list[int] = []
         while len(peaks) < _MOST_CYCLES:
             for _ in range(windows):
-                acc.step(split(batch, micro), recipe.loss_fn)
+                acc.step(split(batch, micro_size), recipe.loss_fn)
                 memory.window_done()  # as the run's loop does between windows
             peaks.append(memory.peak())
             if settled(peaks):
@@ -109,23 +109,23 @@ def settled(peaks: list[int]) -> bool:
     return all(b <= a * (1 + _SETTLED) for a, b in zip(last, last[1:], strict=False))
 
 
-def recipe_evaluation(recipe: Any, seed: int, batch: Any, micro: int):
+def recipe_evaluation(recipe: Any, seed: int, batch: Any, micro_size: int):
     """The run's held-out evaluation, two micro-batches of it, through the arithmetic the
     run's evaluation runs: a language model's ``held_out_loss`` or the recipe's
     ``evaluate`` on the sample, else the recipe's data's own ``evaluate``. An evaluation by
     the training loss instead leaves the process holding other blocks than the run's does,
     and the windows after it peak higher than the run's (bench/results/planner.md)."""
-    held = take(batch, 2 * micro)
+    held = take(batch, 2 * micro_size)
     if recipe.logits is not None:
         from gradaccum.app.recipes import held_out_loss
 
         return lambda model: held_out_loss(
-            model, recipe.logits, held["input_ids"], held["labels"], micro
+            model, recipe.logits, held["input_ids"], held["labels"], micro_size
         )
     if recipe.evaluate is not None:
-        return lambda model: recipe.evaluate(model, held, micro)
+        return lambda model: recipe.evaluate(model, held, micro_size)
     data = recipe.make_data(seed)
-    return lambda model: data.evaluate(model, micro, limit=2 * micro)
+    return lambda model: data.evaluate(model, micro_size, limit=2 * micro_size)
 
 
 def fresh_process_verifier(
@@ -167,21 +167,21 @@ class FreshProcessVerifier:
     def _start(self) -> Child:
         return Child(self.request, stderr="keep")  # a model's loading bars: read on failure
 
-    def __call__(self, micro: int, micro_batches: int, checkpointing: bool) -> int:
+    def __call__(self, micro_size: int, micro_batches: int, checkpointing: bool) -> int:
         # One fresh process: resident memory varies by a few percent from one process to
         # the next (glibc's heap layout), which the plan's margin keeps free.
         with_ckpt = " with activation checkpointing" if checkpointing else ""
         print(
-            f"measuring {_count(micro_batches, 'micro-batch', 'micro-batches')} of {micro}"
+            f"measuring {_count(micro_batches, 'micro-batch', 'micro-batches')} of {micro_size}"
             f"{with_ckpt} in a fresh process",
             file=sys.stderr,
         )
         child = self._next or self._start()
         self._next = None
         with child:
-            child.send(Size(micro_size=micro, micro_batches=micro_batches,
+            child.send(Size(micro_size=micro_size, micro_batches=micro_batches,
                             checkpointing=checkpointing, sample=self.sample))  # fmt: skip
-            return int(child.result(what=f"measuring micro-batch {micro}"))
+            return int(child.result(what=f"measuring micro-batch {micro_size}"))
 
     def close(self) -> None:
         """End the waiting process, if no measurement took it (it holds nothing to finish)."""

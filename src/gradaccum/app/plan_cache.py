@@ -227,19 +227,23 @@ def _plan_problems(info: dict[str, Any], asked: dict[str, Any]) -> list[str]:
     if out:
         return out  # the arithmetic below reads them
     world, per_rank = info["world_size"], info["per_rank_batch"]
-    micro, n, last = info["micro_size"], info["micro_batches"], info["last_micro_size"]
+    micro_size, n, last = info["micro_size"], info["micro_batches"], info["last_micro_size"]
     if world * per_rank != info["effective_batch"]:
         out.append(
             f"effective_batch {info['effective_batch']} is not world_size {world} x "
             f"per_rank_batch {per_rank}"
         )
-    if n != math.ceil(per_rank / micro) or last > micro or (n - 1) * micro + last != per_rank:
+    if (
+        n != math.ceil(per_rank / micro_size)
+        or last > micro_size
+        or (n - 1) * micro_size + last != per_rank
+    ):
         out.append(
-            f"{n} micro-batches of {micro} with a last one of {last} do not make "
-            f"per_rank_batch {per_rank} (that is {math.ceil(per_rank / micro)} micro-batches, "
-            f"the last of {per_rank - (math.ceil(per_rank / micro) - 1) * micro})"
+            f"{n} micro-batches of {micro_size} with a last one of {last} do not make "
+            f"per_rank_batch {per_rank} (that is {math.ceil(per_rank / micro_size)} micro-batches, "
+            f"the last of {per_rank - (math.ceil(per_rank / micro_size) - 1) * micro_size})"
         )
-    elif "micro_sizes" in info and info["micro_sizes"] != [micro] * (n - 1) + [last]:
+    elif "micro_sizes" in info and info["micro_sizes"] != [micro_size] * (n - 1) + [last]:
         out.append(f"micro_sizes {info['micro_sizes']!r} are not the window's")
     for phase in info.get("phases") or ():
         size = phase.get("micro_size") if isinstance(phase, dict) else None

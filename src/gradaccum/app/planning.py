@@ -51,7 +51,7 @@ def as_flags(message: str) -> str:
     return re.sub(rf"\b({names})=(['\"]?)([\w.]+)\2", flag, message)
 
 
-def micro_batch(
+def micro_size(
     cfg: TrainConfig,
     folder: RunFolder,
     saved: dict[str, Any] | None,
@@ -98,10 +98,15 @@ def micro_batch(
     planned = info
     if "phases" not in info and (folder.path / PLAN).is_file():  # a resume: the plan's own
         planned = folder.read_json(PLAN, needs=("micro_size",))
-    eval_micro = next(
+    eval_micro_size = next(
         (p["micro_size"] for p in planned.get("phases", ()) if p["name"] == "evaluation"), None
     )
-    return info["micro_size"], bool(info["checkpointing"]), info.get("sync", "window"), eval_micro
+    return (
+        info["micro_size"],
+        bool(info["checkpointing"]),
+        info.get("sync", "window"),
+        eval_micro_size,
+    )
 
 
 def window_plan(

@@ -112,14 +112,14 @@ class Run:
     data: Any
     optimizer: torch.optim.Optimizer
     acc: Any  # the window runner: an Accumulator, or a pipeline's PipelineWindow
-    micro_batch: int
+    micro_size: int
     checkpointing: bool
     signature: dict[str, Any]
     progress: Progress
     targets: Targets
     guard: IncidentGuard | None = None
     carried: int = 0  # resident bytes planning and the baseline left for training (Resident)
-    eval_micro_batch: int | None = None  # the plan's own for evaluation, else micro_batch
+    eval_micro_size: int | None = None  # the plan's own for evaluation, else micro_size
 
     @property
     def schedule(self) -> BatchSchedule:
@@ -127,7 +127,7 @@ class Run:
 
     @property
     def eval_size(self) -> int:
-        return self.eval_micro_batch or self.micro_batch
+        return self.eval_micro_size or self.micro_size
 
     @property
     def main(self) -> bool:
@@ -139,7 +139,7 @@ class Run:
         p = self.progress
         return {
             "step": step,
-            "micro_batch": self.micro_batch,
+            "micro_batch": self.micro_size,  # the stored key keeps its name (old runs resume)
             "sync": self.kind.sync_mode(self.acc),
             "checkpointing": self.checkpointing,
             "signature": self.signature,

@@ -83,7 +83,7 @@ class Trainer:
             stopped=stopped,
         )  # fmt: skip
         probe = Probe(
-            run.folder, run.data, run.model, run.recipe.loss_fn, run.micro_batch, run.device,
+            run.folder, run.data, run.model, run.recipe.loss_fn, run.micro_size, run.device,
             run.kind,
         )  # fmt: skip
         self.rollback = Rollback(run.guard, store, self.checkpointer, run.restore, p, probe, log)
@@ -151,7 +151,7 @@ class Trainer:
         samples = batch_size(batch)  # fewer than size at the end of an epoch
         batch = to_device(run.kind.local(batch), run.device)
         with memory.phase("training"):
-            result = run.kind.step(run.acc, batch, run.micro_batch, run.recipe.loss_fn)
+            result = run.kind.step(run.acc, batch, run.micro_size, run.recipe.loss_fn)
         step = self.advance(result, samples)
         p.elapsed = before + time.perf_counter() - self.began
         incident = self.rollback.check(step, first, samples, result)
@@ -217,10 +217,10 @@ class Trainer:
         """The run's first lines: its length and batch, and its targets."""
         run, cfg, kind = self.run, self.run.cfg, self.run.kind
         effective, schedule = cfg.batch.effective_batch, run.progress.schedule
-        per_window = math.ceil(math.ceil(effective / kind.replicas) / run.micro_batch)
+        per_window = math.ceil(math.ceil(effective / kind.replicas) / run.micro_size)
         self.log(
             f"training {run.progress.length()}: effective batch {effective} = {per_window} "
-            f"micro-batch{'es' if per_window > 1 else ''} of up to {run.micro_batch}"
+            f"micro-batch{'es' if per_window > 1 else ''} of up to {run.micro_size}"
             f"{kind.across(cfg)}"
             + ("" if schedule.kind == "constant" else f"; schedule: {schedule.describe()}")
             + f"; {run.data.epoch_samples():,} samples per epoch; run folder {run.folder.path}"

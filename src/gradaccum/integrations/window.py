@@ -144,34 +144,66 @@ class ScheduledWindows:
     before it. The schedule is told the samples each window really held (an epoch's last
     window may hold fewer)."""
 
-    def __init__(self, schedule: BatchSchedule, micro: int, world: int = 1) -> None:
+    def __init__(
+        self,
+        schedule: BatchSchedule,
+        micro_size: int | None = None,
+        world: int = 1,
+        *,
+        micro: int | None = None,
+    ) -> None:
+        if micro is not None:  # the old name of micro_size, until gradaccum 0.8
+            if micro_size is not None:
+                raise TypeError("ScheduledWindows got micro_size and micro: pass micro_size only")
+            warnings.warn(
+                "ScheduledWindows(micro=...) is ScheduledWindows(micro_size=...); the old "
+                "name goes in gradaccum 0.8",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            micro_size = micro
+        if micro_size is None:
+            raise TypeError("ScheduledWindows needs micro_size, the samples per micro-batch")
         if not isinstance(schedule, BatchSchedule):
             raise TypeError(
                 f"schedule must be a gradaccum.BatchSchedule, got {type(schedule).__name__}"
             )
-        if schedule.unit % (micro * world):
+        if schedule.unit % (micro_size * world):
             raise ValueError(
                 f"the schedule's unit ({schedule.unit}) must be a multiple of the micro-batch "
-                f"size times the processes ({micro} x {world}): a window is whole micro-batches"
+                f"size times the processes ({micro_size} x {world}): a window is whole "
+                "micro-batches"
             )
-        if schedule.start % (micro * world):
+        if schedule.start % (micro_size * world):
             raise ValueError(
                 f"the schedule's start ({schedule.start}) must be a multiple of the micro-batch "
-                f"size times the processes ({micro} x {world}): a window is whole micro-batches"
+                f"size times the processes ({micro_size} x {world}): a window is whole "
+                "micro-batches"
             )
-        self.schedule, self.micro, self.world = schedule, micro, world
+        self.schedule, self.micro_size, self.world = schedule, micro_size, world
+
+    @property
+    def micro(self) -> int:
+        """The old name of ``micro_size``, until gradaccum 0.8."""
+        warnings.warn(
+            "ScheduledWindows.micro is ScheduledWindows.micro_size; the old name goes in "
+            "gradaccum 0.8",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.micro_size
 
     def smallest(self) -> int:
         """The fewest micro-batches any window of the schedule asks for (a framework that
         counts its optimizer steps per epoch up front counts enough of them with it)."""
         s = self.schedule
         batches = [s.start] + [s.whole(b) for _, b in s.points]
-        return max(1, min(batches) // (self.micro * self.world))
+        return max(1, min(batches) // (self.micro_size * self.world))
 
     def next_window(self, done: int) -> tuple[int, int]:
         """(N, micro-batches in the window) for a window that starts after ``done``
         micro-batches of the epoch."""
-        length = max(1, self.schedule.size() // (self.micro * self.world))
+        length = max(1, self.schedule.size() // (self.micro_size * self.world))
         return done + length, length
 
     def window_done(self, end: StepResult, samples: int) -> None:

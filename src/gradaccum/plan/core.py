@@ -127,11 +127,13 @@ def plan(
                 need, measured = m.need(1), False
                 if need <= usable:
                     largest = min(per_rank, int((usable - m.need(0)) // max(m.peak_fit.slope, 1.0)))
-                    largest, micro, checked = _verify(prober, m, per_rank, largest, usable, verify)
+                    largest, micro_size, checked = _verify(
+                        prober, m, per_rank, largest, usable, verify
+                    )
                     need, measured = m.base + checked[-1].peak_bytes, True
                     if need <= usable:
                         measured_phases = measure_phases(
-                            phases or {}, memory, m, micro, usable, budget_bytes, margin
+                            phases or {}, memory, m, micro_size, usable, budget_bytes, margin
                         )
                         break
                 # Nothing fits as it is, by the line or measured at one sample per
@@ -146,8 +148,8 @@ def plan(
             _restore(model, optimizer, saved)
     measured_peak = need
 
-    micro_batches = math.ceil(per_rank / micro)
-    last = per_rank - (micro_batches - 1) * micro
+    micro_batches = math.ceil(per_rank / micro_size)
+    last = per_rank - (micro_batches - 1) * micro_size
     notes = list(m.notes)
     if m.peak_fit.max_error > 0.05 and not m.peak_fit.bound:
         notes.append(
@@ -158,7 +160,7 @@ def plan(
         effective_batch=asked.effective_batch,
         world_size=asked.world_size,
         per_rank_batch=per_rank,
-        micro_size=micro,
+        micro_size=micro_size,
         micro_batches=micro_batches,
         last_micro_size=last,
         budget=budget_bytes,
@@ -270,24 +272,24 @@ def _verify(
     """
     checked: list[Probe] = []
     for _ in range(8):
-        micro = math.ceil(per_rank / math.ceil(per_rank / largest))  # balanced window
-        n = min(math.ceil(per_rank / micro), 2)
-        act = int(m.activation_fit(micro))
+        micro_size = math.ceil(per_rank / math.ceil(per_rank / largest))  # balanced window
+        n = min(math.ceil(per_rank / micro_size), 2)
+        act = int(m.activation_fit(micro_size))
         if verify is not None:
-            peak = int(verify(micro, n, bool(m.blocks))) - m.static - m.overhead
+            peak = int(verify(micro_size, n, bool(m.blocks))) - m.static - m.overhead
             kind = "verify, fresh process"
         else:
             # The planned window, twice, keeping the larger peak: on CPU, RSS grows over
             # the first windows as malloc's free lists fragment.
-            peak, act = max(prober.window(micro, micro_batches=n)[:2] for _ in range(2))
+            peak, act = max(prober.window(micro_size, micro_batches=n)[:2] for _ in range(2))
             kind = "verify"
-        verified = Probe(micro, peak, act, m.peak_fit(micro), kind=kind)
+        verified = Probe(micro_size, peak, act, m.peak_fit(micro_size), kind=kind)
         checked.append(verified)
-        if m.base + peak <= usable or micro == 1:
-            return largest, micro, tuple(checked)
+        if m.base + peak <= usable or micro_size == 1:
+            return largest, micro_size, tuple(checked)
         # the line scaled to pass through this measurement (never below it)
-        scale = max(1.0, peak / max(m.peak_fit(micro), 1.0))
-        fits = [s for s in range(1, micro) if m.base + scale * m.peak_fit(s) <= usable]
+        scale = max(1.0, peak / max(m.peak_fit(micro_size), 1.0))
+        fits = [s for s in range(1, micro_size) if m.base + scale * m.peak_fit(s) <= usable]
         largest = fits[-1] if fits else 1
         if verify is not None and fits:
             # A fresh process sits above the probes' line by what a process pays once (its
@@ -295,16 +297,16 @@ def _verify(
             # steeper slope: the scaled line reads the measured size exactly and the sizes
             # below it within a few percent either way (bench/results/planner.md), so the
             # size it fits is planned without a second process.
-            micro = math.ceil(per_rank / math.ceil(per_rank / largest))
+            micro_size = math.ceil(per_rank / math.ceil(per_rank / largest))
             stepped = Probe(
-                micro,
-                int(scale * m.peak_fit(micro)),
-                int(m.activation_fit(micro)),
-                m.peak_fit(micro),
+                micro_size,
+                int(scale * m.peak_fit(micro_size)),
+                int(m.activation_fit(micro_size)),
+                m.peak_fit(micro_size),
                 kind=f"from the fresh process's {verified.micro_size}, the line scaled",
             )
-            return largest, micro, (*checked, stepped)
-    return largest, micro, tuple(checked)
+            return largest, micro_size, (*checked, stepped)
+    return largest, micro_size, tuple(checked)
 
 
 def too_small(

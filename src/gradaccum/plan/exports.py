@@ -119,15 +119,15 @@ def export(plan: Plan, framework: str) -> Export:
         )
     if problems:
         raise ValueError("cannot export: " + "; ".join(problems))
-    micro, steps = equal_split(plan.effective_batch, plan.world_size, plan.micro_size)
+    micro_size, steps = equal_split(plan.effective_batch, plan.world_size, plan.micro_size)
     w = plan.world_size
     comments = [
-        f"micro-batch {micro} x {steps} accumulation steps x {_ranks(w)} = "
+        f"micro-batch {micro_size} x {steps} accumulation steps x {_ranks(w)} = "
         f"{plan.effective_batch} samples per optimizer step"
     ]
-    if micro != plan.micro_size:
+    if micro_size != plan.micro_size:
         comments.append(
-            f"micro-batch {micro}, not the planned {plan.micro_size}: the largest that "
+            f"micro-batch {micro_size}, not the planned {plan.micro_size}: the largest that "
             f"divides the per-rank batch {plan.effective_batch // w}"
         )
     build = {
@@ -136,7 +136,7 @@ def export(plan: Plan, framework: str) -> Export:
         "accelerate": _accelerate,
         "deepspeed": _deepspeed,
     }[framework]
-    settings, extra, snippet = build(plan, micro, steps)
+    settings, extra, snippet = build(plan, micro_size, steps)
     comments += extra
     if framework != "deepspeed":
         snippet = "\n".join([*(f"# {line}" for line in comments), snippet])
@@ -144,7 +144,7 @@ def export(plan: Plan, framework: str) -> Export:
         framework=framework,
         effective_batch=plan.effective_batch,
         world_size=w,
-        micro_size=micro,
+        micro_size=micro_size,
         accumulation_steps=steps,
         precision=plan.precision,
         settings=settings,
@@ -175,9 +175,9 @@ def _launch_comment(plan: Plan, command: str) -> list[str]:
     return [f"launch {plan.world_size} processes: {command}"]
 
 
-def _transformers(plan: Plan, micro: int, steps: int):
+def _transformers(plan: Plan, micro_size: int, steps: int):
     settings: dict[str, Any] = {
-        "per_device_train_batch_size": micro,
+        "per_device_train_batch_size": micro_size,
         "gradient_accumulation_steps": steps,
         "bf16": plan.precision == "bf16",
         "fp16": plan.precision == "fp16",
@@ -194,7 +194,7 @@ def _transformers(plan: Plan, micro: int, steps: int):
     return settings, comments, snippet
 
 
-def _lightning(plan: Plan, micro: int, steps: int):
+def _lightning(plan: Plan, micro_size: int, steps: int):
     settings = {
         "accumulate_grad_batches": steps,
         "precision": _LIGHTNING_PRECISION[plan.precision],
@@ -210,14 +210,14 @@ def _lightning(plan: Plan, micro: int, steps: int):
             "import lightning as L",
             "from torch.utils.data import DataLoader",
             "",
-            f"train_loader = DataLoader(train_dataset, batch_size={micro}, shuffle=True)",
+            f"train_loader = DataLoader(train_dataset, batch_size={micro_size}, shuffle=True)",
             "trainer = " + _call("L.Trainer", settings),
         ]
     )
     return settings, comments, snippet
 
 
-def _accelerate(plan: Plan, micro: int, steps: int):
+def _accelerate(plan: Plan, micro_size: int, steps: int):
     settings = {
         "gradient_accumulation_steps": steps,
         "mixed_precision": _ACCELERATE_PRECISION[plan.precision],
@@ -233,16 +233,16 @@ def _accelerate(plan: Plan, micro: int, steps: int):
             "from torch.utils.data import DataLoader",
             "",
             "accelerator = " + _call("Accelerator", settings),
-            f"train_loader = DataLoader(train_dataset, batch_size={micro}, shuffle=True)",
+            f"train_loader = DataLoader(train_dataset, batch_size={micro_size}, shuffle=True)",
         ]
     )
     return settings, comments, snippet
 
 
-def _deepspeed(plan: Plan, micro: int, steps: int):
+def _deepspeed(plan: Plan, micro_size: int, steps: int):
     config: dict[str, Any] = {
         "train_batch_size": plan.effective_batch,
-        "train_micro_batch_size_per_gpu": micro,
+        "train_micro_batch_size_per_gpu": micro_size,
         "gradient_accumulation_steps": steps,
     }
     comments = _launch_comment(plan, f"deepspeed --num_gpus {plan.world_size} train.py")

@@ -18,7 +18,7 @@ def measure_phases(
     phases: Mapping[str, Callable[[int], Any]],
     memory: MemoryMeter,
     m: Measured,
-    micro: int,
+    micro_size: int,
     usable: float,
     budget: int,
     margin: float,
@@ -27,7 +27,7 @@ def measure_phases(
     budget is measured again at half the micro-batch until it fits."""
     out = []
     for name, run in phases.items():
-        size, tried = micro, []
+        size, tried = micro_size, []
         while True:
             memory.start()
             try:
