@@ -102,13 +102,13 @@ def _estimate(cfg: PlanConfig) -> dict[str, Any]:
     model, sample, loss_fn, prepare, assumed = _workload(cfg)
     per_rank = math.ceil(cfg.effective_batch / cfg.world_size)
 
-    def at(micro: int, windows: int = 2) -> ga.Estimate:
+    def at(micro_size: int, windows: int = 2) -> ga.Estimate:
         return ga.estimate(
             model,
             _optimizer(cfg.optimizer),
             sample,
             loss_fn,
-            micro_size=micro,
+            micro_size=micro_size,
             micro_batches=min(windows, 2),
             gpu=cfg.gpu,
             precision=cfg.precision,
@@ -119,8 +119,8 @@ def _estimate(cfg: PlanConfig) -> dict[str, Any]:
     budget = parse_bytes(cfg.budget)
     largest = None
     if cfg.micro_batch is not None:
-        micro = cfg.micro_batch
-        est = at(micro, math.ceil(per_rank / micro))
+        micro_size = cfg.micro_batch
+        est = at(micro_size, math.ceil(per_rank / micro_size))
     else:
         # the largest size whose total fits: memory grows with the micro-batch
         low, high, best = 1, per_rank, None
@@ -137,10 +137,10 @@ def _estimate(cfg: PlanConfig) -> dict[str, Any]:
                 f"even a micro-batch of 1 needs {format_bytes(one.total)} on {cfg.gpu}, over "
                 f"--budget {cfg.budget}; try --checkpointing on, --precision bf16 or --lora"
             )
-        micro, est = best
-        largest = micro
+        micro_size, est = best
+        largest = micro_size
     result = est.to_dict()
-    result["per_window"] = math.ceil(per_rank / micro)
+    result["per_window"] = math.ceil(per_rank / micro_size)
     result["largest"] = largest
     result["budget"] = budget
     result["assumptions"] = assumed + result["assumptions"]

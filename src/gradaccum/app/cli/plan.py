@@ -131,8 +131,8 @@ def _write(path: str, text: str) -> None:
     partial.replace(target)
 
 
-def beside(cfg: PlanConfig, micro_batch: int) -> PlanConfig:
-    return dataclasses.replace(cfg, micro_batch=micro_batch)
+def beside(cfg: PlanConfig, micro_size: int) -> PlanConfig:
+    return dataclasses.replace(cfg, micro_batch=micro_size)  # the --micro-batch field
 
 
 def estimated(cfg: PlanConfig) -> int:
