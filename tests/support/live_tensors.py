@@ -10,6 +10,8 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import gradaccum as ga
+
 
 class LiveStorages(TorchDispatchMode):
     def __init__(self, *already: torch.Tensor) -> None:
@@ -38,3 +40,35 @@ class LiveStorages(TorchDispatchMode):
             if isinstance(value, torch.Tensor):
                 self.count(value)
         return out
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def measured(
+    build,
+    sample,
+    loss_fn,
+    micro_size,
+    micro_batches,
+    *,
+    precision="fp32",
+    prepare=None,
+    checkpointing=False,
+):
+    """A real run's's live-tensor peak over the same two windows the estimate traces."""
+    torch.manual_seed(0)
+    model = build()
+    if prepare is not None:
+        model = prepare(model)
+    if checkpointing:
+        ga.enable_checkpointing(model)
+    acc = ga.Accumulator(
+        model, adamw([p for p in model.parameters() if p.requires_grad]), precision=precision
+    )
+    meter = LiveStorages(*model.parameters(), *model.buffers())
+    with meter:
+        for _ in range(2):
+            acc.step([sample(micro_size) for _ in range(micro_batches)], loss_fn)
+    return meter.peak

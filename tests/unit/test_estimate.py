@@ -9,43 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.live_tensors import LiveStorages
+from support.live_tensors import adamw, measured
 
 import gradaccum as ga
 from gradaccum.plan.estimate import allocator
 from gradaccum.plan.estimate.trace import TraceError
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3)
-
-
-def measured(
-    build,
-    sample,
-    loss_fn,
-    micro_size,
-    micro_batches,
-    *,
-    precision="fp32",
-    prepare=None,
-    checkpointing=False,
-):
-    """The real run's live-tensor peak over the same two windows the estimate traces."""
-    torch.manual_seed(0)
-    model = build()
-    if prepare is not None:
-        model = prepare(model)
-    if checkpointing:
-        ga.enable_checkpointing(model)
-    acc = ga.Accumulator(
-        model, adamw([p for p in model.parameters() if p.requires_grad]), precision=precision
-    )
-    meter = LiveStorages(*model.parameters(), *model.buffers())
-    with meter:
-        for _ in range(2):
-            acc.step([sample(micro_size) for _ in range(micro_batches)], loss_fn)
-    return meter.peak
 
 
 @pytest.mark.parametrize(
