@@ -13,8 +13,11 @@ Writes bench/results/overhead_added.md.
 
 from __future__ import annotations
 
+import argparse
+import os
 import random
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -30,13 +33,13 @@ NS, WARMUP, ROUNDS = [1, 8], 20, 800
 PEERS = ["Accelerate", "Lightning Fabric"]
 
 
-def added(n: int, data: bytes) -> dict[str, tuple[float, float, float]]:
+def added(n: int, data: bytes, rounds: int = ROUNDS) -> dict[str, tuple[float, float, float]]:
     net = model()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     runners = [impl(net, optimizer, n) for impl in RUNNERS]
     micro = ga.split(full_length_batch(data, n, 4, seed=0), 1)
     times: dict[str, list[float]] = {r.name: [] for r in runners}
-    for w in range(WARMUP + ROUNDS):
+    for w in range(WARMUP + rounds):
         for r in runners[w % len(runners) :] + runners[: w % len(runners)]:
             start = time.perf_counter()
             r.window(micro, mean_loss, sum_loss)
@@ -61,19 +64,29 @@ def paired_difference(a: list[float], b: list[float]) -> tuple[float, float, flo
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="measured rounds per N")
+    parser.add_argument("--n", type=int, nargs="+", default=NS, help="micro-batches per window")
+    args = parser.parse_args()
+    ns, rounds = args.n, args.rounds
     torch.set_num_threads(2)
+    load = os.getloadavg()[0]  # the machine is shared: how busy it was when the run began
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     data = corpus_bytes()
     results = {}
-    for n in NS:
-        results[n] = added(n, data)
+    for n in ns:
+        results[n] = added(n, data, rounds)
         print(f"N={n} done", flush=True)
     names = [impl.name for impl in RUNNERS if impl.name != "hand loop"]
     lines = [
         "# Time added per optimizer step, over a minimal hand-written loop",
         "",
         f"GPT 2 layers, d_model 128 (0.45M parameters), AdamW, micro-batches of one 4-byte "
-        f"sequence. {describe(threads=2, peers=True)} {ROUNDS} rounds after {WARMUP} warm-up, "
-        "the implementations taking turns.",
+        f"sequence. {describe(threads=2, peers=True)} {rounds} rounds after {WARMUP} warm-up, "
+        f"the implementations taking turns. gradaccum at commit {commit}; load average "
+        f"{load:.1f} when the run began (a shared machine: compare within this table).",
         "",
         "Microseconds added per window: median over rounds of (window time - the hand loop's "
         "in the same round), with a 95% bootstrap interval. The hand loop's own window time "
@@ -82,7 +95,7 @@ def main() -> None:
         "| N | " + " | ".join(names) + " | hand loop window |",
         "|---:|" + "---:|" * (len(names) + 1),
     ]
-    for n in NS:
+    for n in ns:
         r = results[n]
         cells = [f"{r[k][0]:+.0f} us [{r[k][1]:+.0f}, {r[k][2]:+.0f}]" for k in names]
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {r['hand loop'][3]:.0f} us |")
@@ -95,7 +108,7 @@ def main() -> None:
         "| N | " + " | ".join(f"gradaccum - {p}" for p in PEERS) + " |",
         "|---:|" + "---:|" * len(PEERS),
     ]
-    for n in NS:
+    for n in ns:
         r = results[n]
         cells = []
         for p in PEERS:
@@ -104,10 +117,11 @@ def main() -> None:
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "gradaccum's part: per window a norm over the gradients (the non-finite guard and "
-        "`grad_norm`) and one division by the window's count (the hand loop folds its 1/N "
-        "into each loss instead, which only works when the count is known in advance), and "
-        "per micro-batch the count, the checks and the loss sum. Accelerate's is mostly per "
+        "gradaccum's part: per window a norm over the gradients (the skip policy and "
+        "`grad_norm`), the decision and one division by the window's count, all on the "
+        "gradient's device, then one read of the window's numbers (the hand loop folds its "
+        "1/N into each loss instead, which only works when the count is known in advance), "
+        "and per micro-batch the count, the checks and the loss sum. Accelerate's is mostly per "
         "micro-batch (its `accumulate` context and `backward`), Fabric's per micro-batch and "
         "per step (its wrappers).",
     ]
