@@ -842,7 +842,7 @@ class PlanConfig:
         "--precision bf16)"
     )
     micro_batch: int | None = MICRO_BATCH(
-        help="estimate this micro-batch size alone (default: the largest that fits --budget)"
+        help="estimate this micro-batch size alone (default: the largest that fits the budget)"
     )
 
     def __post_init__(self) -> None:
