@@ -52,6 +52,7 @@ def test_a_kept_checkpoint_is_a_copy_that_damage_to_the_live_one_leaves_whole(tm
     assert store.load(torch.device("cpu"), kept)["step"] == 5
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_the_checkpointer_saves_at_its_cadence_the_end_a_stop_and_a_target(tmp_path):
     run = digits_run(tmp_path / "run")
     try:
@@ -75,6 +76,7 @@ def test_the_checkpointer_saves_at_its_cadence_the_end_a_stop_and_a_target(tmp_p
         run.folder.release()
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_a_failed_write_says_what_is_kept_and_how_to_continue(tmp_path):
     run = digits_run(tmp_path / "run")
     try:

@@ -19,7 +19,7 @@ from gradaccum.plan.estimate.trace import TraceError
 @pytest.mark.parametrize(
     "name",
     [
-        "gpt",
+        pytest.param("gpt", marks=pytest.mark.slow),
         "digits",
         pytest.param("segment", marks=pytest.mark.slow),
         pytest.param("minilm", marks=pytest.mark.slow),

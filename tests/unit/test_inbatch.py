@@ -166,6 +166,7 @@ def test_what_an_in_batch_loss_cannot_be_is_said_in_one_line():
     assert not acc.in_window and all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_minilm_window_equals_the_full_batch():
     """The pretrained MiniLM (the minilm recipe's encoder, dropout off), 16 pairs of docstring
     paragraphs, micro-batches of 5, 5, 6."""

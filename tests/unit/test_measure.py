@@ -28,7 +28,7 @@ def test_a_language_model_is_evaluated_by_its_held_out_loss_on_the_sample():
     assert math.isclose(got["loss"], float(expected), rel_tol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["digits", "minilm"])
+@pytest.mark.parametrize("name", ["digits", pytest.param("minilm", marks=pytest.mark.slow)])
 def test_a_recipe_with_its_own_evaluation_runs_it_on_the_sample(name):
     """digits and minilm: the recipe's evaluate on two micro-batches of the sample, equal to
     a torch-alone cross-entropy and accuracy over them; the model left in training mode."""

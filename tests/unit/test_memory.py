@@ -74,6 +74,7 @@ def test_training_memory_sees_each_phase_apart_and_the_run_whole():
     assert memory.peak() >= memory.phases["training"]
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_resident_counts_what_the_work_left_held_and_training_memory_carries_it():
     """What work left resident (kept) counts; what it freed does not; TrainingMemory adds
     what it is told the process carries to every peak, phases included."""

@@ -20,6 +20,7 @@ from gradaccum.app.checkpoints import Checkpointer, Checkpoints
 from gradaccum.app.folder import CHECKPOINT, CONFIG, RunFolder
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_a_resume_past_two_damaged_checkpoints_names_each_one(tmp_path):
     run = tmp_path / "run"
     cfg = digits_config(run, steps=6, checkpoint_every=2, keep_checkpoints=4)
@@ -155,6 +156,7 @@ def saved_processes(run: Path, processes: int | None) -> None:
     rewrite_checkpoint(run / CHECKPOINT, change)
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_a_resume_on_another_process_count_that_keeps_the_batch_is_said_and_recorded(tmp_path):
     run = tmp_path / "run"
     Trainer(build_run(digits_config(run, steps=3), log=quiet), quiet).fit()
@@ -170,6 +172,7 @@ def test_a_resume_on_another_process_count_that_keeps_the_batch_is_said_and_reco
     assert torch.load(run / CHECKPOINT, weights_only=True)["processes"] == 1
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_a_resume_on_another_process_count_that_would_change_the_batch_is_refused(tmp_path):
     run = tmp_path / "run"
     schedule = {"batch_schedule": "steps:2=32"}
@@ -186,6 +189,7 @@ def test_a_resume_on_another_process_count_that_would_change_the_batch_is_refuse
     assert not (run / "resumes.jsonl").exists()  # nothing written
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_a_run_folder_from_before_the_count_was_recorded_resumes_as_before(tmp_path):
     run = tmp_path / "run"
     Trainer(build_run(digits_config(run, steps=3), log=quiet), quiet).fit()

@@ -56,6 +56,7 @@ def test_the_weights_are_the_pretrained_ones(pretrained):
     assert 22_000_000 < sum(p.numel() for p in pretrained.encoder.parameters()) < 23_500_000
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_the_corpus_is_balanced_and_holds_out_whole_modules():
     data = minilm.corpus()
     train, held = data["train"], data["held_out"]

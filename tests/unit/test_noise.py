@@ -74,6 +74,7 @@ def feed(noise: ga.NoiseScale, d, s, delta_norm, seed, windows, micro=4, n_micro
     return truth
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_the_interval_covers_the_truth_at_its_confidence():
     """The issue's problem: d = 8, micro-batches of 4, windows of 8, B_simple = 12.35. Here 20
     seeds of 600 windows each (the horizon: the last 300); bench/noise.py runs the full
@@ -105,6 +106,7 @@ def test_no_reading_while_the_gradient_is_not_clearly_positive():
     assert fresh.value is None and fresh.windows == 0
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_the_horizon_follows_the_items_and_a_long_run_stays_small():
     """Windows of different sizes (a batch-size schedule): the horizon is the last half of
     the items, not of the windows. Beyond 2,048 entries neighbours merge (3,000 windows: one

@@ -371,6 +371,7 @@ def test_a_verification_over_the_budget_steps_down_along_the_line_scaled_through
     assert "predicted at micro-batch" in result.summary()
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_the_runs_other_phases_are_measured_and_one_too_big_gets_its_own_micro_batch(tmp_path):
     """plan(phases=...): evaluation and a checkpoint measured after the planned window.
     The evaluation here holds a buffer of 60 KiB per sample, more than the window at the
@@ -455,6 +456,7 @@ def test_a_name_that_moved_into_the_plan_package_answers_from_its_old_home_with_
         importlib.import_module(old).nothing_here  # noqa: B018 (the access is the test)
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_a_plan_request_asks_what_the_same_keywords_ask_and_the_old_positions_still_answer():
     """``plan(..., PlanRequest(...))`` and ``plan(..., effective_batch=..., budget=...)`` make
     the same plan (the live-tensor meter is deterministic); the old positional settings give

@@ -23,6 +23,7 @@ def test_the_planners_own_advice_reads_as_flags():
     assert text.endswith("give at least 11.2 MiB or allow --checkpointing auto"), text
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_a_given_micro_batch_is_recorded_as_a_plan_without_measuring(tmp_path):
     import json
 

@@ -1,5 +1,6 @@
 """gradaccum.app.run: the run's progress, and the checkpoint body a Run saves and restores."""
 
+import pytest
 import torch
 from support.runs import digits_run
 
@@ -30,6 +31,7 @@ def test_samples_set_aside_are_skipped_and_a_window_past_the_incident_resets_the
     assert p.retries == 0
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_a_runs_state_restores_into_a_fresh_run(tmp_path):
     first = digits_run(tmp_path / "a")
     try:

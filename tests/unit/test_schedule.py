@@ -141,6 +141,7 @@ def test_every_window_of_a_ramp_is_its_full_batch():
     assert max(errors) <= 1e-6, errors
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_every_window_of_auto_is_its_full_batch():
     """Linear regression near a fixed point (B_simple about 46 samples; a small learning
     rate) from a start of 16 samples in micro-batches of 4: auto grows once the interval's

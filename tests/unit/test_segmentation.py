@@ -177,6 +177,7 @@ def test_groupnorm_window_equals_the_full_batch():
     assert err <= GRAD_TOL
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_groupnorm_window_in_float32_is_as_accurate_as_the_full_batch():
     """At the recipe's precision, judged against the float64 gradient: the window's error
     is no larger than the float32 full batch's own (summing in smaller pieces tends to be
@@ -189,6 +190,7 @@ def test_groupnorm_window_in_float32_is_as_accurate_as_the_full_batch():
     assert 0 < full < 2e-3 and window <= 2 * full  # measured: both 5.2e-4
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_batchnorm_window_differs_and_converted_model_is_exact():
     batch = float64(SegmentationData(0, size=TINY).batch(0, EFFECTIVE))
 

@@ -6,6 +6,7 @@ import inspect
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from support.runs import digits_config, quiet
 
@@ -23,6 +24,7 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return torch.load(folder / CHECKPOINT, weights_only=True)["accumulator"]["model"]
 
 
+@pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
 def test_a_stopped_and_resumed_run_is_the_straight_run_bit_for_bit(tmp_path):
     straight = tmp_path / "straight"
     summary = Trainer(build_run(digits_config(straight), log=quiet), quiet).fit()
