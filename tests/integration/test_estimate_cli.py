@@ -79,3 +79,13 @@ def test_estimate_options_without_the_estimate_are_refused():
     done = in_process("plan", "--lora", "4")
     assert done.returncode == 2
     assert "--lora apply to the estimate: add --device cuda or --estimate" in done.stderr
+
+
+def test_an_8bit_optimizer_is_estimated_by_its_documented_layout_and_says_so():
+    done = in_process("plan", "--device", "cuda", "--recipe", "digits", "--micro-batch", "8",
+                      "--optimizer", "adamw8bit", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assumed = " ".join(result["assumptions"])
+    assert "bitsandbytes' AdamW8bit by its documented state layout" in assumed
+    assert result["parts"]["optimizer state"] > 0 and result["unified"] == 0

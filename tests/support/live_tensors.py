@@ -56,8 +56,9 @@ def measured(
     precision="fp32",
     prepare=None,
     checkpointing=False,
+    optimizer=adamw,
 ):
-    """A real run's's live-tensor peak over the same two windows the estimate traces."""
+    """A real run's live-tensor peak over the same two windows the estimate traces."""
     torch.manual_seed(0)
     model = build()
     if prepare is not None:
@@ -65,7 +66,7 @@ def measured(
     if checkpointing:
         ga.enable_checkpointing(model)
     acc = ga.Accumulator(
-        model, adamw([p for p in model.parameters() if p.requires_grad]), precision=precision
+        model, optimizer([p for p in model.parameters() if p.requires_grad]), precision=precision
     )
     meter = LiveStorages(*model.parameters(), *model.buffers())
     with meter:

@@ -253,7 +253,15 @@ LORA = Opt(
     check=at_least(1),
     metavar="R",
 )
-ESTIMATE_OPTIMIZERS = ("adamw", "adam", "sgd")
+ESTIMATE_OPTIMIZERS = (
+    "adamw",
+    "adam",
+    "sgd",
+    "adafactor",
+    "adamw8bit",
+    "paged_adamw8bit",
+    "lion8bit",
+)
 ESTIMATE_ONLY = ("hf_model", "seq_len", "lora", "micro_batch")
 
 
@@ -836,7 +844,12 @@ class PlanConfig:
     seq_len: int | None = SEQ_LEN(
         help="tokens per sequence of --hf-model's estimate (default: 128)"
     )
-    optimizer: str = Opt("adamw", "the estimate's optimizer", choices=ESTIMATE_OPTIMIZERS)()
+    optimizer: str = Opt(
+        "adamw",
+        "the estimate's optimizer: torch's, transformers' Adafactor, or bitsandbytes' 8-bit "
+        "ones by their documented state layout",
+        choices=ESTIMATE_OPTIMIZERS,
+    )()
     lora: int | None = LORA(
         help="estimate LoRA adapters of this rank on the frozen --hf-model (bf16 base under "
         "--precision bf16)"

@@ -67,6 +67,7 @@ def render(result: dict[str, Any], budget: int | None) -> list[str]:
     rows += [
         ("reserved (max_memory_reserved)", result["reserved"]),
         ("  CUDA context (assumed)", result["context"]),
+        *([("  paged optimizer state", result["unified"])] if result.get("unified") else []),
         ("device total (nvidia-smi)", result["total"]),
     ]
     width = max(len(name) for name, _ in rows)
@@ -143,19 +144,49 @@ def _estimate(cfg: PlanConfig) -> dict[str, Any]:
     result["per_window"] = math.ceil(per_rank / micro_size)
     result["largest"] = largest
     result["budget"] = budget
+    if cfg.optimizer in _OPTIMIZER_ASSUMED:
+        assumed = [*assumed, f"optimizer: {_OPTIMIZER_ASSUMED[cfg.optimizer]}"]
     result["assumptions"] = assumed + result["assumptions"]
     return result
 
 
 def _optimizer(name: str):
+    """The optimizer for ``--optimizer NAME``: torch's and transformers' Adafactor as they run
+    (traced), bitsandbytes' 8-bit ones by their documented state layout (Blockwise8bit)."""
     import torch
+
+    from gradaccum.plan.estimate.optimizers import Blockwise8bit
+
+    def adafactor(p):
+        from transformers.optimization import Adafactor
+
+        # the Trainer's --optim adafactor: no first moment (beta1=None), a fixed learning rate
+        return Adafactor(p, lr=1e-4, scale_parameter=False, relative_step=False)
 
     makers = {
         "adamw": lambda p: torch.optim.AdamW(p, lr=1e-4),
         "adam": lambda p: torch.optim.Adam(p, lr=1e-4),
         "sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+        "adafactor": adafactor,
+        "adamw8bit": lambda p: Blockwise8bit(p, states=2),
+        "paged_adamw8bit": lambda p: Blockwise8bit(p, states=2, paged=True),
+        "lion8bit": lambda p: Blockwise8bit(p, states=1),
     }
     return makers[name]
+
+
+# what the estimate assumed of each optimizer that is not torch's own
+_OPTIMIZER_ASSUMED = {
+    "adafactor": "transformers' Adafactor (beta1=None: factored second moments, no first), "
+    "traced as it runs",
+    "adamw8bit": "bitsandbytes' AdamW8bit by its documented state layout (uint8 state1/state2, "
+    "float32 absmax per 256 values, 256-entry maps; float32 states under 4,096 values), "
+    "not traced: its step is one in-place kernel",
+    "paged_adamw8bit": "bitsandbytes' PagedAdamW8bit by its documented state layout (as "
+    "AdamW8bit; states of parameters of 100,000 values or more paged)",
+    "lion8bit": "bitsandbytes' Lion8bit by its documented state layout (uint8 state1, float32 "
+    "absmax per 256 values, a 256-entry map), not traced: its step is one in-place kernel",
+}
 
 
 def _workload(cfg: PlanConfig):

@@ -13,6 +13,7 @@ import torch
 from gradaccum.plan.estimate import allocator as alloc
 from gradaccum.plan.estimate import cuda
 from gradaccum.plan.estimate.devices import gpu as find_gpu
+from gradaccum.plan.estimate.optimizers import bitsandbytes_refusal
 from gradaccum.plan.estimate.result import PARTS, Estimate
 from gradaccum.plan.estimate.trace import (
     HostReads,
@@ -78,7 +79,7 @@ def estimate(
     config = allocator if isinstance(allocator, alloc.AllocatorConfig) else None
     config = config or alloc.AllocatorConfig.parse(allocator if isinstance(allocator, str) else "")
     started = time.perf_counter()
-    tally, host, assumptions = _trace(
+    tally, host, unified, assumptions = _trace(
         model,
         optimizer,
         sample,
@@ -103,7 +104,7 @@ def estimate(
         parts = _parts(tally, index, host, rounded=True)
         parts["temporaries"] += target.workspace * target.handles
         parts["allocator rounding"] = allocated - sum(parts.values())
-        total = reserved + target.context
+        total = reserved + target.context + unified
         assumptions += [
             f"{target.name}: CUDA context and libraries {target.context / 2**20:.0f} MiB (not "
             f"measured); cuBLAS workspace {target.workspace / 2**20:.3g} MiB x {target.handles}",
@@ -121,6 +122,7 @@ def estimate(
         parts=parts,
         assumptions=tuple(assumptions),
         context=0 if target is None else target.context,
+        unified=unified,
         seconds=time.perf_counter() - started,
     )
 
@@ -152,6 +154,8 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
             tally.tag(tensor, "parameters")
         trainable = [p for p in module.parameters() if p.requires_grad]
         opt = optimizer(trainable)
+        if refusal := bitsandbytes_refusal(opt):
+            raise ValueError(refusal)
         if on_cuda and cuda.prefer_foreach(opt):
             assumptions.append("optimizer: torch's foreach implementation, its CUDA default")
         acc = Accumulator(module, opt, precision=precision, max_grad_norm=how["max_grad_norm"])
@@ -197,7 +201,17 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
                     loss_fn(module, make())
                 module.train()
         host = cuda.host_serials(opt, tally.record) if on_cuda else set()
-    return tally, host, assumptions
+        # paged optimizer state: CUDA unified memory, outside the caching allocator
+        paged = getattr(opt, "outside_allocator", []) if on_cuda else []
+        host |= {tally.record(t) for t in paged}
+        unified = sum(t.untyped_storage().nbytes() for t in paged)
+        if unified:
+            assumptions.append(
+                f"paged optimizer state {unified / 2**20:.1f} MiB in CUDA unified memory: "
+                "outside the caching allocator (not in allocated or reserved), counted in the "
+                "device total as resident"
+            )
+    return tally, host, unified, assumptions
 
 
 def _device_events(tally: Tally, host: set[int], target) -> tuple[list, list[int]]:

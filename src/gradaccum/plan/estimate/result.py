@@ -27,8 +27,9 @@ class Estimate:
     ``allocated``: what ``torch.cuda.max_memory_allocated()`` would report (each tensor rounded
     to the caching allocator's blocks); ``reserved``: what ``max_memory_reserved()`` would
     (the sequence replayed through a model of the allocator); ``total``: reserved plus the CUDA
-    context (what nvidia-smi would show). On ``device="cpu"`` (the check of the trace against
-    a real run) ``allocated`` is the live tensor bytes' peak and the other two equal it.
+    context and any paged optimizer state (what nvidia-smi would show). On ``device="cpu"``
+    (the check of the trace against a real run) ``allocated`` is the live tensor bytes' peak
+    and the other two equal it.
     ``parts``: the allocated peak by what it holds, at the moment of the peak."""
 
     device: str
@@ -42,6 +43,9 @@ class Estimate:
     parts: dict[str, int]
     assumptions: tuple[str, ...]
     context: int = 0
+    unified: int = 0
+    """Paged optimizer state in CUDA unified memory, outside the caching allocator (in
+    ``total``, not in ``allocated`` or ``reserved``)."""
     seconds: float = 0.0
 
     def fits(self, budget: int) -> bool:
@@ -59,6 +63,7 @@ class Estimate:
             "reserved": self.reserved,
             "total": self.total,
             "context": self.context,
+            "unified": self.unified,
             "tensor_peak": self.tensor_peak,
             "parts": dict(self.parts),
             "assumptions": list(self.assumptions),
@@ -71,6 +76,8 @@ class Estimate:
         rows += [("reserved (max_memory_reserved)", self.reserved)]
         if self.device == "cuda":
             rows += [("  CUDA context (assumed)", self.context)]
+        if self.unified:
+            rows += [("  paged optimizer state (unified memory)", self.unified)]
         rows += [("device total", self.total)]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {format_bytes(size):>10}" for name, size in rows)
