@@ -158,10 +158,10 @@ def _optimizer(name: str):
     from gradaccum.plan.estimate.optimizers import Blockwise8bit
 
     def adafactor(p):
-        from transformers.optimization import Adafactor
+        from gradaccum.integrations import hf_models
 
         # the Trainer's --optim adafactor: no first moment (beta1=None), a fixed learning rate
-        return Adafactor(p, lr=1e-4, scale_parameter=False, relative_step=False)
+        return hf_models.adafactor(p, lr=1e-4, scale_parameter=False, relative_step=False)
 
     makers = {
         "adamw": lambda p: torch.optim.AdamW(p, lr=1e-4),

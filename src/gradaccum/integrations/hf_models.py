@@ -14,7 +14,7 @@ from typing import Any
 
 import transformers
 
-__all__ = ["bert_encoder", "causal_lm", "config", "tokenizer"]
+__all__ = ["adafactor", "bert_encoder", "causal_lm", "config", "tokenizer"]
 
 
 def config(path: str | Path) -> Any:
@@ -32,6 +32,13 @@ def causal_lm(model_config: Any = None, folder: str | Path | None = None) -> Any
     if folder is None:
         return auto.from_config(model_config, trust_remote_code=False)
     return auto.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+
+
+def adafactor(params: Any, **kwargs: Any) -> Any:
+    """transformers' Adafactor over ``params``."""
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, **kwargs)
 
 
 def tokenizer(folder: str | Path) -> Any:
