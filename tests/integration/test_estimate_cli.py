@@ -89,3 +89,39 @@ def test_an_8bit_optimizer_is_estimated_by_its_documented_layout_and_says_so():
     assumed = " ".join(result["assumptions"])
     assert "bitsandbytes' AdamW8bit by its documented state layout" in assumed
     assert result["parts"]["optimizer state"] > 0 and result["unified"] == 0
+
+
+def tiny_vit(tmp_path):
+    config = {
+        "model_type": "vit",
+        "architectures": ["ViTForImageClassification"],
+        "image_size": 32,
+        "patch_size": 8,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "id2label": {str(i): str(i) for i in range(10)},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+@pytest.mark.slow  # a fresh process tracing a model: about 15 s on a quiet machine
+def test_an_image_classifier_is_estimated_with_the_head_its_config_names(tmp_path):
+    done = in_process("plan", "--device", "cuda", "--hf-model", tiny_vit(tmp_path),
+                      "--micro-batch", "4", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert "vit image classification from its config" in result["assumptions"][0]
+    assert "32x32 images" in result["assumptions"][0]
+    assert result["allocated"] > result["parts"]["parameters"] > 0
+
+
+@pytest.mark.slow  # a fresh process: about 10 s on a quiet machine
+def test_lora_on_a_classifier_head_is_refused_in_one_line(tmp_path):
+    done = in_process("plan", "--device", "cuda", "--hf-model", tiny(tmp_path, "bert"),
+                      "--task", "sequence-classification", "--lora", "2")  # fmt: skip
+    assert done.returncode == 2
+    line = done.stderr.strip()
+    assert "\n" not in line and "--lora with a sequence-classification head is not modelled" in line

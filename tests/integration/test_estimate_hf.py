@@ -1,5 +1,6 @@
 """ga.estimate against real CPU runs of tiny GPT-2 and Llama-like Hugging Face models (full,
-LoRA through PEFT, activation checkpointing, bf16): the trace's live-tensor peak within 2% of
+LoRA through PEFT, activation checkpointing, bf16), and of encoders (a ViT image classifier, a
+BERT masked LM; fp32 and bf16): the trace's live-tensor peak within 2% of
 the real window's, measured by tests/support/live_tensors.py (no code shared with the
 estimate). Models from configs, random weights, nothing downloaded."""
 
@@ -70,3 +71,58 @@ def test_cpu_trace_matches_a_real_runs_live_tensor_peak_hf(kind, mode):
     assert abs(est.allocated - real) <= 0.02 * real, (est.allocated, real)
     assert est.parts["parameters"] > 0 and est.parts["activations"] > 0
     assert sum(est.parts.values()) == est.allocated
+
+
+def head_loss(model, batch):
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits, labels = model(**inputs).logits, batch["labels"]
+    flat = logits.reshape(labels.numel(), -1)
+    return torch.nn.functional.cross_entropy(flat, labels.reshape(-1), reduction="sum"), (
+        labels.numel()
+    )
+
+
+def vit():
+    config = transformers.ViTConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=10,
+    )
+    return transformers.AutoModelForImageClassification.from_config(config)
+
+
+def images(n):
+    return {"pixel_values": torch.randn(n, 3, 32, 32), "labels": torch.randint(0, 10, (n,))}
+
+
+def bert():
+    config = transformers.BertConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    return transformers.AutoModelForMaskedLM.from_config(config)
+
+
+def masked(n):
+    ids = torch.randint(0, 128, (n, 32))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("build", "sample"), [(vit, images), (bert, masked)], ids=["vit", "bert"])
+def test_cpu_trace_matches_a_real_runs_live_tensor_peak_encoders(build, sample, precision):
+    est = ga.estimate(
+        build, adamw, sample, head_loss, micro_size=2, micro_batches=2, device="cpu",
+        precision=precision,
+    )  # fmt: skip
+    real = measured(build, sample, head_loss, 2, 2, precision=precision)
+    assert abs(est.allocated - real) <= 0.02 * real, (est.allocated, real)
+    assert est.parts["activations"] > 0

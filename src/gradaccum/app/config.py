@@ -262,7 +262,14 @@ ESTIMATE_OPTIMIZERS = (
     "paged_adamw8bit",
     "lion8bit",
 )
-ESTIMATE_ONLY = ("hf_model", "seq_len", "lora", "micro_batch")
+ESTIMATE_TASKS = (
+    "causal-lm",
+    "masked-lm",
+    "sequence-classification",
+    "token-classification",
+    "image-classification",
+)
+ESTIMATE_ONLY = ("hf_model", "task", "seq_len", "lora", "micro_batch")
 
 
 @dataclass(kw_only=True)
@@ -838,9 +845,14 @@ class PlanConfig:
     )()
     gpu: str = Opt("cuda", "the GPU family the estimate adds constants for", choices=tuple(GPUS))()
     hf_model: str | None = HF_MODEL(
-        help="estimate a Hugging Face causal LM from a local directory or config JSON (its "
-        "config alone; weights never load); replaces --recipe"
+        help="estimate a Hugging Face model from a local directory or config JSON (its "
+        "config alone; weights never load) with its task head (--task); replaces --recipe"
     )
+    task: str | None = Opt(
+        None,
+        "--hf-model's head (default: the one its config's architectures name, else causal-lm)",
+        choices=tuple(ESTIMATE_TASKS),
+    )()
     seq_len: int | None = SEQ_LEN(
         help="tokens per sequence of --hf-model's estimate (default: 128)"
     )
@@ -876,6 +888,8 @@ class PlanConfig:
             out.append("lora needs --hf-model PATH: PEFT adapts Hugging Face models")
         if self.seq_len is not None and self.hf_model is None:
             out.append("seq_len applies to --hf-model; a built-in recipe has its own length")
+        if self.task is not None and self.hf_model is None:
+            out.append("task applies to --hf-model; a built-in recipe has its own head")
         return out
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from gradaccum.app.config import PlanConfig
 from gradaccum.memory import format_bytes, parse_bytes
 
-__all__ = ["estimate_command", "main", "render"]
+__all__ = ["estimate_command", "head_loss", "main", "render", "task_of"]
 
 
 def estimate_command(cfg: PlanConfig) -> dict[str, Any]:
@@ -189,6 +189,29 @@ _OPTIMIZER_ASSUMED = {
 }
 
 
+# a configuration's architecture names its head: the class name's ending
+_HEADS = {
+    "ForCausalLM": "causal-lm",
+    "LMHeadModel": "causal-lm",
+    "ForMaskedLM": "masked-lm",
+    "ForSequenceClassification": "sequence-classification",
+    "ForTokenClassification": "token-classification",
+    "ForImageClassification": "image-classification",
+}
+
+
+def task_of(config: Any, given: str | None) -> str:
+    """``--task``, else the head the configuration's ``architectures`` names, else a causal
+    LM."""
+    if given:
+        return given
+    for name in getattr(config, "architectures", None) or ():
+        for ending, task in _HEADS.items():
+            if name.endswith(ending):
+                return task
+    return "causal-lm"
+
+
 def _workload(cfg: PlanConfig):
     """The model factory, sample, loss and LoRA step for the estimate, and what it assumed."""
     import torch
@@ -203,28 +226,49 @@ def _workload(cfg: PlanConfig):
     from gradaccum.integrations import hf_models
 
     config = hf_models.config(cfg.hf_model)  # a folder or its config file
+    task = task_of(config, cfg.task)
+    if cfg.lora is not None and task != "causal-lm":
+        raise ValueError(
+            f"--lora with a {task} head is not modelled (PEFT trains a copy of the head beside "
+            "the adapters); estimate it without --lora, or a causal LM"
+        )
+    images = task == "image-classification"
+    if images and cfg.seq_len is not None:
+        raise ValueError("--seq-len applies to text models; an image model's size is its config's")
     length = cfg.seq_len or 128
     low = cfg.lora is not None and cfg.precision == "bf16"
+    if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = 0  # a decoder's head finds each sequence's last token by it
+    if images:
+        side = config.image_size
+        shape = (config.num_channels, *(side if isinstance(side, (list, tuple)) else (side, side)))
+        what = f"{shape[1]}x{shape[2]} images"
+    else:
+        what = f"{length} tokens per sequence"
     assumed = [
-        f"{config.model_type} causal LM from its config (random init: weights never load), "
-        f"{length} tokens per sequence",
+        f"{config.model_type} {task.replace('-', ' ')} from its config (random init: weights "
+        f"never load), {what}",
     ]
 
     def build() -> torch.nn.Module:
         if not low:
-            return hf_models.causal_lm(config)
+            return hf_models.for_task(config, task)
         # built in bf16 (a conversion after the build would be one more copy)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         try:
-            return hf_models.causal_lm(config)
+            return hf_models.for_task(config, task)
         finally:
             torch.set_default_dtype(previous)
 
     def sample(n: int) -> dict[str, torch.Tensor]:
+        if images:
+            return {"pixel_values": torch.zeros(n, *shape), "labels": torch.zeros(n).long()}
         ids = torch.zeros(n, length, dtype=torch.long)
-        return {"input_ids": ids, "labels": ids}
+        one = task == "sequence-classification"
+        return {"input_ids": ids, "labels": torch.zeros(n).long() if one else ids}
 
+    loss_fn = recipe.loss_fn if task == "causal-lm" else head_loss
     prepare = None
     if cfg.lora is not None:
         from gradaccum.integrations.peft import apply_lora
@@ -236,7 +280,18 @@ def _workload(cfg: PlanConfig):
             f"LoRA r={cfg.lora} on the default attention projections, "
             + ("base frozen in bf16" if low else "base frozen in fp32")
         )
-    return build, sample, recipe.loss_fn, prepare, assumed
+    return build, sample, loss_fn, prepare, assumed
+
+
+def head_loss(model: Any, batch: dict[str, Any]) -> tuple[Any, int]:
+    """Cross-entropy summed over what is labelled (a token, a sequence or an image), and how
+    many: a masked LM's, token or sequence classifier's or image classifier's loss."""
+    import torch.nn.functional as F
+
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits, labels = model(**inputs).logits, batch["labels"]
+    flat = logits.reshape(labels.numel(), -1)
+    return F.cross_entropy(flat, labels.reshape(-1), reduction="sum"), labels.numel()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,16 @@ from typing import Any
 
 import transformers
 
-__all__ = ["adafactor", "bert_encoder", "causal_lm", "config", "tokenizer"]
+__all__ = ["TASKS", "adafactor", "bert_encoder", "causal_lm", "config", "for_task", "tokenizer"]
+
+# a task head by the Auto class that builds it from a configuration
+TASKS = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "image-classification": "AutoModelForImageClassification",
+}
 
 
 def config(path: str | Path) -> Any:
@@ -32,6 +41,13 @@ def causal_lm(model_config: Any = None, folder: str | Path | None = None) -> Any
     if folder is None:
         return auto.from_config(model_config, trust_remote_code=False)
     return auto.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+
+
+def for_task(model_config: Any, task: str) -> Any:
+    """A model with ``task``'s head (a key of ``TASKS``), freshly initialised from
+    ``model_config``."""
+    auto = getattr(transformers, TASKS[task])
+    return auto.from_config(model_config, trust_remote_code=False)
 
 
 def adafactor(params: Any, **kwargs: Any) -> Any:
