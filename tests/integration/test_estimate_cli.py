@@ -125,3 +125,28 @@ def test_lora_on_a_classifier_head_is_refused_in_one_line(tmp_path):
     assert done.returncode == 2
     line = done.stderr.strip()
     assert "\n" not in line and "--lora with a sequence-classification head is not modelled" in line
+
+
+def test_a_second_identical_estimate_answers_from_the_plan_cache(tmp_path, monkeypatch):
+    from gradaccum.app import plan_cache
+
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path))
+    args = ("plan", "--device", "cuda", "--recipe", "digits", "--micro-batch", "8", "--json")
+    first = in_process(*args)
+    assert first.returncode == 0, first.stderr
+    traced = json.loads(first.stdout)
+    assert traced["cached"] is None
+    (entry,) = tmp_path.glob("*.json")
+    # the stored estimate, changed (its checksum made again): what a cache hit answers
+    stored = json.loads(entry.read_text())
+    stored["plan"]["allocated"] += 512
+    body = {"key": stored["key"], "plan": stored["plan"]}
+    entry.write_text(json.dumps({**body, "sha256": plan_cache.checksum(body)}))
+    second = in_process(*args)
+    assert second.returncode == 0, second.stderr
+    hit = json.loads(second.stdout)
+    assert hit["cached"] == str(entry) and hit["allocated"] == traced["allocated"] + 512
+    assert "the estimate is the cached one" in second.stderr
+    # --replan traces again
+    replanned = json.loads(in_process(*args, "--replan").stdout)
+    assert replanned["cached"] is None and replanned["allocated"] == traced["allocated"]

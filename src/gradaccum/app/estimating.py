@@ -18,18 +18,73 @@ import math
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+from gradaccum.app import plan_cache
 from gradaccum.app.config import PlanConfig
+from gradaccum.app.process import say
 from gradaccum.memory import format_bytes, parse_bytes
 
 __all__ = ["estimate_command", "head_loss", "main", "render", "task_of"]
 
 
+# what only says how to print a plan: a change of these is the same estimate
+_NOT_KEYED = ("json", "plot", "replan", "export", "export_to", "meter", "margin")
+
+
 def estimate_command(cfg: PlanConfig) -> dict[str, Any]:
-    """The estimate's result (``Estimate.to_dict()`` and the search), from its own process;
-    a ValueError with one line when the trace fails."""
+    """The estimate's result (``Estimate.to_dict()`` and the search): the plan cache's when it
+    holds this estimate (``cached``: its file), else traced in its own process and stored; a
+    ValueError with one line when the trace fails."""
+    parts = _cache_key(cfg)
+    if not cfg.replan and (found := _cached(parts)) is not None:
+        return found
+    result = _traced(cfg)
+    plan_cache.store(parts, result)
+    return {**result, "cached": None}
+
+
+def _cache_key(cfg: PlanConfig) -> dict[str, Any]:
+    """What the estimate depends on, known before anything is built: the settings, the
+    --hf-model folder's files, gradaccum's source, the versions (transformers' too: its
+    classes are the model), the machine."""
+    import torch
+
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_KEYED}
+    settings = {"kind": "estimate", **settings}
+    if cfg.hf_model is not None:
+        import importlib.metadata
+
+        settings["transformers"] = importlib.metadata.version("transformers")
+    return plan_cache.signature(torch.device("cpu"), settings, (cfg.hf_model,))
+
+
+def _cached(parts: dict[str, Any]) -> dict[str, Any] | None:
+    """The stored estimate for ``parts``, or None; an entry that is not whole (its checksum)
+    or not for these settings is said in one line and estimated over."""
+    where = plan_cache.folder()
+    path = None if where is None else where / f"{plan_cache.key(parts)}.json"
+    if path is None or not path.is_file():  # a regular file only: never a FIFO's read
+        return None
+    started = time.perf_counter()
+    try:
+        entry = json.loads(path.read_text())
+        body = {"key": entry["key"], "plan": entry["plan"]}
+        if entry.get("sha256") != plan_cache.checksum(body) or body["key"] != parts:
+            raise ValueError("does not match its checksum or these settings")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        say(
+            f"gradaccum: warning: the cached estimate {path} is not one ({err}); estimating over it"
+        )
+        return None
+    took = time.perf_counter() - started
+    say(f"the estimate is the cached one ({path}, read in {took:.2f} s; --replan estimates again)")
+    return {**body["plan"], "cached": str(path)}
+
+
+def _traced(cfg: PlanConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gradaccum-estimate-") as tmp:
         config, out = Path(tmp, "estimate-request.json"), Path(tmp, "estimate-result.json")
         config.write_text(json.dumps(dataclasses.asdict(cfg)))
