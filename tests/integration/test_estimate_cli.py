@@ -81,13 +81,14 @@ def test_estimate_options_without_the_estimate_are_refused():
     assert "--lora apply to the estimate: add --device cuda or --estimate" in done.stderr
 
 
-def test_an_8bit_optimizer_is_estimated_by_its_documented_layout_and_says_so():
+def test_an_8bit_optimizer_and_data_parallel_buckets_are_estimated_and_said():
     done = in_process("plan", "--device", "cuda", "--recipe", "digits", "--micro-batch", "8",
-                      "--optimizer", "adamw8bit", "--json")  # fmt: skip
+                      "--optimizer", "adamw8bit", "--world-size", "2", "--json")  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assumed = " ".join(result["assumptions"])
     assert "bitsandbytes' AdamW8bit by its documented state layout" in assumed
+    assert "world size 2: each process holds the whole model in DistributedDataParallel" in assumed
     assert result["parts"]["optimizer state"] > 0 and result["unified"] == 0
 
 
@@ -150,3 +151,13 @@ def test_a_second_identical_estimate_answers_from_the_plan_cache(tmp_path, monke
     # --replan traces again
     replanned = json.loads(in_process(*args, "--replan").stdout)
     assert replanned["cached"] is None and replanned["allocated"] == traced["allocated"]
+
+
+def test_what_the_estimate_does_not_model_is_refused_in_one_line():
+    done = in_process("plan", "--device", "cuda", "--shard", "fsdp", "--world-size", "4")
+    assert done.returncode == 2 and "FSDP2 sharding over --world-size is not modelled" in (
+        done.stderr
+    )
+    done = in_process("plan", "--device", "cuda", "--quantize", "nf4")
+    assert done.returncode == 2 and "quantize nf4: a frozen bitsandbytes base" in done.stderr
+    assert done.stderr.strip().count("\n") == 0

@@ -262,6 +262,13 @@ ESTIMATE_OPTIMIZERS = (
     "paged_adamw8bit",
     "lion8bit",
 )
+SHARD = Opt(
+    "ddp",
+    "how torchrun's processes hold the model: ddp (each a whole copy) or fsdp (FSDP2: each "
+    "holds 1/N of the parameters, gradients and optimizer state; checkpoints through "
+    "torch.distributed.checkpoint, and model.pt, the whole model, at the end)",
+    choices=SHARDS,
+)
 ESTIMATE_TASKS = (
     "causal-lm",
     "masked-lm",
@@ -556,13 +563,7 @@ class Distributed:
         "(all of them)",
         choices=SCHEDULES,
     )()
-    shard: str = Opt(
-        "ddp",
-        "how torchrun's processes hold the model: ddp (each a whole copy) or fsdp (FSDP2: each "
-        "holds 1/N of the parameters, gradients and optimizer state; checkpoints through "
-        "torch.distributed.checkpoint, and model.pt, the whole model, at the end)",
-        choices=SHARDS,
-    )()
+    shard: str = SHARD()
 
 
 # ----- types ---------------------------------------------------------------------------
@@ -869,6 +870,16 @@ class PlanConfig:
     micro_batch: int | None = MICRO_BATCH(
         help="estimate this micro-batch size alone (default: the largest that fits the budget)"
     )
+    shard: str = SHARD(
+        help="how --world-size's processes hold the model: ddp (each a whole copy, with "
+        "DistributedDataParallel's gradient buckets); fsdp is not modelled by the estimate yet"
+    )
+    quantize: str | None = Opt(
+        None,
+        "a frozen bitsandbytes base under --lora: 8bit, nf4 or fp4; not modelled by the "
+        "estimate yet (refused)",
+        choices=("8bit", "nf4", "fp4"),
+    )()
 
     def __post_init__(self) -> None:
         _resolve_recipe_defaults([self], self.recipe, self.hf_model)
@@ -890,6 +901,18 @@ class PlanConfig:
             out.append("seq_len applies to --hf-model; a built-in recipe has its own length")
         if self.task is not None and self.hf_model is None:
             out.append("task applies to --hf-model; a built-in recipe has its own head")
+        if self.shard == "fsdp":
+            out.append(
+                "shard fsdp: FSDP2 sharding over --world-size is not modelled by the estimate "
+                "yet (a 1/N share of parameters, gradients and optimizer state, one unit's "
+                "all-gathered parameters at a time); --shard ddp estimates each process whole"
+            )
+        if self.quantize is not None:
+            out.append(
+                f"quantize {self.quantize}: a frozen bitsandbytes base (packed weights, their "
+                "scales and the dequantizing matmul) is not modelled by the estimate yet; "
+                "--precision bf16 --lora R estimates the bf16 base, an upper bound on its weights"
+            )
         return out
 
 

@@ -170,6 +170,7 @@ def _estimate(cfg: PlanConfig) -> dict[str, Any]:
             precision=cfg.precision,
             checkpointing=cfg.checkpointing == "on",
             prepare=prepare,
+            world_size=cfg.world_size,
         )
 
     budget = parse_bytes(cfg.budget)

@@ -46,6 +46,7 @@ def estimate(
     max_grad_norm: float | None = None,
     allocator: str | alloc.AllocatorConfig | None = None,
     prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    world_size: int = 1,
 ) -> Estimate:
     """The peak memory of a window of ``micro_batches`` micro-batches on ``device``, without
     that device, without the model's weights, without compute.
@@ -55,6 +56,9 @@ def estimate(
     ``sample(micro_size)`` makes one micro-batch (or ``sample`` is a micro-batch);
     ``loss_fn(model, micro_batch) -> (loss_sum, count)`` as for ``Accumulator.step``.
     ``prepare(model)`` returns the model to train (LoRA adapters, for one) after it is built.
+    ``world_size`` > 1: one of that many data-parallel processes, each with the whole model in
+    ``DistributedDataParallel``, whose gradient buckets are a second copy of the gradients
+    (FSDP2 sharding and bitsandbytes' quantized layers are not modelled: refused).
 
     Two windows run through a real ``Accumulator``: the first creates the optimizer's state,
     the second is the steady one; the peak is over both. ``evaluate=True`` adds a forward
@@ -73,6 +77,8 @@ def estimate(
         )
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if callable(sample) and micro_size is None:
         raise ValueError("micro_size is needed when sample is a function of it")
     target = find_gpu(gpu) if device == "cuda" else None
@@ -92,6 +98,7 @@ def estimate(
         evaluate=evaluate,
         max_grad_norm=max_grad_norm,
         prepare=prepare,
+        world_size=world_size,
     )
     if target is None:
         parts = _parts(tally, tally.peak_index, set(), rounded=False)
@@ -148,11 +155,24 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
         except Exception as err:
             reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
             raise TraceError("the model's construction", "model()", reason) from err
+        if refusal := _unmodelled(module):
+            raise ValueError(refusal)
         if how["checkpointing"]:
             enable_checkpointing(module)
         for tensor in apply_order(module):
             tally.tag(tensor, "parameters")
         trainable = [p for p in module.parameters() if p.requires_grad]
+        buckets = ddp_buckets(trainable) if how["world_size"] > 1 else []
+        for bucket in buckets:  # DistributedDataParallel(model) allocates them when built
+            tally.tag(bucket, "gradients")
+        if buckets:
+            assumptions.append(
+                f"world size {how['world_size']}: each process holds the whole model in "
+                "DistributedDataParallel, its gradient buckets a second copy of the "
+                "gradients (gradient_as_bucket_view=False, its default), one per dtype as its "
+                "constructor makes them (their rebuild into 25 MiB buckets after the first "
+                "step, the same bytes, not modelled)"
+            )
         opt = optimizer(trainable)
         if refusal := bitsandbytes_refusal(opt):
             raise ValueError(refusal)
@@ -212,6 +232,36 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
                 "device total as resident"
             )
     return tally, host, unified, assumptions
+
+
+def ddp_buckets(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """``DistributedDataParallel``'s gradient buckets for ``params`` as its constructor
+    allocates them by default (``find_unused_parameters=False``): one flat bucket per dtype
+    holding every gradient (torch/nn/parallel/distributed.py, ``compute_bucket_size_limits``:
+    ``[sys.maxsize]`` until the first step's backward gives the order to rebuild them in)."""
+    counts: dict[torch.dtype, int] = {}
+    for p in params:
+        counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return [torch.empty(n, dtype=d, device=params[0].device) for d, n in counts.items()]
+
+
+def _unmodelled(module: torch.nn.Module) -> str | None:
+    """One line for a model the estimate does not model: bitsandbytes' quantized layers (a
+    frozen 8-bit or 4-bit base) or FSDP2's sharded modules."""
+    fsdp = getattr(torch.distributed, "fsdp", None) if torch.distributed.is_available() else None
+    sharded = getattr(fsdp, "FSDPModule", None)
+    for name, sub in module.named_modules():
+        cls = type(sub)
+        where = name or type(module).__name__
+        if cls.__module__.startswith("bitsandbytes"):
+            return (
+                f"model: {where} is bitsandbytes' {cls.__name__} (a quantized frozen base), "
+                "not modelled yet; estimate the base in bf16 (precision='bf16'), an upper bound "
+                "on its weights"
+            )
+        if sharded is not None and isinstance(sub, sharded):
+            return f"model: {where} is sharded by FSDP2 (fully_shard), not modelled yet"
+    return None
 
 
 def _device_events(tally: Tally, host: set[int], target) -> tuple[list, list[int]]:
