@@ -4,11 +4,14 @@ and weights exported where other tools load them."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 import torch
 from helpers import cli, run_lines, sigterm_then_resume_matches
+
+from gradaccum.app.folder import THIRD_PARTY
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -97,12 +100,16 @@ def lora_run(tmp_path_factory, base, data):
 def test_a_fine_tuning_run_says_nothing_of_other_packages(lora_run):
     """DeepSpeed, installed and unused, said "Setting accelerator to CPU" as transformers
     imported it to save the export; transformers drew loading and saving progress bars; PEFT
-    set off a FutureWarning of transformers'. None of it is about the run."""
-    _, stdout, stderr = lora_run
+    set off a FutureWarning of transformers'. None of it is about the run: it is kept in the
+    run folder's third_party.log, not lost."""
+    run, stdout, stderr = lora_run
     said = stdout + stderr
     for chatter in ("Setting accelerator", "Loading weights", "Writing model shards", "it/s]"):
         assert chatter not in said, (chatter, said[-3000:])
     assert "Warning" not in stderr, stderr
+    if importlib.util.find_spec("deepspeed") is not None:  # it speaks only when installed
+        kept = (run / THIRD_PARTY).read_text()
+        assert "DeepSpeed WARNING: Setting accelerator to" in kept, kept
 
 
 def test_lora_trains_only_the_adapters_and_exports_what_peft_loads(base, lora_run):

@@ -94,3 +94,45 @@ def test_out_on_a_full_disk_is_one_line(monkeypatch):
         with contextlib.suppress(OSError):
             full.close()
     assert str(refused.value) == "cannot write the output (stdout): No space left on device"
+
+
+def test_what_other_packages_say_is_kept_off_the_terminal_and_then_in_the_run_folder(
+    tmp_path, capfd
+):
+    """DeepSpeed's hardware guess (a record on its own logger, which prints it itself) and
+    transformers' deprecation that PEFT sets off are held while there is no run folder, then
+    written to third_party.log with what follows; any other warning is shown as before."""
+    import logging
+    import sys
+    import warnings
+
+    from gradaccum.app.folder import THIRD_PARTY
+
+    deepspeed = logging.getLogger("DeepSpeed")
+    own = logging.StreamHandler(sys.stderr)  # DeepSpeed's logger writes to stderr itself
+    deepspeed.addHandler(own)
+    try:
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
+            kept = process.quiet_third_parties()
+            kept.held.clear()
+            deepspeed.warning("Setting accelerator to CPU. If you have GPU or other ...")
+            warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.",
+                          FutureWarning, stacklevel=1)  # fmt: skip
+            warnings.warn("about the run", UserWarning, stacklevel=1)
+            log = tmp_path / THIRD_PARTY
+            assert not log.exists()  # held: no folder yet
+            kept.into(log)
+            deepspeed.warning("Setting accelerator to CPU, once more")
+            kept.close()
+            deepspeed.warning("Setting accelerator to CPU after the run")  # held, not written
+    finally:
+        deepspeed.removeHandler(own)
+        process.THIRD_PARTIES.held.clear()
+    assert [str(w.message) for w in shown] == ["about the run"]
+    assert "Setting accelerator" not in capfd.readouterr().err
+    lines = log.read_text().splitlines()
+    assert len(lines) == 3, lines
+    assert "DeepSpeed WARNING: Setting accelerator to CPU. If you have GPU" in lines[0]
+    assert "FutureWarning (" in lines[1] and "`is_gradient_checkpointing` is depre" in lines[1]
+    assert lines[2].endswith("DeepSpeed WARNING: Setting accelerator to CPU, once more")

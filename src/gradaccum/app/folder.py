@@ -18,6 +18,7 @@
     baseline.json   a recipe's baseline (minilm: the linear probe), measured before training
     tensorboard/    TensorBoard event files (when the tensorboard package is installed)
     summary.json, loss.png, memory.png, batch.png, report.html    the report at the end
+    third_party.log what other packages said that is not about the run (process.ThirdParties)
     .lock           held while a process trains here
 
 A folder is new (missing or empty), a run (it holds config.json), or something else, which
@@ -50,6 +51,7 @@ SHARDS, MODEL = "shards", "model.pt"
 BASELINE, SUMMARY = "baseline.json", "summary.json"
 TENSORBOARD, EXPORT = "tensorboard", "export"
 REPORT = "report.html"
+THIRD_PARTY = "third_party.log"  # what other packages said, kept off the terminal
 LOSS_PLOT, MEMORY_PLOT, BATCH_PLOT = "loss.png", "memory.png", "batch.png"
 
 

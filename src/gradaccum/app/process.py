@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -40,6 +41,8 @@ __all__ = [
     "quiet_third_parties",
     "say",
     "Stopped",
+    "THIRD_PARTIES",
+    "ThirdParties",
     "ending",
     "unwatch_stops",
     "watch_loading",
@@ -103,12 +106,14 @@ def quiet(*args: Any, **kwargs: Any) -> None:
     job)."""
 
 
-def quiet_third_parties() -> None:
-    """What other packages print that is not about the user's run, kept off the terminal, in
+def quiet_third_parties() -> ThirdParties:
+    """What other packages say that is not about the user's run, kept off the terminal, in
     the command and the processes it starts (their output is its log): DeepSpeed's "Setting
     accelerator to CPU" (transformers and accelerate import DeepSpeed when it is installed;
-    gradaccum never runs it), transformers' loading and saving progress bars, and PEFT's use
-    of a property transformers deprecates. Called before they are imported; a user's own
+    gradaccum never runs it), transformers' loading and saving progress bars (turned off:
+    they count files), and PEFT's use of a property transformers deprecates. What is said
+    is kept (``ThirdParties``, returned): a training run writes it to its folder's
+    third_party.log. Called before they are imported; a user's own
     HF_HUB_DISABLE_PROGRESS_BARS is kept."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # inherited by the children
     if "huggingface_hub" in sys.modules:  # imported already: it read the variable then
@@ -118,18 +123,91 @@ def quiet_third_parties() -> None:
     # DeepSpeed's logger makes its own level and handler as it is imported; a filter on the
     # logger, set now, stays
     ds = logging.getLogger("DeepSpeed")
-    if not any(isinstance(f, _NotDeepSpeedsDetection) for f in ds.filters):
-        ds.addFilter(_NotDeepSpeedsDetection())
-    warnings.filterwarnings(
-        "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
-    )
+    if not any(isinstance(f, _AsideDeepSpeed) for f in ds.filters):
+        ds.addFilter(_AsideDeepSpeed())
+    if not isinstance(warnings.showwarning, _AsideWarnings):
+        warnings.showwarning = _AsideWarnings(warnings.showwarning)
+    return THIRD_PARTIES
 
 
-class _NotDeepSpeedsDetection(logging.Filter):
-    """DeepSpeed's guess at the hardware, said as it is imported, dropped."""
+class ThirdParties:
+    """What ``quiet_third_parties`` kept off the terminal, as lines: held in memory until
+    ``into(file)`` (a training run, once its folder holds the run), then written there with
+    whatever follows, until ``close()``. A process that never names a file (plan, audit,
+    check, the plan's fresh processes, a torchrun rank other than 0) drops what it held as
+    it ends: none of it is about the user's run, and the run's own process, which loads and
+    saves the same model, writes its own."""
+
+    HELD = 200  # lines held before a file is named; the rest of a flood is dropped
+
+    def __init__(self) -> None:
+        self.held: list[str] = []
+        self.file: str | os.PathLike | None = None
+
+    def keep(self, line: str) -> None:
+        if self.file is None:
+            if len(self.held) < self.HELD:
+                self.held.append(line)
+            return
+        self._write([line])
+
+    def into(self, file: str | os.PathLike) -> None:
+        """Write what is held to ``file`` (appended: a resumed run adds to its log), then
+        each line as it is said."""
+        self.file, held, self.held = file, self.held, []
+        self._write(held)
+
+    def close(self) -> None:
+        """The run is over: hold again (for the next run of this process, if any)."""
+        self.file = None
+
+    def _write(self, lines: list[str]) -> None:
+        if not lines:
+            return
+        try:
+            with open(self.file, "a", encoding="utf-8") as log:
+                log.writelines(f"{line}\n" for line in lines)
+        except OSError:
+            pass  # another package's chatter is never a reason to stop a run
+
+
+# The process's own: logging's filters and warnings' hook are the process's too.
+THIRD_PARTIES = ThirdParties()
+
+
+def _stamp(created: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
+
+
+class _AsideDeepSpeed(logging.Filter):
+    """DeepSpeed's guess at the hardware, said as it is imported: kept aside."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Setting accelerator to" not in record.getMessage()
+        message = record.getMessage()
+        if "Setting accelerator to" not in message:
+            return True
+        THIRD_PARTIES.keep(f"{_stamp(record.created)} {record.name} {record.levelname}: {message}")
+        return False
+
+
+class _AsideWarnings:
+    """``warnings.showwarning`` with the warnings of other packages that are not about the
+    run (ASIDE: category and the start of the message) kept aside; every other warning is
+    shown as before."""
+
+    ASIDE = ((FutureWarning, "`is_gradient_checkpointing` is deprecated"),)
+
+    def __init__(self, shown: Any) -> None:
+        self.shown = shown
+
+    def __call__(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if any(issubclass(category, kind) and str(message).startswith(start)
+               for kind, start in self.ASIDE):  # fmt: skip
+            THIRD_PARTIES.keep(
+                f"{_stamp(time.time())} {category.__name__} ({filename}:{lineno}): {message}"
+            )
+            return
+        self.shown(message, category, filename, lineno, file, line)
 
 
 def leave(code: int) -> None:

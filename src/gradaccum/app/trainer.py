@@ -33,7 +33,7 @@ from gradaccum.app.evaluation import Evaluator
 from gradaccum.app.export import Exporter
 from gradaccum.app.guard import Probe, Rollback
 from gradaccum.app.lr import LearningRate
-from gradaccum.app.process import Output, quiet
+from gradaccum.app.process import THIRD_PARTIES, Output, quiet
 from gradaccum.app.report.sink import MetricsSink, step_line
 from gradaccum.app.report.summary import report
 from gradaccum.app.run import Run
@@ -109,9 +109,11 @@ class Trainer:
                 raise
             return self.report(time.perf_counter() - began)
         except BaseException:
+            THIRD_PARTIES.close()
             run.folder.abandon()  # only a run that trained no step is removed
             raise
         finally:
+            THIRD_PARTIES.close()
             run.folder.release()
 
     def loop(self) -> None:
