@@ -485,3 +485,41 @@ def test_a_plan_request_asks_what_the_same_keywords_ask_and_the_old_positions_st
         plan(effective_batch=12)
     with pytest.raises(ValueError, match="cannot plan: margin must be .*; meter must be one of"):
         plan(dataclasses.replace(asked, margin=1.5, meter="nope"))
+
+
+class _FlatModel(torch.nn.Module):
+    """Memory that does not grow with the micro-batch: its peak is the parameter's and the
+    optimizer's, and it saves nothing per sample for backward (the sum's backward needs no
+    input; the input is a view of the batch, which is already there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((1 << 20,), 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.squeeze(1) * self.w.sum()
+
+
+def test_a_plan_whose_line_says_nothing_measures_its_size_and_says_so():
+    """docs/cli.md's digits at 256 in 300MB once fit no plausible line (the probes' peaks did
+    not grow) and planned one micro-batch of the whole batch, saying only '1 micro-batch per
+    window'. A line of slope 0 predicts nothing: the planned size must be measured (the
+    deciding probe, a verification at that size, is the plan's peak) and the plan says, in
+    one line, that the measurement counts, not the line."""
+    model = make_model(_FlatModel)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sample = torch.randn(64, 1, generator=torch.Generator().manual_seed(0))
+    planned = ga.plan(
+        model, optimizer, sample, lambda m, mb: ga.sample_mean(m(mb)),
+        effective_batch=64, budget="200MB", meter="tensors", probe_sizes=[1, 2, 4, 8],
+    )  # fmt: skip
+    assert not planned.peak_fit.plausible, planned.peak_fit  # the case under test
+    deciding = planned.probes[-1]
+    assert deciding.kind.startswith("verify") and deciding.micro_size == planned.micro_size
+    base = planned.static_bytes + planned.overhead_bytes + planned.batch_bytes
+    assert planned.predicted_peak == base + deciding.peak_bytes  # the measurement, not the line
+    assert planned.micro_batches == 1  # its memory does not grow: the whole batch fits
+    said = [line for line in planned.summary().splitlines() if "no plausible line" in line]
+    assert len(said) == 1 and said[0].endswith(
+        "the peak measured at the planned size is what counts"
+    ), planned.summary()
