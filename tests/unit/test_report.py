@@ -2,6 +2,7 @@
 belongs, nothing fetched from outside, every string escaped, and the CLI's exit statuses."""
 
 import base64
+import html
 import json
 import re
 import shutil
@@ -531,3 +532,21 @@ def test_batch_png_is_in_samples_and_its_interval_cut_to_what_the_readings_suppo
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert "its 90% interval (cut at 10x the batch)" in labels
     assert ax.get_ylabel() == "samples per step"
+
+
+def test_the_noise_advice_keeps_its_lines_on_the_page(tmp_path):
+    """The console prints the measurement, then the advice, each on its line; the page ran
+    them together ("... is 8,128 items a smaller batch ...")."""
+    from gradaccum.app.report.summary import noise_advice
+    from gradaccum.noise import NoiseReading
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"recipe": "gpt", "effective_batch": 64}))
+    said = noise_advice(8128, NoiseReading(3717.5, 2364.7, 5876.1, 75, 0.9), 127.0)
+    assert said.count("\n") == 1  # two lines, as the console prints them
+    (run / "summary.json").write_text(json.dumps({"steps": 150, "noise_advice": said}))
+    page = render(run)
+    cells = [c for c in re.findall(r"<td([^>]*)>([^<]*)</td>", page) if c[1] == html.escape(said)]
+    assert cells == [(' class="lines"', html.escape(said))], cells
+    assert re.search(r"\.lines\{white-space:pre-line\}", Page(page).style)

@@ -547,8 +547,13 @@ FORMATS = {  # a metric's unit (report.metrics): how the page writes its value
     "samples": _count,
     "interval": lambda v: " to ".join(map(_count, v)) if v else "—",
 }
-# key: (label, formatter), in the page's order (metrics.SUMMARY); held_out_* follow the losses
-SUMMARY_ROWS = {m.name: (m.label, FORMATS.get(m.unit, _num)) for m in SUMMARY}
+# key: (label, formatter, the cell's class), in the page's order (metrics.SUMMARY); held_out_*
+# follow the losses. A text keeps its line breaks, as the console prints it (the noise advice:
+# the measurement, then the advice, on lines of their own)
+SUMMARY_ROWS = {
+    m.name: (m.label, FORMATS.get(m.unit, _num), "lines" if m.unit == "text" else "")
+    for m in SUMMARY
+}
 SHOWN_ELSEWHERE = {"targets", "stopped_by"}
 
 
@@ -562,13 +567,13 @@ def _summary(summary: dict[str, Any] | None, metrics: list[dict[str, Any]]) -> s
         )
     rows: list[list[Cell]] = []
     held_out = [k for k in summary if k.startswith("held_out_")]
-    for key, (label, fmt) in SUMMARY_ROWS.items():
+    for key, (label, fmt, cls) in SUMMARY_ROWS.items():
         if key in summary:
             try:
                 value = fmt(summary[key])
             except (TypeError, ValueError):  # an unexpected shape: show it as it is
                 value = _raw(summary[key])
-            rows.append([(label, "key"), value])
+            rows.append([(label, "key"), (value, cls)])
         if key == "final_train_loss":
             rows += [[("held-out " + _label(k[9:]), "key"), _num(summary[k])] for k in held_out]
     known = set(SUMMARY_ROWS) | set(held_out) | SHOWN_ELSEWHERE
