@@ -115,6 +115,7 @@ def test_what_other_packages_say_is_kept_off_the_terminal_and_then_in_the_run_fo
         with warnings.catch_warnings(record=True) as shown:
             warnings.simplefilter("always")
             kept = process.quiet_third_parties()
+            kept.close()  # whatever a run earlier in this process left
             kept.held.clear()
             deepspeed.warning("Setting accelerator to CPU. If you have GPU or other ...")
             warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.",

@@ -16,10 +16,9 @@ import torch
 from gradaccum.app import launch, planning
 from gradaccum.app.checkpoints import PROCESSES, Checkpoints
 from gradaccum.app.config import RESUMABLE, TrainConfig
-from gradaccum.app.folder import BASELINE, CHECKPOINT, CONFIG, RESUMES, THIRD_PARTY, RunFolder
+from gradaccum.app.folder import BASELINE, CHECKPOINT, CONFIG, RESUMES, RunFolder
 from gradaccum.app.guard import IncidentGuard
 from gradaccum.app.kinds import RunKind
-from gradaccum.app.process import THIRD_PARTIES
 from gradaccum.app.recipes import Recipe, get_recipe, hf_recipe
 from gradaccum.app.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
 from gradaccum.app.run import Progress, Run
@@ -97,7 +96,6 @@ def build_run(cfg: TrainConfig, rank: int = 0, world: int = 1, log=print) -> Run
     except BaseException:
         # Failed before the first step (a bad option found late, the plan, Ctrl-C): nothing
         # is left that would refuse the same command, fixed (RunFolder.abandon).
-        THIRD_PARTIES.close()
         folder.abandon()
         raise
 
@@ -189,8 +187,6 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> Run:
         _record_resume(folder, saved_cfg, cfg, saved["step"] if saved else 0, then, kind, log)
     elif main:
         folder.write_json(CONFIG, cfg.flat())  # first: a crash is resumable
-    if main:  # the folder holds a run now: what other packages said, kept there
-        THIRD_PARTIES.into(folder.path / THIRD_PARTY)
     if main and loaded is not None:
         save_cache(loaded, folder.path)  # a resume reads the sequences back
     # What the untrained model scores (minilm's probe), once, on rank 0's whole model.

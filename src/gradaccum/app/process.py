@@ -151,11 +151,12 @@ class ThirdParties:
             return
         self._write([line])
 
-    def into(self, file: str | os.PathLike) -> None:
+    def into(self, file: str | os.PathLike | None) -> None:
         """Write what is held to ``file`` (appended: a resumed run adds to its log), then
-        each line as it is said."""
+        each line as it is said; ``None`` (a process that writes no run folder): drop it."""
         self.file, held, self.held = file, self.held, []
-        self._write(held)
+        if file is not None:
+            self._write(held)
 
     def close(self) -> None:
         """The run is over: hold again (for the next run of this process, if any)."""

@@ -31,6 +31,7 @@ from gradaccum.app.checkpoints import Checkpointer, Checkpoints
 from gradaccum.app.config import TrainConfig, invalid_configuration
 from gradaccum.app.evaluation import Evaluator
 from gradaccum.app.export import Exporter
+from gradaccum.app.folder import THIRD_PARTY
 from gradaccum.app.guard import Probe, Rollback
 from gradaccum.app.lr import LearningRate
 from gradaccum.app.process import THIRD_PARTIES, Output, quiet
@@ -91,12 +92,17 @@ class Trainer:
         self.targets = TargetWatch(run.targets, judges=run.main)
         self.memory: TrainingMemory | None = None
         self.began, self.items = 0.0, 0
+        # the folder holds the run (config.json) by now: a file more in it refuses nothing
+        self.third_party = run.folder.path / THIRD_PARTY if run.main else None
 
     def fit(self) -> dict[str, Any]:
         """Train from the run's position to its length, a target, a stop or the guard's
         verdict; then the report. A start that fails before its first step leaves nothing
-        behind (``RunFolder.abandon``); the folder's lock is released in every case."""
+        behind (``RunFolder.abandon``); the folder's lock is released in every case. What
+        other packages said that the command kept off the terminal, from the start of the
+        process to the run's end, goes to the folder's third_party.log."""
         run = self.run
+        THIRD_PARTIES.into(self.third_party)
         try:
             began = time.perf_counter()
             try:
@@ -109,7 +115,7 @@ class Trainer:
                 raise
             return self.report(time.perf_counter() - began)
         except BaseException:
-            THIRD_PARTIES.close()
+            THIRD_PARTIES.close()  # before abandon may clear the folder: nothing written after
             run.folder.abandon()  # only a run that trained no step is removed
             raise
         finally:
