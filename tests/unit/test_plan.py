@@ -470,12 +470,15 @@ def test_a_plan_request_asks_what_the_same_keywords_ask_and_the_old_positions_st
         found = ga.plan(model, optimizer, batch, loss_fn, *args, **kw)
         return {k: v for k, v in found.to_dict().items() if k != "seconds"}
 
-    asked = ga.PlanRequest(effective_batch=12, budget="1GiB", meter="tensors", probe_sizes=[1, 2])
+    # (prefer="largest": the memory alone decides, so the same request plans the same)
+    asked = ga.PlanRequest(
+        effective_batch=12, budget="1GiB", meter="tensors", probe_sizes=[1, 2], prefer="largest"
+    )
     by_request = plan(asked)
     assert by_request == plan(**dataclasses.asdict(asked))
     assert by_request["micro_size"] == 12 and by_request["budget"] == 2**30
     with pytest.warns(DeprecationWarning, match="effective_batch, budget given by position") as w:
-        assert plan(12, "1GiB", meter="tensors", probe_sizes=[1, 2]) == by_request
+        assert plan(12, "1GiB", meter="tensors", probe_sizes=[1, 2], prefer="largest") == by_request
     assert w[0].filename == __file__  # the line that called plan()
     # keywords with a request replace its fields
     assert plan(asked, effective_batch=6)["per_rank_batch"] == 6

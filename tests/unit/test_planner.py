@@ -64,3 +64,25 @@ def test_gradaccum_plan_answers_from_the_cache_before_it_builds_anything():
     recipe, answer = plan_recipe(cfg, said.append)
     assert recipe.name == "gpt" and answer == make_plan(64, micro=16)
     assert len(said) == 1 and said[0].startswith("the plan is the cached one")
+
+
+def test_gradaccum_plan_prefer_reaches_the_plan_and_a_bad_value_is_one_line(capsys):
+    """--prefer is the PlanRequest's prefer (and so a part of the plan's cache key); a value
+    that is not one is refused in one line naming it."""
+    from gradaccum.app.cli import main, parser
+    from gradaccum.app.cli.options import given
+    from gradaccum.app.config import PlanConfig
+    from gradaccum.app.planner import recipe_planner
+
+    keys = {}
+    for prefer in ("largest", "fastest"):
+        args = parser().parse_args(["plan", "--budget", "1GiB", "--prefer", prefer])
+        _, request, planner_ = recipe_planner(PlanConfig(**given(args, PlanConfig)), print)
+        assert request.prefer == prefer
+        keys[prefer] = planner_.parts
+    assert keys["largest"] != keys["fastest"]
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--prefer", "quickest"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--prefer" in err[0] and "'quickest'" in err[0]

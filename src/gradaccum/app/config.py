@@ -39,7 +39,7 @@ from gradaccum.app.recipes import GPT_SHAPE, RECIPES
 from gradaccum.app.targets import Targets, parse_seconds
 from gradaccum.memory import METERS, parse_bytes
 from gradaccum.pipeline import SCHEDULES
-from gradaccum.plan import CHECKPOINTING, FRAMEWORKS
+from gradaccum.plan import CHECKPOINTING, FRAMEWORKS, PREFER
 from gradaccum.plan.estimate.devices import GPUS
 from gradaccum.precision import PRECISIONS
 from gradaccum.schedule import LR_RULES, schedule_problems
@@ -239,6 +239,13 @@ CHECKPOINTING_OPT = Opt(
     "plan finds nothing fits without)",
     choices=CHECKPOINTING,
 )
+PREFER_OPT = Opt(
+    "fastest",
+    "which micro-batch the plan takes among those that fit: fastest (the fewest seconds per "
+    "effective batch, timed over real windows; the largest when timing cannot tell them "
+    "apart) or largest (untimed)",
+    choices=PREFER,
+)
 PRECISION = Opt("fp32", "fp32, bf16 (autocast) or fp16 (autocast + GradScaler)", choices=PRECISIONS)
 SEQ_LEN = Opt(
     None,
@@ -378,6 +385,7 @@ class Memory:
     margin: float = MARGIN()
     meter: str = METER()
     checkpointing: str = CHECKPOINTING_OPT()
+    prefer: str = PREFER_OPT()
     replan: bool = REPLAN()
 
     @property
@@ -811,6 +819,7 @@ class PlanConfig:
     margin: float = MARGIN()
     meter: str = METER()
     checkpointing: str = CHECKPOINTING_OPT()
+    prefer: str = PREFER_OPT()
     precision: str = PRECISION()
     export: str | None = Opt(
         None,

@@ -172,8 +172,9 @@ class FreshProcessVerifier:
         # the next (glibc's heap layout), which the plan's margin keeps free.
         with_ckpt = " with activation checkpointing" if checkpointing else ""
         print(
-            f"measuring {_count(micro_batches, 'micro-batch', 'micro-batches')} of {micro_size}"
-            f"{with_ckpt} in a fresh process",
+            f"measuring micro-batch {micro_size}, the largest the memory line fits, in a "
+            f"fresh process ({_count(micro_batches, 'micro-batch', 'micro-batches')} a window"
+            f"{with_ckpt})",
             file=sys.stderr,
         )
         child = self._next or self._start()

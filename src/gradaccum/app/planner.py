@@ -107,6 +107,7 @@ def recipe_planner(cfg: Any, log) -> tuple[Any, PlanRequest, Planner]:
         checkpointing=cfg.checkpointing,
         precision=cfg.precision,
         world_size=cfg.world_size,
+        prefer=cfg.prefer,
     )
     settings = {
         "command": "plan",  # the window alone: train's plans cover its evaluations too

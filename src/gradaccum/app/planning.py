@@ -264,6 +264,7 @@ def request(cfg: TrainConfig, per_rank: int, each_rank: bool) -> PlanRequest:
         checkpointing=cfg.memory.checkpointing,
         precision=cfg.numerics.precision,
         sync="auto" if each_rank else "window",
+        prefer=cfg.memory.prefer,
     )
 
 

@@ -2,8 +2,8 @@
 
 ``plan()``, what it is asked and ``Plan`` (core.py, request.py, result.py), the prober that
 measures real windows (prober.py), the run's other parts measured beside the window
-(phases.py), a plan as another framework's settings (exports.py) and a pipeline's number of
-micro-batches (pipeline.py).
+(phases.py), the sizes that fit timed against each other (speed.py), a plan as another
+framework's settings (exports.py) and a pipeline's number of micro-batches (pipeline.py).
 
 ``gradaccum.plan`` is also the name of the function ``ga.plan``: the package's own
 ``__init__`` (gradaccum/__init__.py) keeps ``gradaccum.plan`` the function when this package
@@ -15,10 +15,12 @@ from gradaccum.plan.exports import FRAMEWORKS, Export, equal_split, export
 from gradaccum.plan.pipeline import PipelinePlan, measure_stage, plan_micro_batches
 from gradaccum.plan.request import PlanRequest
 from gradaccum.plan.result import Fit, Phase, Plan, Probe, signed_bytes
+from gradaccum.plan.speed import PREFER, Timing
 
 __all__ = [
     "CHECKPOINTING",
     "FRAMEWORKS",
+    "PREFER",
     "Export",
     "Fit",
     "Phase",
@@ -26,6 +28,7 @@ __all__ = [
     "Plan",
     "PlanRequest",
     "Probe",
+    "Timing",
     "equal_split",
     "export",
     "measure_stage",

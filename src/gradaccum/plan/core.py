@@ -33,6 +33,7 @@ from gradaccum.plan.phases import measure_phases
 from gradaccum.plan.prober import Measured, Prober
 from gradaccum.plan.request import CHECKPOINTING, PlanRequest
 from gradaccum.plan.result import Plan, Probe
+from gradaccum.plan.speed import Race, Timing, candidates, race
 from gradaccum.recompute import checkpointing_enabled, disable_checkpointing, enable_checkpointing
 from gradaccum.sync import SYNC_MODES, is_sharded, one_process
 
@@ -132,6 +133,12 @@ def plan(
                     )
                     need, measured = m.base + checked[-1].peak_bytes, True
                     if need <= usable:
+                        # the fastest of the sizes up to the one measured to fit
+                        raced = _race(prober, asked, per_rank, micro_size, started)
+                        timings = _timings(raced, m, checked[-1])
+                        if raced is not None:
+                            micro_size = raced.chosen
+                            need = next(t.peak_bytes for t in timings if t.micro_size == micro_size)
                         measured_phases = measure_phases(
                             phases or {}, memory, m, micro_size, usable, budget_bytes, margin
                         )
@@ -184,7 +191,42 @@ def plan(
         precision=asked.precision,
         sync=asked.sync,
         phases=measured_phases,
+        prefer=asked.prefer,
+        timings=timings,
+        choice=raced.why if raced is not None else "",
     )
+
+
+def _race(
+    prober: Prober, asked: PlanRequest, per_rank: int, micro_size: int, started: float
+) -> Race | None:
+    """With ``prefer="fastest"``, ``micro_size`` (measured to fit) and smaller sizes timed
+    against each other in at most half the planning time so far (planning grows by half at
+    most); None: untimed (``"largest"``, a single candidate, or ranks that would each time
+    their own)."""
+    if asked.prefer != "fastest" or prober.acc.sync.distributed:
+        return None
+    sizes = candidates(per_rank, micro_size)
+    if len(sizes) < 2:
+        return None
+    return race(prober.timed, sizes, per_rank, 0.5 * (time.perf_counter() - started))
+
+
+def _timings(raced: Race | None, m: Measured, deciding: Probe) -> tuple[Timing, ...]:
+    """Each timed size with the peak the plan predicts for it: measured at the deciding
+    size; below it, the line plus what the deciding measurement sat above the line (a
+    fresh process's one-time bytes stay whatever the size), never above the measurement."""
+    if raced is None:
+        return ()
+    measured = m.base + deciding.peak_bytes
+    above = max(0.0, deciding.peak_bytes - m.peak_fit(deciding.micro_size))
+
+    def peak(size: int) -> float:
+        if size == deciding.micro_size:
+            return measured
+        return min(m.base + m.peak_fit(size) + above, measured)
+
+    return tuple(replace(t, peak_bytes=peak(t.micro_size)) for t in raced.timings)
 
 
 def _plan_sync(model, optimizer, sample_batch, loss_fn, asked: PlanRequest, verify, phases):

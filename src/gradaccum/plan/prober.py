@@ -3,6 +3,7 @@ memory model (a line per micro-batch size) fitted through them."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -101,6 +102,18 @@ class Prober:
         if self.acc.sync.distributed:  # the fullest rank's numbers, so every rank decides alike
             peak, saved = self.acc.sync.most([peak, saved])
         return peak, saved, stepped
+
+    def timed(self, micro_sizes: Sequence[int]) -> float:
+        """Seconds of one real window (``acc.step``) of micro-batches of ``micro_sizes``,
+        the device synchronized at its start and end; the batches are made before."""
+        batches = [take(self.sample_batch, size) for size in micro_sizes]
+        device = next(self.model.parameters()).device
+        synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        synchronize()
+        began = time.perf_counter()
+        self.acc.step(batches, self.loss_fn)
+        synchronize()
+        return time.perf_counter() - began
 
     def measure(self, probe_sizes: Sequence[int], usable: float | None = None) -> Measured:
         """Warm up, then probe ``probe_sizes`` in order, stopping once the line through the

@@ -8,10 +8,11 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from gradaccum.memory import METERS, parse_bytes
+from gradaccum.plan.speed import PREFER
 from gradaccum.sync import SYNC_MODES
 from gradaccum.validate import int_problem
 
-__all__ = ["CHECKPOINTING", "PlanRequest"]
+__all__ = ["CHECKPOINTING", "PREFER", "PlanRequest"]
 
 CHECKPOINTING = ("off", "on", "auto")
 # plan()'s settings that came before its keyword-only ones: (model, optimizer, sample_batch,
@@ -51,6 +52,10 @@ class PlanRequest:
     sync: str = "window"
     """for a DDP or FSDP2 model, the gradient sync the probes run under, or "auto": under
     FSDP2 both measured, "window" chosen when it fits, else "micro\""""
+    prefer: str = "fastest"
+    """"fastest": among the sizes that fit, the one with the fewest seconds per effective
+    batch, timed over real windows (the largest when timing cannot tell them apart);
+    "largest": the largest that fits, untimed"""
 
     @classmethod
     def of(cls, *args: Any, **settings: Any) -> PlanRequest:
@@ -110,6 +115,8 @@ class PlanRequest:
             out.append(f"margin must be a fraction in [0, 1), got {margin!r}")
         if self.meter not in METERS:
             out.append(f"meter must be one of {', '.join(METERS)}, got {self.meter!r}")
+        if self.prefer not in PREFER:
+            out.append(f"prefer must be one of {', '.join(PREFER)}, got {self.prefer!r}")
         if self.checkpointing not in CHECKPOINTING:
             out.append(
                 f"checkpointing must be one of {', '.join(CHECKPOINTING)}, got "

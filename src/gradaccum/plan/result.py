@@ -11,6 +11,7 @@ import torch
 
 from gradaccum.memory import format_bytes
 from gradaccum.plan.exports import Export, export
+from gradaccum.plan.speed import Timing
 from gradaccum.recompute import enable_checkpointing
 
 __all__ = ["Fit", "Phase", "Plan", "Probe", "signed_bytes"]
@@ -114,6 +115,10 @@ class Plan:
     sync: str = "window"  # the gradient sync it was measured under (DDP/FSDP2 models)
     phases: tuple[Phase, ...] = ()  # the run's other parts, measured (``plan(phases=...)``)
     batch_bytes: int = 0  # the window's input batch, held while the window trains
+    # prefer="fastest": each candidate size's timed windows, and why the size was chosen
+    prefer: str = "largest"
+    timings: tuple[Timing, ...] = ()
+    choice: str = ""
 
     @property
     def micro_sizes(self) -> list[int]:
@@ -165,6 +170,9 @@ class Plan:
             values["probes"] = tuple(Probe(**p) for p in values["probes"])
             values["checkpointed_blocks"] = tuple(values.get("checkpointed_blocks", ()))
             values["notes"] = tuple(values.get("notes", ()))
+            values["timings"] = tuple(
+                Timing(**{**t, "seconds": tuple(t["seconds"])}) for t in values.get("timings", ())
+            )
             values["phases"] = tuple(
                 Phase(**{**p, "tried": tuple(map(tuple, p.get("tried", ())))})
                 for p in values.get("phases", ())
@@ -189,9 +197,17 @@ class Plan:
         measured = self.probes[-1] if self.probes else None
         how = f" ({measured.kind})" if measured is not None else ""
         stepped = measured is not None and measured.kind.startswith("from")
+        if measured is not None and measured.micro_size != self.micro_size:
+            # chosen by time below the size measured to fit
+            stepped = True
+            how = (
+                f" (the line, plus what the measurement at {measured.micro_size} sat above it: "
+                f"{format_bytes(self.base_bytes + measured.peak_bytes)} there)"
+            )
         lines = [
             f"effective batch {self.effective_batch}: {shape} = {sum(sizes)} samples{per_rank}",
-            f"micro-batch {self.micro_size} (largest that fits: {self.largest_fitting}), "
+            f"micro-batch {self.micro_size} "
+            f"({self.choice or f'largest that fits: {self.largest_fitting}'}), "
             f"{windows} per window"
             + (
                 f", activation checkpointing on {len(self.checkpointed_blocks)} blocks"
@@ -217,9 +233,63 @@ class Plan:
             f"activations saved for backward: {self.activation_fit.activations()}; planned in "
             f"{self.seconds:.1f} s",
             *self._phase_lines(),
+            *self._timing_lines(),
             *self.notes,
         ]
         return "\n".join(lines)
+
+    def timing(self, micro_size: int) -> Timing | None:
+        """The timed windows of ``micro_size`` (None: not timed)."""
+        return next((t for t in self.timings if t.micro_size == micro_size), None)
+
+    def _timing_lines(self) -> list[str]:
+        """The time the chosen size takes, and what accumulation costs against one
+        micro-batch of the whole per-rank batch (the seed's trade as a number)."""
+        chosen = self.timing(self.micro_size)
+        if chosen is None:
+            return []
+        per = self.per_rank_batch
+        line = (
+            f"{chosen.median:.3g} s per effective batch at micro-batch {self.micro_size} "
+            f"({chosen.per_sample(per) * 1e3:.3g} ms per sample), timed over "
+            f"{len(chosen.seconds)} windows"
+            + (f" of {chosen.samples} samples, scaled to {per}" if chosen.samples < per else "")
+        )
+        whole = self.timing(per)
+        if whole is not None and per != self.micro_size:
+            line += (
+                f"; accumulation takes {chosen.median / whole.median:.2f}x the time of one "
+                f"micro-batch of the whole {per}"
+            )
+        elif whole is None and self.largest_fitting < per:
+            line += (
+                f"; one micro-batch of the whole {per} does not fit: accumulation is what runs it"
+            )
+        return [line]
+
+    def timing_table(self) -> str:
+        """Each timed size's memory and seconds per effective batch (markdown)."""
+        per = self.per_rank_batch
+        rows = [
+            "| micro-batch | window | predicted peak | s per effective batch: median "
+            "[range] | ms per sample | windows | |",
+            "|---:|---|---:|---:|---:|---:|---|",
+        ]
+        for t in self.timings:
+            shape = (
+                f"{t.micro_batches} x {t.micro_size}"
+                if t.last_micro_size == t.micro_size
+                else f"{t.micro_batches - 1} x {t.micro_size} + {t.last_micro_size}"
+            )
+            mark = "chosen" if t.micro_size == self.micro_size else ""
+            if t.left is not None:
+                mark = f"left the race after round {t.left}: slower"
+            rows.append(
+                f"| {t.micro_size} | {shape} | {format_bytes(t.peak_bytes)} | {t.median:.3g} "
+                f"[{t.low:.3g}, {t.high:.3g}] | {t.per_sample(per) * 1e3:.3g} | "
+                f"{len(t.seconds)} | {mark} |"
+            )
+        return "\n".join(rows)
 
     def _phase_lines(self) -> list[str]:
         """The whole run, phase by phase, and which holds the most."""

@@ -23,8 +23,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "plan",
         help="plan the micro-batch size for a memory budget (measured, not guessed)",
         description="Measure a built-in recipe's memory at a few micro-batch sizes, fit a "
-        "line, and print the largest micro-batch that fits the budget with the effective "
-        "batch kept exact.",
+        "line, time the sizes that fit against each other, and print the fastest micro-batch "
+        "that fits the budget (--prefer largest: the largest) with the effective batch kept "
+        "exact.",
     )
     options.add_arguments(parser, PlanConfig)
     parser.set_defaults(run=run)
@@ -69,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if exported is not None:  # the export's arithmetic, and why its micro-batch differs
         show(*(f"{cfg.export}: {line}" for line in exported.comments))
     show("", result.table())
+    if result.timings:  # --prefer fastest: each size's memory and time
+        show("", result.timing_table())
     if plotted is not None:
         show(f"\nplot: {plotted}")
     if exported is not None:

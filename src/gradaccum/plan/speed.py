@@ -1,0 +1,232 @@
+"""The fastest micro-batch among those that fit: each candidate's seconds per effective
+batch, timed over real windows taking turns, stopped as soon as the order is clear.
+
+Accumulation trades memory for time: a window of N micro-batches keeps one micro-batch's
+activations and pays N forwards and backwards. Whether larger micro-batches are faster
+depends on the device and the model (a GPU's kernels fill up with the batch; on a CPU a
+smaller working set can be the faster one), so it is measured, not assumed. The candidates
+take turns round by round (ABBA), so what the machine does meanwhile falls on all of them
+alike, and each is compared with the others round by round (paired ratios). A candidate
+slower than the best in nearly every round by more than the noise leaves the race; the
+race ends when one is left, or its time is spent. The largest that fits stays the choice
+unless another is faster in nearly every round by more than the noise.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "PREFER",
+    "TIE",
+    "Race",
+    "Timing",
+    "candidates",
+    "choose",
+    "race",
+    "slower",
+    "window_sizes",
+]
+
+PREFER = ("fastest", "largest")
+
+# A candidate is slower than another when it is, round by round, by more than TIE (what
+# a machine's noise moves one window against the next in the same round) and beyond the
+# rounds' spread: a one-sided t-test at 1% on the paired log-ratios (_T99: the t quantile
+# by degrees of freedom).
+TIE = 0.03
+_MIN_ROUNDS = 3
+_MAX_ROUNDS = 9
+_T99 = {2: 6.965, 3: 4.541, 4: 3.747, 5: 3.365, 6: 3.143, 7: 2.998, 8: 2.896}
+
+
+def window_sizes(samples: int, micro_size: int) -> list[int]:
+    """The micro-batches of a window of ``samples`` at ``micro_size``: equal, the last one
+    smaller where they do not divide (the effective batch exact)."""
+    n = math.ceil(samples / micro_size)
+    return [micro_size] * (n - 1) + [samples - (n - 1) * micro_size]
+
+
+def candidates(per_rank: int, largest: int) -> list[int]:
+    """The sizes worth timing, largest first: the largest that fits, the largest divisor of
+    the per-rank batch from it down to half of it (what a framework's equal micro-batches
+    use), and about half, a quarter and an eighth of the largest (a divisor of the per-rank
+    batch where one is near). Not every size: time per sample changes slowly with the size,
+    and each candidate costs whole windows."""
+    largest = max(1, min(largest, per_rank))
+
+    def near(target: float, lowest: float) -> int:
+        """The largest divisor of the per-rank batch from ``target`` down to ``lowest``, or
+        ``target`` rounded down."""
+        top = max(1, int(target))
+        for d in range(top, max(1, math.ceil(lowest)) - 1, -1):
+            if per_rank % d == 0:
+                return d
+        return top
+
+    out = [largest, near(largest, largest / 2)]
+    for part in (2, 4):
+        out.append(near(largest / part, largest / part * 2 / 3))
+    return sorted(set(out), reverse=True)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One candidate's timed windows: ``seconds``, each round's seconds per effective batch
+    (of ``samples`` samples timed, scaled to the per-rank batch when fewer); ``left``: the
+    round after which it left the race as clearly slower (None: it ran to the end);
+    ``peak_bytes``: the peak the plan predicts at this size."""
+
+    micro_size: int
+    micro_batches: int
+    last_micro_size: int
+    samples: int
+    seconds: tuple[float, ...]
+    peak_bytes: float = 0.0
+    left: int | None = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds) if self.seconds else math.nan
+
+    @property
+    def low(self) -> float:
+        return min(self.seconds, default=math.nan)
+
+    @property
+    def high(self) -> float:
+        return max(self.seconds, default=math.nan)
+
+    def per_sample(self, per_rank: int) -> float:
+        return self.median / per_rank
+
+
+@dataclass(frozen=True)
+class Race:
+    """What the race found: every candidate's ``timings``, the ``fastest`` by median, the
+    ``chosen`` size and ``why`` in one line. ``spent``: its seconds."""
+
+    timings: tuple[Timing, ...]
+    fastest: int
+    chosen: int
+    why: str
+    spent: float
+
+
+def _ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
+    """Round by round, a's seconds over b's, over the rounds both ran."""
+    return [x / y for x, y in zip(a, b, strict=False) if y > 0]
+
+
+def slower(a: Sequence[float], b: Sequence[float], tie: float = TIE) -> bool:
+    """Whether ``a`` is slower than ``b`` beyond the noise, over the rounds both ran (three
+    at least): the mean of the paired log-ratios above ``log(1 + tie)``, and above zero by
+    a one-sided t-test at 1% (the test is repeated as rounds come in: a strict level keeps
+    the chance that noise alone decides small)."""
+    logs = [math.log(x) for x in _ratios(a, b) if x > 0]
+    n = len(logs)
+    if n < _MIN_ROUNDS:
+        return False
+    mean = statistics.fmean(logs)
+    if mean <= math.log1p(tie):
+        return False
+    spread = statistics.stdev(logs) / math.sqrt(n)
+    return spread == 0 or mean / spread > _T99[min(n - 1, max(_T99))]
+
+
+def choose(seconds: dict[int, list[float]], tie: float = TIE) -> tuple[int, int, str]:
+    """(chosen, fastest, why) from each size's seconds per effective batch, round by round:
+    the fastest by median when the largest is slower than it beyond the noise (``slower``),
+    else the largest."""
+    largest = max(seconds)
+    fastest = min(seconds, key=lambda m: statistics.median(seconds[m]))
+    n = len(seconds)
+    if fastest == largest:
+        return largest, fastest, f"the fastest of {n} sizes timed, the largest that fits"
+    if slower(seconds[largest], seconds[fastest], tie):
+        gain = statistics.median(_ratios(seconds[largest], seconds[fastest]))
+        return (
+            fastest,
+            fastest,
+            (
+                f"the fastest of {n} sizes timed: {gain:.2f}x faster per effective batch than "
+                f"the largest that fits, {largest}"
+            ),
+        )
+    rounds = len(_ratios(seconds[largest], seconds[fastest]))
+    each = f"{rounds} window{'s' if rounds > 1 else ''} each"
+    if rounds < _MIN_ROUNDS:
+        each += " in the time planning allows"
+    return (
+        largest,
+        fastest,
+        (f"the largest that fits; timing cannot tell it from {fastest} beyond the noise ({each})"),
+    )
+
+
+def race(
+    window: Callable[[list[int]], float],
+    sizes: Sequence[int],
+    per_rank: int,
+    budget_s: float,
+    *,
+    max_rounds: int = _MAX_ROUNDS,
+    tie: float = TIE,
+) -> Race:
+    """Time ``sizes`` (largest first) and choose. ``window(micro_sizes) -> seconds`` runs one
+    real window of those micro-batches. First a short window of each (one micro-batch, and
+    the ragged last one where there is one: the shapes' one-time costs, and the cost per
+    sample); then rounds of a window each, taking turns (in order, then reversed), of the
+    whole per-rank batch, or of fewer samples when three rounds of the whole would not fit
+    ``budget_s`` (scaled up to the per-rank batch). A candidate slower than the fastest so
+    far beyond the noise leaves the race. The largest is chosen unless another is faster
+    than it beyond the noise."""
+    began = time.perf_counter()
+    sizes = sorted(set(sizes), reverse=True)
+    largest = sizes[0]
+    per_sample = {}
+    for m in sizes:
+        warm = [m]
+        if per_rank % m:  # the real window's ragged last micro-batch, warmed too
+            warm.append(per_rank % m)
+        per_sample[m] = window(warm) / sum(warm)
+    left_s = budget_s - (time.perf_counter() - began)
+    # one round of every candidate at the whole per-rank batch, as far as the budget goes
+    round_cost = sum(per_sample.values()) * per_rank
+    samples = per_rank
+    if _MIN_ROUNDS * round_cost > left_s:
+        samples = max(largest, int(left_s / (_MIN_ROUNDS * sum(per_sample.values()))))
+        samples = min(per_rank, samples)
+    seconds: dict[int, list[float]] = {m: [] for m in sizes}
+    left: dict[int, int | None] = dict.fromkeys(sizes)
+    alive = list(sizes)
+    for r in range(max_rounds):
+        for m in alive if r % 2 == 0 else alive[::-1]:
+            seconds[m].append(window(window_sizes(samples, m)) * per_rank / samples)
+        if r + 1 >= _MIN_ROUNDS:
+            best = min(alive, key=lambda m: statistics.median(seconds[m]))
+            for m in list(alive):
+                if m != best and slower(seconds[m], seconds[best], tie):
+                    alive.remove(m)
+                    left[m] = r + 1
+        spent = time.perf_counter() - began
+        next_round = sum(statistics.median(seconds[m]) for m in alive) * samples / per_rank
+        if len(alive) == 1 or spent + next_round > budget_s:
+            break
+    chosen, fastest, why = choose(seconds, tie)
+    timings = tuple(
+        Timing(
+            micro_size=m,
+            micro_batches=math.ceil(per_rank / m),
+            last_micro_size=window_sizes(per_rank, m)[-1],
+            samples=samples,
+            seconds=tuple(seconds[m]),
+            left=left[m],
+        )
+        for m in sizes
+    )
+    return Race(timings, fastest, chosen, why, time.perf_counter() - began)

@@ -1,0 +1,146 @@
+"""gradaccum.plan.speed: the sizes that fit timed against each other over real windows; the
+fastest chosen when it is faster beyond the noise, else the largest; the effective batch
+exact for every candidate."""
+
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import gradaccum as ga
+from gradaccum.plan.speed import candidates, choose, race, window_sizes
+
+PER_RANK = 32
+
+
+class Pairwise(nn.Module):
+    """Each call pays a fixed cost (a matmul on a parameter, whatever the micro-batch) and a
+    cost that grows with the square of its micro-batch (every sample against every other,
+    a tensor of m x m x d): per effective batch, tiny micro-batches pay the fixed cost too
+    often and the whole batch pays the square, so a size in between is the fastest."""
+
+    def __init__(self, d: int = 2048, fixed: int = 96) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, d)
+        self.fixed = nn.Parameter(torch.randn(fixed, fixed) / fixed**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = torch.tanh(self.fixed @ self.fixed)
+        h = self.embed(x)
+        gaps = torch.tanh(h[:, None, :] - h[None, :, :])
+        return gaps.square().mean((1, 2)) + f.mean()
+
+
+def loss_fn(model, x):
+    return ga.sample_mean(model(x))
+
+
+def setup():
+    torch.manual_seed(0)
+    model = Pairwise()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    return model, optimizer, torch.randn(PER_RANK, 16)
+
+
+def real_window(model, optimizer, x, seen=None):
+    """One real window through an Accumulator: the micro-batches of the given sizes."""
+    acc = ga.Accumulator(model, optimizer)
+
+    def window(sizes):
+        if seen is not None:
+            seen.append(list(sizes))
+        batches = [x[:s] for s in sizes]
+        began = time.perf_counter()
+        acc.step(batches, loss_fn)
+        return time.perf_counter() - began
+
+    return window
+
+
+def reference_seconds(model, optimizer, x, size: int) -> float:
+    """Seconds per effective batch at ``size``, best of five, by a plain torch loop."""
+    best = float("inf")
+    for _ in range(5):
+        began = time.perf_counter()
+        for start in range(0, PER_RANK, size):
+            out = model(x[start : start + size])
+            (out.sum() / PER_RANK).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
+def test_the_candidates_are_few_and_divide_the_batch_where_a_divisor_is_near():
+    assert candidates(64, 11) == [11, 8, 4, 2]  # 8: what a framework's equal split uses
+    assert candidates(64, 64) == [64, 32, 16]
+    assert candidates(97, 13) == [13, 6, 3]  # 97 is prime: halves, rounded down
+    assert candidates(64, 1) == [1]
+
+
+def test_every_candidate_runs_its_whole_effective_batch_ragged_last_included():
+    model, optimizer, x = setup()
+    seen = []
+    result = race(real_window(model, optimizer, x, seen), [13, 8, 4], PER_RANK, 5.0)
+    timed = [s for s in seen if sum(s) == result.timings[0].samples]
+    assert result.timings[0].samples == PER_RANK  # the whole batch fits this budget
+    assert [13, 13, 6] in timed and [8, 8, 8, 8] in timed and [4] * 8 in timed
+    for t in result.timings:
+        sizes = [t.micro_size] * (t.micro_batches - 1) + [t.last_micro_size]
+        assert sizes == window_sizes(PER_RANK, t.micro_size) and sum(sizes) == PER_RANK
+        assert len(t.seconds) >= 2 and t.low <= t.median <= t.high
+
+
+def test_the_fastest_is_chosen_when_the_sizes_differ_clearly():
+    model, optimizer, x = setup()
+    reference = {m: reference_seconds(model, optimizer, x, m) for m in (32, 16, 8)}
+    result = race(real_window(model, optimizer, x), [32, 16, 8], PER_RANK, 10.0)
+    fastest = min(reference, key=reference.get)
+    print(reference, result.why)
+    assert reference[32] > 1.3 * reference[fastest]  # the model is as described
+    # (16 and 8 are near each other: either, within what the reference itself moves)
+    assert result.chosen != 32 and reference[result.chosen] <= 1.25 * reference[fastest]
+    assert "faster per effective batch than the largest that fits, 32" in result.why
+
+
+def test_the_largest_is_chosen_when_the_sizes_tie():
+    """Every candidate's window is the same real window: nothing tells them apart."""
+    model, optimizer, x = setup()
+    window = real_window(model, optimizer, x)
+    result = race(lambda sizes: window(window_sizes(PER_RANK, 8)), [32, 16, 8], PER_RANK, 3.0)
+    assert result.chosen == 32
+
+
+def test_the_choice_needs_the_largest_slower_beyond_the_noise():
+    # 8 faster by 10% in each of 3 rounds: chosen; by 1%: the largest stays
+    assert choose({32: [1.1, 1.12, 1.1], 8: [1.0, 1.0, 1.0]})[0] == 8
+    assert choose({32: [1.01, 1.011, 1.01], 8: [1.0, 1.0, 1.0]})[0] == 32
+    # faster on the whole, but the rounds spread more than the gap: the largest
+    assert choose({32: [2.0, 1.0, 1.0], 8: [1.0, 1.05, 1.05]})[0] == 32
+    assert choose({32: [1.5, 0.8, 1.4, 0.9], 8: [1.0, 1.0, 1.0, 1.0]})[0] == 32
+    # two rounds say nothing, however far apart
+    assert choose({32: [3.0, 3.0], 8: [1.0, 1.0]})[0] == 32
+
+
+@pytest.mark.parametrize("prefer", ["fastest", "largest"])
+def test_plan_times_the_sizes_that_fit_or_keeps_the_largest(prefer):
+    model, optimizer, x = setup()
+    # more probes than the default: a longer plan, so half of it times three sizes
+    planned = ga.plan(
+        model, optimizer, x, loss_fn, effective_batch=PER_RANK, budget="4GiB", prefer=prefer,
+        probe_sizes=[1, 2, 3, 4, 5, 6, 8],
+    )  # fmt: skip
+    assert sum(planned.micro_sizes) == PER_RANK
+    assert planned.predicted_peak <= planned.budget * (1 - planned.margin)
+    assert planned.micro_size <= planned.largest_fitting == PER_RANK
+    if prefer == "largest":
+        assert planned.micro_size == PER_RANK and planned.timings == () and not planned.choice
+        return
+    assert [t.micro_size for t in planned.timings] == [32, 16, 8]
+    assert planned.micro_size in (32, 16, 8) and planned.choice in planned.summary()
+    assert all(t.peak_bytes <= planned.timing(32).peak_bytes for t in planned.timings)
+    assert "| 32 | 1 x 32 |" in planned.timing_table()
+    back = type(planned).from_dict(json.loads(json.dumps(planned.to_dict())))
+    assert back.timings == planned.timings
