@@ -159,5 +159,17 @@ def test_what_the_estimate_does_not_model_is_refused_in_one_line():
         done.stderr
     )
     done = in_process("plan", "--device", "cuda", "--quantize", "nf4")
-    assert done.returncode == 2 and "quantize nf4: a frozen bitsandbytes base" in done.stderr
+    assert done.returncode == 2 and "quantize needs --lora R" in done.stderr
     assert done.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.slow  # a fresh process tracing a model: about 15 s on a quiet machine
+def test_lora_on_a_4bit_base_is_estimated_and_says_what_it_modelled(tmp_path):
+    done = in_process("plan", "--device", "cuda", "--hf-model", tiny(tmp_path), "--lora", "2",
+                      "--quantize", "nf4", "--double-quant", "--precision", "bf16",
+                      "--micro-batch", "2", "--seq-len", "16", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assumed = " ".join(result["assumptions"])
+    assert "bitsandbytes' Linear4bit nf4 with double quantization" in assumed
+    assert "prepare_model_for_kbit_training's fp32 cast not applied" in assumed

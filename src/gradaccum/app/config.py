@@ -283,7 +283,8 @@ ESTIMATE_TASKS = (
     "token-classification",
     "image-classification",
 )
-ESTIMATE_ONLY = ("hf_model", "task", "seq_len", "lora", "micro_batch")
+ESTIMATE_ONLY = ("hf_model", "task", "seq_len", "lora", "micro_batch", "quantize")
+QUANTIZED = ("8bit", "nf4", "fp4")
 
 
 @dataclass(kw_only=True)
@@ -885,9 +886,12 @@ class PlanConfig:
     )
     quantize: str | None = Opt(
         None,
-        "a frozen bitsandbytes base under --lora: 8bit, nf4 or fp4; not modelled by the "
-        "estimate yet (refused)",
-        choices=("8bit", "nf4", "fp4"),
+        "a frozen bitsandbytes base under --lora (QLoRA): 8bit (Linear8bitLt) or nf4, fp4 "
+        "(Linear4bit), modelled by their documented layout",
+        choices=QUANTIZED,
+    )()
+    double_quant: bool = Opt(
+        False, "with --quantize nf4 or fp4: double quantization (bnb_4bit_use_double_quant)"
     )()
 
     def __post_init__(self) -> None:
@@ -916,12 +920,10 @@ class PlanConfig:
                 "yet (a 1/N share of parameters, gradients and optimizer state, one unit's "
                 "all-gathered parameters at a time); --shard ddp estimates each process whole"
             )
-        if self.quantize is not None:
-            out.append(
-                f"quantize {self.quantize}: a frozen bitsandbytes base (packed weights, their "
-                "scales and the dequantizing matmul) is not modelled by the estimate yet; "
-                "--precision bf16 --lora R estimates the bf16 base, an upper bound on its weights"
-            )
+        if self.quantize is not None and self.lora is None:
+            out.append("quantize needs --lora R: a quantized base trains adapters only")
+        if self.double_quant and self.quantize not in ("nf4", "fp4"):
+            out.append("double_quant needs --quantize nf4 or fp4")
         return out
 
 

@@ -330,12 +330,31 @@ def _workload(cfg: PlanConfig):
         from gradaccum.integrations.peft import apply_lora
 
         def prepare(model: torch.nn.Module) -> torch.nn.Module:
-            return apply_lora(model, r=cfg.lora)
+            model = apply_lora(model, r=cfg.lora)
+            if cfg.quantize is not None:
+                from gradaccum.plan.estimate.quantized import quantize
 
+                model = quantize(model, cfg.quantize, double_quant=cfg.double_quant)
+            return model
+
+        base = "bf16" if low else "fp32"
         assumed.append(
-            f"LoRA r={cfg.lora} on the default attention projections, "
-            + ("base frozen in bf16" if low else "base frozen in fp32")
+            f"LoRA r={cfg.lora} on the default attention projections, base frozen in {base}"
         )
+        if cfg.quantize is not None:
+            what = "Linear8bitLt" if cfg.quantize == "8bit" else f"Linear4bit {cfg.quantize}"
+            assumed.append(
+                f"base's linear layers but the output embedding as bitsandbytes' {what}"
+                + (" with double quantization" if cfg.double_quant else "")
+                + ", modelled by their documented layout ("
+                + (
+                    "int8 products; no outlier columns over the 6.0 threshold"
+                    if cfg.quantize == "8bit"
+                    else f"computing in {base}"
+                )
+                + f"; the other parameters stay in {base}: prepare_model_for_kbit_training's "
+                "fp32 cast not applied)"
+            )
     return build, sample, loss_fn, prepare, assumed
 
 

@@ -58,7 +58,8 @@ def estimate(
     ``prepare(model)`` returns the model to train (LoRA adapters, for one) after it is built.
     ``world_size`` > 1: one of that many data-parallel processes, each with the whole model in
     ``DistributedDataParallel``, whose gradient buckets are a second copy of the gradients
-    (FSDP2 sharding and bitsandbytes' quantized layers are not modelled: refused).
+    (FSDP2 sharding is not modelled: refused; bitsandbytes' quantized layers are refused for
+    ``gradaccum.plan.estimate.quantized.quantize``'s model of them).
 
     Two windows run through a real ``Accumulator``: the first creates the optimizer's state,
     the second is the steady one; the peak is over both. ``evaluate=True`` adds a forward
@@ -255,9 +256,10 @@ def _unmodelled(module: torch.nn.Module) -> str | None:
         where = name or type(module).__name__
         if cls.__module__.startswith("bitsandbytes"):
             return (
-                f"model: {where} is bitsandbytes' {cls.__name__} (a quantized frozen base), "
-                "not modelled yet; estimate the base in bf16 (precision='bf16'), an upper bound "
-                "on its weights"
+                f"model: {where} is bitsandbytes' {cls.__name__}, whose kernels do not run on "
+                "fake tensors; build the base unquantized and pass prepare=lambda m: "
+                "gradaccum.plan.estimate.quantized.quantize(apply_lora(m), 'nf4'), its "
+                "documented layout"
             )
         if sharded is not None and isinstance(sub, sharded):
             return f"model: {where} is sharded by FSDP2 (fully_shard), not modelled yet"

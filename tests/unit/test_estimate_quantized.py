@@ -1,0 +1,86 @@
+"""A frozen 8-bit or 4-bit base modelled as bitsandbytes documents it (bitsandbytes does not
+run here, and its kernels never on fake tensors): what each layer holds, worked out by hand
+from bitsandbytes' quantize_4bit and Int8Params, and the dequantized weight its training path
+allocates in the forward and again in the backward, never saved between them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradaccum as ga
+from gradaccum.plan.estimate.quantized import quantize
+from gradaccum.plan.estimate.trace import Tally, fake_mode
+
+
+class Adapted(torch.nn.Module):
+    """A frozen base layer and a trainable one after it (as LoRA leaves a model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = torch.nn.Linear(256, 512)
+        self.head = torch.nn.Linear(512, 8)
+        self.base.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.base(x)))
+
+
+def sample(n):
+    return torch.randn(n, 256), torch.randint(0, 8, (n,))
+
+
+def loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y, reduction="sum"), y.numel()
+
+
+N = 256 * 512  # the base's weight, in values
+HEAD = (512 * 8 + 8) * 4  # the trainable layer, float32
+BIAS = 512 * 4
+# bitsandbytes' layout, by hand: packed 4-bit values two a byte; a float32 absmax per 64
+# values and a 16-entry float32 code per layer; double quantization: uint8 absmax, a float32
+# absmax per 256 of them, a 0-d float32 offset, the shared 256-entry float32 map; 8-bit: int8
+# values and a float32 scale per output row
+HELD = {
+    ("nf4", False): N // 2 + (N // 64) * 4 + 16 * 4,
+    ("fp4", False): N // 2 + (N // 64) * 4 + 16 * 4,
+    ("nf4", True): N // 2 + N // 64 + (N // 64 // 256) * 4 + 4 + 256 * 4 + 16 * 4,
+    ("8bit", False): N + 512 * 4,
+}
+
+
+@pytest.mark.parametrize(("kind", "double"), list(HELD))
+def test_a_quantized_layer_holds_its_documented_layout(kind, double):
+    def build():
+        return quantize(Adapted(), kind, double_quant=double)
+
+    adamw = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
+    est = ga.estimate(build, adamw, sample, loss, micro_size=4, device="cpu")
+    assert est.parts["parameters"] == HELD[(kind, double)] + BIAS + HEAD
+    # the base is frozen: AdamW's state is the head's two moments and two step counters
+    assert est.parts["optimizer state"] == 2 * HEAD + 2 * 4
+
+
+@pytest.mark.parametrize("kind", ["nf4", "8bit"])
+def test_the_weight_is_dequantized_in_the_forward_and_again_in_the_backward(kind):
+    with fake_mode():
+        model = quantize(Adapted(), kind)
+        x = torch.randn(4, 256, requires_grad=True)  # as a LoRA layer's input needs its grad
+        tally = Tally()
+        with tally:
+            model(x).sum().backward()
+    dequantized = N * 4  # the float32 weight, out x in
+    allocs = [size for action, _, size in tally.events if action == "alloc"]
+    # 4-bit: in the compute dtype in both passes; 8-bit: as an int8 product forward, the
+    # weight in the input's dtype backward
+    assert allocs.count(dequantized) == (2 if kind == "nf4" else 1)
+    live = tally.live_at(len(tally.events))
+    assert dequantized not in live.values()  # neither kept
+
+
+def test_the_output_embedding_and_trainable_layers_stay_as_they_are():
+    model = quantize(Adapted(), "nf4")
+    assert type(model.base).__name__ == "Quantized4bit" and type(model.head) is torch.nn.Linear
+    with pytest.raises(ValueError, match="kind must be one of 8bit, nf4, fp4"):
+        quantize(Adapted(), "int4")
