@@ -9,19 +9,22 @@ traced in both of torch's CUDA implementations a Trainer may pick (`adamw_torch`
 `adamw_torch_fused`: fused), since the published files do not say which ran.
 
 Then a 7B-parameter Llama-shaped configuration with LoRA (r=16) at 2,048 tokens, micro-batch
-4, bf16: `python -m gradaccum.app.estimating` as `gradaccum plan --device cuda` runs it, its
-wall time and peak resident memory (the process's own, from getrusage).
+4, bf16, through the command (`gradaccum plan --device cuda ...`, COMMAND below) in fresh
+processes: its wall time, the CPU time and peak resident memory of the trace's process
+(getrusage), the same command again (a plan-cache hit), and the same over an nf4 base (QLoRA).
 
-Writes bench/results/estimate.md; `python bench/estimate.py` (about two minutes on 2 cores).
+Writes bench/results/estimate.md. `python bench/estimate.py` makes what results/estimate.json
+lacks; `--again-7b` the three 7B runs afresh (a few minutes on 2 quiet cores), `--again`
+everything (the published rows add a few minutes).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -112,70 +115,69 @@ def estimate_row(name: str, fused: bool) -> ga.Estimate:
     )
 
 
-def seven_b() -> dict:
-    folder = Path(tempfile.mkdtemp(prefix="llama7b-"))
-    (folder / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 4096,
-                "intermediate_size": 11008,
-                "num_hidden_layers": 32,
-                "num_attention_heads": 32,
-                "num_key_value_heads": 32,
-                "vocab_size": 32000,
-                "max_position_embeddings": 4096,
-                "rms_norm_eps": 1e-5,
-                "tie_word_embeddings": False,
-            }
-        )
-    )
-    cfg = {
-        "hf_model": str(folder),
-        "device": "cuda",
-        "estimate": True,
-        "lora": 16,
-        "seq_len": 2048,
-        "micro_batch": 4,
-        "effective_batch": 32,
-        "precision": "bf16",
-        "budget": "80GB",
-        "gpu": "a100-80gb",
-    }
-    (folder / "plan.json").write_text(json.dumps(cfg))
-    code = (
-        "import resource, runpy, sys, time; t = time.perf_counter(); "
-        "sys.argv = ['estimating', sys.argv[1], sys.argv[2]]; "
-        "import gradaccum.app.estimating as e; rc = e.main(sys.argv[1:]); "
-        "u = resource.getrusage(resource.RUSAGE_SELF); "
-        "print(time.perf_counter() - t, u.ru_utime + u.ru_stime, u.ru_maxrss)"
-    )
-    started = time.perf_counter()
+SEVEN_B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+# the command as a person types it (DIR: a folder holding SEVEN_B as config.json)
+COMMAND = (
+    "gradaccum plan --device cuda --hf-model DIR --lora 16 --seq-len 2048 --micro-batch 4 "
+    "--precision bf16 --gpu a100-80gb --json"
+)
+# each run's process: the command's main, its wall time, and (RUSAGE_CHILDREN) the CPU time and
+# peak resident memory of the process it starts for the trace
+RUN = (
+    "import json, resource, subprocess, sys, time; t = time.perf_counter(); "
+    "done = subprocess.run([sys.executable, '-c', 'import sys; from gradaccum.app.cli import "
+    "main; sys.exit(main(sys.argv[1:]))', *sys.argv[1:]], capture_output=True, text=True); "
+    "u = resource.getrusage(resource.RUSAGE_CHILDREN); print(json.dumps({'wall': "
+    "time.perf_counter() - t, 'cpu': u.ru_utime + u.ru_stime, 'rss': u.ru_maxrss * 1024, "
+    "'rc': done.returncode, 'out': done.stdout, 'err': done.stderr[-500:]}))"
+)
+
+
+def seven_b(extra: tuple[str, ...], cache: Path) -> dict:
+    """``COMMAND`` (and ``extra``) run once, with the plan cache in ``cache``."""
+    folder = cache.parent / "llama-7b"
+    if not folder.exists():  # written once: the cache keys the file's time
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(SEVEN_B))
+    argv = COMMAND.replace("DIR", str(folder)).split()[1:] + list(extra)
+    env = {**os.environ, "GRADACCUM_PLAN_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", code, str(folder / "plan.json"), str(folder / "out.json")],
-        capture_output=True,
-        text=True,
-        check=True,
+        [sys.executable, "-c", RUN, *argv], capture_output=True, text=True, check=True, env=env
     )
-    wall = time.perf_counter() - started
-    seconds, cpu, rss_kib = done.stdout.split()[-3:]
-    result = json.loads((folder / "out.json").read_text())
-    return {
-        "wall": wall,
-        "inner": float(seconds),
-        "cpu": float(cpu),
-        "rss": int(rss_kib) * 1024,
-        "result": result.get("estimate", result),
-    }
+    run = json.loads(done.stdout)
+    if run["rc"] != 0:
+        run.pop("out")
+        return {**run, "result": {"error": run["err"].strip().splitlines()[-1:]}}
+    result = json.loads(run.pop("out"))
+    return {**run, "result": result}
+
+
+SEVEN_B_RUNS = [  # key, what, extra flags
+    ("7b", "LoRA r=16 over a bf16 base", ()),
+    ("7b cached", "the same command again (a plan-cache hit)", ()),
+    ("7b qlora", "LoRA r=16 over an nf4 base, double quantization (QLoRA)",
+     ("--quantize", "nf4", "--double-quant")),
+]  # fmt: skip
 
 
 NOTES = [
     "## Notes",
     "",
-    "- The 7B row's wall time was measured with the machine's load average near 12 (two "
-    "cores shared with five other sessions' tests); its CPU time is the figure that load does "
-    "not inflate.",
+    "- The 7B rows' wall times depend on the machine's load (its one-minute average is in "
+    "each row: two cores shared with other sessions' tests); their CPU time is the figure "
+    "that load does not inflate.",
     "- Sources: the optimum-benchmark rows are the numbers issue 45 quotes from "
     "optimum-benchmark's published result files (`max_memory_allocated` / "
     "`max_memory_reserved` of its training scenario: Hugging Face Trainer, batch 2, 16 "
@@ -198,9 +200,11 @@ NOTES = [
 
 def main() -> None:
     """Each estimate is kept in results/estimate.json as it is made: a rerun makes only those
-    missing (``python bench/estimate.py --again`` makes every one afresh)."""
+    missing (``--again``: every one afresh; ``--again-7b``: the 7B runs alone)."""
     store = OUT / "estimate.json"
     kept = json.loads(store.read_text()) if store.exists() and "--again" not in sys.argv else {}
+    if "--again-7b" in sys.argv:
+        kept = {k: v for k, v in kept.items() if not k.startswith("7b")}
     rows = []
     for name, head, allocated, reserved, gpu in PUBLISHED:
         for fused in (False, True):
@@ -211,11 +215,14 @@ def main() -> None:
                 store.write_text(json.dumps(kept, indent=2) + "\n")
             print(key, kept[key], flush=True)
             rows.append((name, head, gpu, fused, allocated, reserved, kept[key]))
-    if "7b" not in kept:
-        kept["7b"] = seven_b()
-        store.write_text(json.dumps(kept, indent=2) + "\n")
-    print(kept["7b"], flush=True)
-    write(rows, kept["7b"])
+    if any(key not in kept for key, _, _ in SEVEN_B_RUNS):  # in order: the hit needs the miss
+        with tempfile.TemporaryDirectory(prefix="gradaccum-bench-") as tmp:
+            for key, _, extra in SEVEN_B_RUNS:
+                kept[key] = {**seven_b(extra, Path(tmp, "plans")), "load": os.getloadavg()[0]}
+                store.write_text(json.dumps(kept, indent=2) + "\n")
+    for key, _, _ in SEVEN_B_RUNS:
+        print(key, {k: v for k, v in kept[key].items() if k != "result"}, flush=True)
+    write(rows, kept)
 
 
 def err(predicted: int, measured: float | None) -> str:
@@ -224,7 +231,7 @@ def err(predicted: int, measured: float | None) -> str:
     return f"{(predicted / MB - measured) / measured:+.1%}"
 
 
-def write(rows, big) -> None:
+def write(rows, big: dict) -> None:
     lines = [
         "# The estimate against published GPU measurements",
         "",
@@ -259,32 +266,35 @@ def write(rows, big) -> None:
             f"{est['allocated'] / MB:.2f} | {a} | {err(est['allocated'], allocated)} | "
             f"{est['reserved'] / MB:.2f} | {reserved:.2f} | {err(est['reserved'], reserved)} |"
         )
-    r = big["result"]
     lines += [
         "",
         "## A 7B Llama-shaped model with LoRA at 2,048 tokens",
         "",
         "hidden 4096, 32 layers, 32 heads, MLP 11008, vocabulary 32000 (6.7B parameters, "
-        "never allocated), LoRA r=16 on q_proj and v_proj over a bf16 base, bf16 autocast, "
-        "micro-batch 4, for an A100 80GB; `python -m gradaccum.app.estimating` as "
-        "`gradaccum plan --device cuda --hf-model DIR --lora 16 --seq-len 2048 "
-        "--micro-batch 4 --precision bf16` runs it, in a fresh process on this machine.",
+        "never allocated), LoRA r=16 on q_proj and v_proj, bf16 autocast, micro-batch 4, for "
+        f"an A100 80GB: `{COMMAND}`, each run a fresh process on this machine with the plan "
+        "cache in a new folder (the second run the same command again). Wall time: the "
+        "command's process from start to end; CPU time and peak resident memory: the trace's "
+        "process it starts (and itself).",
         "",
-        "| | |",
-        "|---|---|",
-        f"| wall time (process start to end) | {big['wall']:.1f} s |",
-        f"| of which the estimate | {big['inner']:.1f} s |",
-        f"| CPU time of the process (user + system) | {big['cpu']:.1f} s |",
-        f"| peak resident memory | {big['rss'] / 2**20:.0f} MiB |",
+        "| run | wall time | CPU time | peak resident | load average | allocated | reserved "
+        "| device total |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    if "allocated" in r:
-        lines += [
-            f"| allocated | {r['allocated'] / 2**30:.2f} GiB |",
-            f"| reserved | {r['reserved'] / 2**30:.2f} GiB |",
-            f"| device total | {r['total'] / 2**30:.2f} GiB |",
-        ]
-    else:
-        lines.append(f"| error | {r} |")
+    for key, what, extra in SEVEN_B_RUNS:
+        run = big[key]
+        r = run["result"]
+        flags = f" `{' '.join(extra)}`" if extra else ""
+        numbers = (
+            f"{r['allocated'] / 2**30:.2f} GiB | {r['reserved'] / 2**30:.2f} GiB | "
+            f"{r['total'] / 2**30:.2f} GiB"
+            if "allocated" in r
+            else f"error: {r} | | "
+        )
+        lines.append(
+            f"| {what}{flags} | {run['wall']:.1f} s | {run['cpu']:.1f} s | "
+            f"{run['rss'] / 2**20:.0f} MiB | {run['load']:.1f} | {numbers} |"
+        )
     lines += ["", *NOTES]
     (OUT / "estimate.md").write_text("\n".join(lines) + "\n")
 
