@@ -86,3 +86,20 @@ def test_no_shipped_function_takes_a_fault_injection_argument():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 args = [a.arg for a in [*node.args.args, *node.args.kwonlyargs]]
                 assert not {"faults", "fault", "inject"} & set(args), (file, node.name)
+
+
+def test_a_window_of_one_micro_batch_is_said_to_be_no_accumulation(tmp_path):
+    """docs/cli.md's run.toml (digits, 256 in 300MB) plans the whole batch as one micro-batch:
+    the run's first line said '1 micro-batch of up to 256', leaving 'no accumulation' to
+    arithmetic."""
+    for micro, shape in (
+        (16, "effective batch 16 = 1 micro-batch of 16 (no accumulation);"),
+        (6, "effective batch 16 = 3 micro-batches of up to 6;"),
+    ):
+        said: list[str] = []
+        run = build_run(digits_config(tmp_path / str(micro), micro_batch=micro), log=quiet)
+        try:
+            Trainer(run, said.append).announce()
+        finally:
+            run.folder.release()
+        assert shape in said[0], said

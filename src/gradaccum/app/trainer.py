@@ -225,10 +225,14 @@ class Trainer:
         """The run's first lines: its length and batch, and its targets."""
         run, cfg, kind = self.run, self.run.cfg, self.run.kind
         effective, schedule = cfg.batch.effective_batch, run.progress.schedule
-        per_window = math.ceil(math.ceil(effective / kind.replicas) / run.micro_size)
+        per_rank = math.ceil(effective / kind.replicas)
+        per_window = math.ceil(per_rank / run.micro_size)
+        plural = "es" if per_window > 1 else ""
+        shape = f"{per_window} micro-batch{plural} of up to {run.micro_size}"
+        if per_window == 1 and schedule.kind == "constant":  # said, not left to arithmetic
+            shape = f"1 micro-batch of {per_rank} (no accumulation)"
         self.log(
-            f"training {run.progress.length()}: effective batch {effective} = {per_window} "
-            f"micro-batch{'es' if per_window > 1 else ''} of up to {run.micro_size}"
+            f"training {run.progress.length()}: effective batch {effective} = {shape}"
             f"{kind.across(cfg)}"
             + ("" if schedule.kind == "constant" else f"; schedule: {schedule.describe()}")
             + f"; {run.data.epoch_samples():,} samples per epoch; run folder {run.folder.path}"
