@@ -31,7 +31,7 @@ __all__ = ["estimate_command", "head_loss", "main", "render", "task_of"]
 
 
 # what only says how to print a plan: a change of these is the same estimate
-_NOT_KEYED = ("json", "plot", "replan", "export", "export_to", "meter", "margin")
+_NOT_KEYED = ("json", "plot", "replan", "export", "export_to", "meter", "margin", "prefer")
 
 
 def estimate_command(cfg: PlanConfig) -> dict[str, Any]:
