@@ -401,30 +401,32 @@ class BatchAdvice:
 
         target = "" if self.batch is None else f" ({name(self.batch)}, about B_simple)"
         t = self.tradeoff
+        # each figure once, with what it counts; the benefit first, then what it costs
         if self.direction == "larger":
-            cost = ""
-            if t is not None:  # t: the larger batch against this one
-                cost = (
-                    f": about {_pct(t.fewer_steps)} fewer optimizer steps for "
-                    f"{_pct(t.more_samples)} more samples to the same loss"
+            if t is None:  # t: the larger batch against this one
+                how = "in fewer optimizer steps, on nearly as few samples"
+            else:
+                how = (
+                    f"in about {_pct(t.fewer_steps)} fewer optimizer steps, on about "
+                    f"{_pct(t.more_samples)} more samples"
                 )
             return (
-                f"a larger batch{target} would make nearly the same progress per sample in "
-                f"fewer steps{cost}; that saves time where the batch runs in parallel (a "
-                "GPU), not on a CPU that runs it in turn"
+                f"a larger batch{target} would reach the same loss {how}; that saves time "
+                "where the batch runs in parallel (a GPU), not on a CPU that runs it in turn"
             )
-        cost = ""
-        if t is not None:  # t: this batch against the smaller one
+        if t is None:  # t: this batch against the smaller one
+            how = "on fewer samples, in more optimizer steps"
+        else:
             more_steps = tuple(1 / (1 - f) - 1 for f in t.fewer_steps)
             fewer_samples = tuple(1 - 1 / (1 + m) for m in t.more_samples)
-            cost = (
-                f", at a cost of about {_pct(more_steps)} more optimizer steps (for "
-                f"{_pct(fewer_samples)} fewer samples) to the same loss"
+            how = (
+                f"on about {_pct(fewer_samples)} fewer samples, in about {_pct(more_steps)} "
+                "more optimizer steps"
             )
         return (
-            f"a smaller batch{target} would reach the same loss on fewer samples{cost}; "
-            "the recipe's batch is what its learning rate was set for, and gradaccum keeps "
-            "any batch exact, so keep it unless samples are what you are short of"
+            f"a smaller batch{target} would reach the same loss {how}; the recipe's batch is "
+            "what its learning rate was set for, and gradaccum keeps any batch exact, so keep "
+            "it unless samples are what you are short of"
         )
 
     def __str__(self) -> str:

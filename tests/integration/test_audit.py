@@ -42,7 +42,13 @@ def test_a_per_micro_batch_mean_compute_loss_is_reported_as_4x(tmp_path):
     assert result.kind == "mean_per_micro_batch" and "\n" not in result.fix
     assert "ExactAccumulationMixin" in result.fix and "items=" in result.fix
     assert "docs/transformers.md" in result.fix
-    assert result.summary.endswith(f"\nfix: {result.fix}")
+    # the verdict in one short line, then why, what was compared and the fix, indented
+    first, *details = result.summary.splitlines()
+    assert first.startswith("accumulation audit, relative error 3.") and len(first) < 120
+    assert first.endswith(f"FAIL; {result.headline}") and "micro-batches" in first
+    assert [d.split(":")[0] for d in details] == ["  why", "  compared", "  fix"]
+    assert result.summary.endswith(f"\n  fix: {result.fix}")
+    assert result.cause == f"{result.headline}: {details[0].removeprefix('  why: ')}"
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
@@ -70,6 +76,7 @@ def test_gradaccums_trainer_passes(tmp_path):
     print(result.summary)
     assert result.passed and result.relative_error <= 1e-6
     assert result.ratio == pytest.approx(1.0, abs=1e-5) and "PASS" in result.summary
+    assert result.summary.splitlines()[0].endswith(": PASS (within 1e-05)")
 
 
 def lightning_trainer(exact: bool):
@@ -168,7 +175,8 @@ def test_plain_loops_are_audited_too():
 
     unknown = ga.audit(step=skewed, loss=lm_reference, model=model, micro_batches=micro_batches)
     print(unknown.summary)
-    assert unknown.kind == "unknown" and "no known cause matched. Compared:" in unknown.cause
+    assert unknown.kind == "unknown" and unknown.cause.startswith("no known cause matched: ")
+    assert "\n  compared: one window of 4 micro-batches, run the trainer's way" in unknown.summary
     assert "not a multiple of the large batch's gradient" in unknown.cause
     assert "ga.check(" in unknown.fix and "docs/losses.md" in unknown.fix
 
@@ -209,7 +217,7 @@ def test_the_command_audits_a_trainer_from_a_file_and_exits_1_on_failure(tmp_pat
     proc = cli("audit", tmp_path / "train.py:make_trainer", cwd=tmp_path, check=False)
     assert proc.returncode == 1, proc.stderr
     assert "FAIL; the gradient is 3.9" in proc.stdout or "FAIL; the gradient is 4.0" in proc.stdout
-    assert "\nfix: put gradaccum's ExactAccumulationMixin first in your Trainer" in proc.stdout
+    assert "\n  fix: put gradaccum's ExactAccumulationMixin first in your Trainer" in proc.stdout
     proc = cli("audit", tmp_path / "train.py:nothing", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().endswith("has no function 'nothing'")
     assert "Traceback" not in proc.stderr
@@ -253,4 +261,4 @@ def test_the_command_audits_a_lightning_trainer_from_a_file(tmp_path):
     proc = cli("audit", tmp_path / "fit.py:make", cwd=tmp_path, check=False)
     assert proc.returncode == 1, proc.stderr
     assert "FAIL; micro-batches are weighted equally" in proc.stdout
-    assert "\nfix: add gradaccum's callback, Trainer(callbacks=[ExactAccumulation" in proc.stdout
+    assert "\n  fix: add gradaccum's callback, Trainer(callbacks=[ExactAccumulation" in proc.stdout

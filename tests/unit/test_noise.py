@@ -198,7 +198,7 @@ def reading(value, low, high, windows=60):
 def test_advice_names_a_direction_only_when_the_interval_excludes_the_batch():
     above = advise(800, reading(100.0, 60.0, 200.0))
     assert above.direction == "smaller" and above.batch is None
-    assert "a smaller batch would reach the same loss on fewer samples" in str(above)
+    assert "a smaller batch would reach the same loss on about " in str(above)
     assert "90% interval 60 to 200, from the last 60 windows" in above.measurement()
     below = advise(10, reading(100.0, 60.0, 200.0))
     assert below.direction == "larger" and "a larger batch" in str(below)
@@ -234,13 +234,22 @@ def test_a_smaller_batch_is_advised_with_its_cost_and_named_by_the_caller():
     said = found.sentence(lambda n: f"--effective-batch {n}")
     print(said)
     assert said.startswith("a smaller batch (--effective-batch 28, about B_simple) would")
-    assert f"at a cost of about {more_steps:.0%} " in said and "more optimizer steps" in said
+    fewer_samples = 1 - (1 + 112 / 112) / (1 + 256 / 112)  # E = E_min (1 + B / B_noise)
+    # each figure said once, with what it counts, and the loss they reach named once
+    assert f"the same loss on about {fewer_samples:.0%} (" in said
+    assert f"fewer samples, in about {more_steps:.0%} (" in said
+    assert said.count("same loss") == 1 and said.count("%") == 6
+    assert said.count("fewer samples") == 1 and said.count("more optimizer steps") == 1
     assert "learning rate was set for" in said
     # the library's own words name no flag
     assert "an effective batch of 28 samples" in found.sentence() and "--" not in str(found)
     larger = advise(16, reading(112.0, 80.0, 160.0), items_per_sample=4.0)
     fewer_steps = 1 - (1 + 112 / 112) / (1 + 112 / 16)
-    assert larger.direction == "larger" and f"about {fewer_steps:.0%} (" in str(larger)
+    more_samples = (1 + 112 / 112) / (1 + 16 / 112) - 1  # 28 samples of 4 items against 16
+    assert larger.direction == "larger"
+    assert f"the same loss in about {fewer_steps:.0%} (" in str(larger)
+    assert f"fewer optimizer steps, on about {more_samples:.0%} (" in str(larger)
+    assert str(larger).count("same loss") == 1
 
 
 @pytest.mark.parametrize(

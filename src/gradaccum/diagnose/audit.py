@@ -64,7 +64,10 @@ class AuditResult:
     loss N times too large); ``cause``: the likely cause in words (None when it passes);
     ``micro_batches``: the window's; ``passed``: the error within ``tolerance``; ``fix``:
     what to do about the cause, one line with a doc link (None when it passes); ``kind``:
-    the cause's name (a key of ``FIXES``: "unknown" when no known cause matched)."""
+    the cause's name (a key of ``FIXES``: "unknown" when no known cause matched);
+    ``headline``: the cause in a few words, how ``cause`` begins (None when it passes).
+    ``summary``: the verdict in one line (the relative error, PASS or FAIL, the cause in a
+    few words), then indented lines: why, what was compared, the fix."""
 
     relative_error: float
     ratio: float
@@ -74,18 +77,23 @@ class AuditResult:
     cause: str | None
     fix: str | None = None
     kind: str | None = None
+    headline: str | None = None
 
     @property
     def summary(self) -> str:
-        head = (
-            f"accumulation audit, one window of {self.micro_batches} micro-batches against "
-            f"the same samples as one batch: relative error {self.relative_error:.2e}, "
-            f"{self.ratio:.3g}x the large batch's gradient"
+        head = f"accumulation audit, relative error {self.relative_error:.2e}"
+        compared = (
+            f"  compared: one window of {self.micro_batches} micro-batches, run the trainer's "
+            "way, against the same samples as one batch under its loss (dropout off)"
         )
         if self.passed:
-            return f"{head}: PASS (within {self.tolerance:g})"
-        fix = f"\nfix: {self.fix}" if self.fix else ""
-        return f"{head}: FAIL; {self.cause}{fix}"
+            return f"{head}: PASS (within {self.tolerance:g})\n{compared}"
+        headline = self.headline or self.cause
+        why = self.cause.removeprefix(f"{headline}: ") if self.headline else ""
+        lines = [f"{head}: FAIL; {headline}"]
+        lines += [f"  why: {why}"] if why else []
+        lines += [compared] + ([f"  fix: {self.fix}"] if self.fix else [])
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.summary
@@ -228,9 +236,9 @@ def compare(case: AuditWindow, tolerance: float = TOLERANCE) -> AuditResult:
         found = dataclasses.replace(
             found, off_ragged=_rel(got, [e * ragged for e in equal_weights])
         )
-    kind, cause = _cause(model, found)
+    kind, headline, why = _cause(model, found)
     fix = case.fixes.get(kind, FIXES[kind])
-    return AuditResult(err, ratio, passed, tolerance, n, cause, fix, kind)
+    return AuditResult(err, ratio, passed, tolerance, n, f"{headline}: {why}", fix, kind, headline)
 
 
 @dataclass(frozen=True)
@@ -251,56 +259,62 @@ class Found:
     off_ragged: float | None = None  # from the equal-weights mean times the ragged factor
 
 
-def _cause(model: nn.Module, f: Found) -> tuple[str, str]:
-    """(the cause's name, the cause in words)."""
+def _cause(model: nn.Module, f: Found) -> tuple[str, str, str]:
+    """(the cause's name, the cause in a few words, why: what the gradient shows)."""
     ratio, n = f.ratio, f.n
     if n > 1 and abs(ratio - n) <= 0.1 * n:
-        return "mean_per_micro_batch", (
-            f"the gradient is {ratio:.2f}x the large batch's with {n} micro-batches: the loss "
-            "is a mean per micro-batch and nothing divides it by the accumulation steps (a "
-            "compute_loss that ignores num_items_in_batch?)"
+        return (
+            "mean_per_micro_batch",
+            f"the gradient is {ratio:.2f}x the large batch's with {n} micro-batches",
+            "the loss is a mean per micro-batch and nothing divides it by the accumulation "
+            "steps (a compute_loss that ignores num_items_in_batch?)",
         )
     factor = f.scaled.get("labels_before_shift")
     if factor is not None and f.off_line <= 1e-4 and abs(ratio - factor) <= 1e-3 * factor:
-        return "labels_before_shift", (
-            f"the gradient is the large batch's times {ratio:.4f}, the labels a causal LM's "
-            "loss counts after its shift over the labels the trainer divided by: it counted "
-            "them before the shift (every sequence's first label, which no token predicts)"
+        return (
+            "labels_before_shift",
+            "the trainer counted a causal LM's labels before the shift",
+            f"the gradient is the large batch's times {ratio:.4f}, the labels the loss counts "
+            "after its shift over the labels the trainer divided by (every sequence's first "
+            "label counted, which no token predicts)",
         )
     if f.off_ragged is not None and f.off_ragged <= 1e-4:
         factor = f.scaled["ragged_window"]
-        return "ragged_window", (
-            f"a ragged window: its {n} micro-batches were divided by the configured "
-            f"accumulation steps, not by {n} (the gradient is {factor:.3g}x the micro-batches' "
-            "means averaged), and each micro-batch's loss is its own mean, weighted equally "
-            "whatever its item count"
+        return (
+            "ragged_window",
+            f"a ragged window: {n} micro-batches divided by the configured accumulation "
+            f"steps, not by {n}",
+            f"the gradient is {factor:.3g}x the micro-batches' means averaged, and each "
+            "micro-batch's loss is its own mean, weighted equally whatever its item count",
         )
     if f.off_router is not None and f.off_router <= 1e-4:
         setting = router_loss_setting(model)[0]
-        return "router_loss", (
-            "the model's auxiliary loss is not in the trained loss: the window's gradient is "
-            f"the large batch's without the router loss ({setting})"
+        return (
+            "router_loss",
+            "the model's auxiliary loss is not in the trained loss",
+            f"the window's gradient is the large batch's without the router loss ({setting})",
         )
     if f.off_equal <= 1e-4:
-        return "equal_weights", (
-            "micro-batches are weighted equally whatever their item counts: each micro-batch's "
-            "loss is its own mean, so one with few items (tokens, pairs) weighs as much as one "
-            "with many"
+        return (
+            "equal_weights",
+            "micro-batches are weighted equally whatever their item counts",
+            "each micro-batch's loss is its own mean, so one with few items (tokens, pairs) "
+            "weighs as much as one with many",
         )
     norms = batchnorm_modules(model)
     if norms:
-        return "batchnorm", (
-            f"{len(norms)} BatchNorm layer(s) normalize with each micro-batch's own "
-            "statistics, so the window's forward is not the large batch's"
+        return (
+            "batchnorm",
+            f"{len(norms)} BatchNorm layer(s) normalize with each micro-batch's own statistics",
+            "the window's forward is then not the large batch's",
         )
-    return "unknown", (
-        f"no known cause matched. Compared: the gradient of the window's {n} micro-batches, "
-        "run the trainer's own way, against the same samples joined as one batch under its "
-        "own loss as a mean (dropout off for both). Not a mean per micro-batch left "
-        f"undivided ({ratio:.3g}x, not {n}x), not a multiple of the large batch's gradient "
-        f"({f.off_line:.1e} off its direction), not the micro-batches' means weighted "
-        f"equally ({f.off_equal:.1e} off), no BatchNorm"
-        + ("" if f.off_router is None else ", not the router loss left out")
+    return (
+        "unknown",
+        "no known cause matched",
+        f"not a mean per micro-batch left undivided ({ratio:.3g}x, not {n}x), not a multiple "
+        f"of the large batch's gradient ({f.off_line:.1e} off its direction), not the "
+        f"micro-batches' means weighted equally ({f.off_equal:.1e} off), no BatchNorm"
+        + ("" if f.off_router is None else ", not the router loss left out"),
     )
 
 
