@@ -176,7 +176,7 @@ def test_plain_loops_are_audited_too():
     unknown = ga.audit(step=skewed, loss=lm_reference, model=model, micro_batches=micro_batches)
     print(unknown.summary)
     assert unknown.kind == "unknown" and unknown.cause.startswith("no known cause matched: ")
-    assert "\n  compared: one window of 4 micro-batches, run the trainer's way" in unknown.summary
+    assert "\n  compared: one window of 4 micro-batches, run as the trainer" in unknown.summary
     assert "not a multiple of the large batch's gradient" in unknown.cause
     assert "ga.check(" in unknown.fix and "docs/losses.md" in unknown.fix
 

@@ -83,8 +83,8 @@ class AuditResult:
     def summary(self) -> str:
         head = f"accumulation audit, relative error {self.relative_error:.2e}"
         compared = (
-            f"  compared: one window of {self.micro_batches} micro-batches, run the trainer's "
-            "way, against the same samples as one batch under its loss (dropout off)"
+            f"  compared: one window of {self.micro_batches} micro-batches, run as the trainer "
+            "runs it, against the same samples as one batch under its loss (dropout off)"
         )
         if self.passed:
             return f"{head}: PASS (within {self.tolerance:g})\n{compared}"
@@ -274,9 +274,9 @@ def _cause(model: nn.Module, f: Found) -> tuple[str, str, str]:
         return (
             "labels_before_shift",
             "the trainer counted a causal LM's labels before the shift",
-            f"the gradient is the large batch's times {ratio:.4f}, the labels the loss counts "
-            "after its shift over the labels the trainer divided by (every sequence's first "
-            "label counted, which no token predicts)",
+            f"the gradient is the large batch's times {ratio:.4f}: the labels the loss counts "
+            "after its shift, over the labels the trainer divided by, which include every "
+            "sequence's first label (no token predicts it)",
         )
     if f.off_ragged is not None and f.off_ragged <= 1e-4:
         factor = f.scaled["ragged_window"]
