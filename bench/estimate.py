@@ -191,7 +191,7 @@ NOTES = [
     "gradient accumulation 8, 256 to 8192 tokens, flash attention 2, CUDA 11.8, PyTorch 2.0) "
     "but, as read, names neither the meter nor whether activation checkpointing ran, and its "
     "model runs its folder's own code, which `gradaccum plan` refuses; blog and forum figures "
-    "for 7B QLoRA (\"under 7 GB\", \"8-12 GB\") give no batch, length or meter.",
+    'for 7B QLoRA ("under 7 GB", "8-12 GB") give no batch, length or meter.',
     "- The estimates use a generic NVIDIA card's constants (cuBLAS workspace 8 MiB + 128 KiB "
     "per handle, two handles), also for the ROCm rows: had the ROCm build allocated the 32 MiB "
     "per handle of recent PyTorch releases, their allocated would be about 50 MB higher (the "
