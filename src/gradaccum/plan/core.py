@@ -194,6 +194,7 @@ def plan(
         prefer=asked.prefer,
         timings=timings,
         choice=raced.why if raced is not None else "",
+        timing_seconds=raced.spent if raced is not None else 0.0,
     )
 
 

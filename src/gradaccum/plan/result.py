@@ -119,6 +119,7 @@ class Plan:
     prefer: str = "largest"
     timings: tuple[Timing, ...] = ()
     choice: str = ""
+    timing_seconds: float = 0.0  # of ``seconds``, what timing the sizes took
 
     @property
     def micro_sizes(self) -> list[int]:
@@ -254,6 +255,7 @@ class Plan:
             f"({chosen.per_sample(per) * 1e3:.3g} ms per sample), timed over "
             f"{len(chosen.seconds)} windows"
             + (f" of {chosen.samples} samples, scaled to {per}" if chosen.samples < per else "")
+            + f" (the timing took {self.timing_seconds:.1f} s of the {self.seconds:.1f} s)"
         )
         whole = self.timing(per)
         if whole is not None and per != self.micro_size:

@@ -7,9 +7,9 @@ depends on the device and the model (a GPU's kernels fill up with the batch; on 
 smaller working set can be the faster one), so it is measured, not assumed. The candidates
 take turns round by round (ABBA), so what the machine does meanwhile falls on all of them
 alike, and each is compared with the others round by round (paired ratios). A candidate
-slower than the best in nearly every round by more than the noise leaves the race; the
-race ends when one is left, or its time is spent. The largest that fits stays the choice
-unless another is faster in nearly every round by more than the noise.
+slower than the best beyond the noise (``slower``) leaves the race; the race ends when one
+is left, or its time is spent. The largest that fits stays the choice unless another is
+faster than it beyond the noise.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def window_sizes(samples: int, micro_size: int) -> list[int]:
 def candidates(per_rank: int, largest: int) -> list[int]:
     """The sizes worth timing, largest first: the largest that fits, the largest divisor of
     the per-rank batch from it down to half of it (what a framework's equal micro-batches
-    use), and about half, a quarter and an eighth of the largest (a divisor of the per-rank
-    batch where one is near). Not every size: time per sample changes slowly with the size,
+    use), and about half and a quarter of the largest (a divisor of the per-rank batch where
+    one is near). Not every size: time per sample changes slowly with the size,
     and each candidate costs whole windows."""
     largest = max(1, min(largest, per_rank))
 
