@@ -17,7 +17,7 @@ from helpers import (
 )
 
 import gradaccum as ga
-from gradaccum.window import finish, total_norm
+from gradaccum.window import SkipPolicy, finish, total_norm
 
 
 def gradients(seed=0):
@@ -291,13 +291,27 @@ def _lr_before(index, windows):
 # -- one host synchronization per window on an accelerator -------------------------------------
 
 
-@pytest.mark.parametrize("noise", [False, True], ids=["plain", "noise"])
-def test_one_host_read_per_window_none_per_micro_batch_on_an_accelerator(noise):
+class _SkipLarge(SkipPolicy):
+    """A user's skip policy, decided on the device: a non-finite norm or one over 100."""
+
+    def skips(self, grad_norm):
+        return torch.isfinite(grad_norm).logical_not() | (grad_norm > 100.0)
+
+    def reason(self, scaled):
+        return "too large"
+
+
+@pytest.mark.parametrize(
+    "noise,skip",
+    [(False, None), (True, None), (True, _SkipLarge)],
+    ids=["plain", "noise", "noise-skip-policy"],
+)
+def test_one_host_read_per_window_none_per_micro_batch_on_an_accelerator(noise, skip):
     """On a device that is not the CPU (tests/support/device.py counts every read of a value
-    back to the host), with max_grad_norm, counts left on the device and a NoiseScale or
-    none: nothing is read while the micro-batches run, and each window's end reads its
-    numbers once, through the manual API and step() alike, a skipped window too. The
-    results and the parameters are the CPU's, bit for bit."""
+    back to the host), with max_grad_norm, counts left on the device, a NoiseScale or none,
+    and the default skip policy or a user's: nothing is read while the micro-batches run,
+    and each window's end reads its numbers once, through the manual API and step() alike,
+    a skipped window too. The results and the parameters are the CPU's, bit for bit."""
     from support.device import OnDevice, host, on_device
 
     def model():
@@ -312,7 +326,11 @@ def test_one_host_read_per_window_none_per_micro_batch_on_an_accelerator(noise):
     def accumulator(net):
         optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
         return ga.Accumulator(
-            net, optimizer, max_grad_norm=0.5, noise=ga.NoiseScale() if noise else None
+            net,
+            optimizer,
+            max_grad_norm=0.5,
+            noise=ga.NoiseScale() if noise else None,
+            skip=None if skip is None else skip(),
         )
 
     acc, cpu = accumulator(on_device(model())), accumulator(model())
@@ -322,7 +340,8 @@ def test_one_host_read_per_window_none_per_micro_batch_on_an_accelerator(noise):
         for i in range(3):
             x, y = torch.randn(4, 6, generator=g), torch.randint(0, 5, (4,), generator=g)
             y[:i] = -100  # 4, 3 and 2 items
-            window.append((x, y, float("nan") if w == 3 and i == 1 else 1.0))
+            factor = float("nan") if (w, i) == (3, 1) else 1e4 if (w, i) == (4, 0) else 1.0
+            window.append((x, y, factor))
         on_device_window = [(OnDevice(x), OnDevice(y), f) for x, y, f in window]
         OnDevice.reads.clear()
         if w % 2:
@@ -336,7 +355,8 @@ def test_one_host_read_per_window_none_per_micro_batch_on_an_accelerator(noise):
         assert len(OnDevice.reads) == 1, f"window {w} read the host {OnDevice.reads}"
         want = cpu.step(window, loss_fn)
         assert isinstance(got.loss, float) and isinstance(got.grad_norm, float)
-        assert got.skipped == want.skipped and (got.skipped is not None) == (w == 3)
+        skipped = {3} if skip is None else {3, 4}  # a large window: the policy's to skip
+        assert got.skipped == want.skipped and (got.skipped is not None) == (w in skipped)
         assert got.count == want.count == 9
         if w != 3:
             assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
