@@ -119,14 +119,15 @@ class Tally:
     end's one division is by ``K``, the first term with items (``N_t``, ``K``: global counts).
     The first term's coefficient is 1: a pair is the one-term case of the same arithmetic.
 
-    Nothing here waits for the device: a loss is summed where it lives (in float64) and a
-    count left on a GPU is read once, in ``totals``, with the others."""
+    Nothing here waits for the device: the losses are summed where they live (in float64,
+    once per window) and a count left on a GPU is read once, at the window's end, with the
+    others."""
 
     def __init__(self) -> None:
         self.micro_batches = 0  # recorded so far: the next one's index
         self._count = 0  # counts known on the host
         self._device_counts: list[tuple[int, torch.Tensor]] = []  # (index, count) on a device
-        self._loss: torch.Tensor | None = None
+        self._losses: list[torch.Tensor] = []  # each micro-batch's, detached, where it lives
         self._terms: list[_Term] | None = None  # named terms, after begin()
         self._divisor = 0.0  # K: the first term's global count that is not zero
 
@@ -173,9 +174,7 @@ class Tally:
                 self._device_counts.append((index, count))
             else:
                 self._count += count
-            if self._loss is None:
-                self._loss = loss.detach().new_zeros((), dtype=torch.float64)
-            self._loss.add_(loss.detach())
+            self._losses.append(loss.detach())  # summed once, at the end (``sums``)
         self.micro_batches += 1
         return loss, count
 
@@ -244,7 +243,12 @@ class Tally:
         if self._device_counts:
             count = torch.stack([c.to(torch.float64) for _, c in self._device_counts]).sum()
             count = count + self._count
-        return count, (0.0 if self._loss is None else self._loss)
+        if not self._losses:
+            return count, 0.0
+        # One sum in float64 for the window, not an addition per micro-batch: a float32 loss
+        # widens exactly, and float64 holds such a sum exactly in any order unless the
+        # losses span some 2**29 in size, so this is the running sum's value.
+        return count, torch.stack(self._losses).to(torch.float64).sum()
 
     def device_counts(self) -> list[torch.Tensor]:
         return [c for _, c in self._device_counts]
@@ -361,11 +365,17 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float64)
     # fp32/fp64 in one fused kernel (what clip_grad_norm_ runs); low precision widened per
     # tensor without a copy, so a bf16 gradient's norm is not itself rounded to bf16.
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads if g.dtype in _LOW]
-    wide = [g for g in grads if g.dtype not in _LOW]
-    if wide:
-        norms.extend(torch._foreach_norm(wide))
-    if len({(n.device, n.dtype) for n in norms}) > 1:
+    dtypes = {g.dtype for g in grads}
+    if dtypes.isdisjoint(_LOW):
+        norms = torch._foreach_norm(grads)
+    else:
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads if g.dtype in _LOW]
+        wide = [g for g in grads if g.dtype not in _LOW]
+        if wide:
+            norms.extend(torch._foreach_norm(wide))
+    # Several devices or dtypes: added in float64 on the first's. (get_device, an int, and
+    # dtype are cheap to read; a tensor's .device builds an object each time.)
+    if len({n.dtype for n in norms}) > 1 or len({g.get_device() for g in grads}) > 1:
         norms = [n.to(norms[0].device, torch.float64) for n in norms]
     return torch.linalg.vector_norm(torch.stack(norms))
 
@@ -405,7 +415,9 @@ def divide_and_clip(
     if not isinstance(divisor, torch.Tensor):
         divisor = torch.full_like(grad_norm, divisor)
     grad_norm = grad_norm / divisor
-    steps = (skip or SKIP_NON_FINITE).skips(grad_norm).logical_not() & keep
+    steps = (skip or SKIP_NON_FINITE).skips(grad_norm).logical_not()
+    if keep is not True:  # x & True is x: no op for the count the host knows is not 0
+        steps = steps & keep
     if not grads:
         return grad_norm, steps
     one = torch.ones_like(grad_norm)
@@ -417,8 +429,9 @@ def divide_and_clip(
     # Each dtype by the factor in the precision a Python number takes there (float64 for
     # float64, else float32; a low-precision gradient's multiplier in its own dtype): the
     # same bits as the host's division and clip by a number.
-    for dtype in dict.fromkeys(g.dtype for g in grads):
-        group = [g for g in grads if g.dtype == dtype]
+    dtypes = {g.dtype for g in grads}
+    for dtype in dtypes:
+        group = grads if len(dtypes) == 1 else [g for g in grads if g.dtype == dtype]
         wide = torch.float64 if dtype == torch.float64 else torch.float32
         torch._foreach_div_(group, divide.to(wide))
         if max_grad_norm is not None:
