@@ -67,9 +67,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="measured rounds per N")
     parser.add_argument("--n", type=int, nargs="+", default=NS, help="micro-batches per window")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads (2, as committed; 1 on a machine others load: two threads then "
+        "wait on each other for most of each window)",
+    )
     args = parser.parse_args()
     ns, rounds = args.n, args.rounds
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]  # the machine is shared: how busy it was when the run began
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
@@ -84,7 +91,8 @@ def main() -> None:
         "# Time added per optimizer step, over a minimal hand-written loop",
         "",
         f"GPT 2 layers, d_model 128 (0.45M parameters), AdamW, micro-batches of one 4-byte "
-        f"sequence. {describe(threads=2, peers=True)} {rounds} rounds after {WARMUP} warm-up, "
+        f"sequence. {describe(threads=args.threads, peers=True)} {rounds} rounds after {WARMUP} "
+        "warm-up, "
         f"the implementations taking turns. gradaccum at commit {commit}; load average "
         f"{load:.1f} when the run began (a shared machine: compare within this table).",
         "",
@@ -119,11 +127,11 @@ def main() -> None:
         "",
         "gradaccum's part: per window a norm over the gradients (the skip policy and "
         "`grad_norm`), the decision and one division by the window's count, all on the "
-        "gradient's device, then one read of the window's numbers (the hand loop folds its "
-        "1/N into each loss instead, which only works when the count is known in advance), "
-        "and per micro-batch the count, the checks and the loss sum. Accelerate's is mostly per "
-        "micro-batch (its `accumulate` context and `backward`), Fabric's per micro-batch and "
-        "per step (its wrappers).",
+        "gradient's device, the window's losses summed, then one read of the window's numbers "
+        "(the hand loop folds its 1/N into each loss instead, which only works when the count "
+        "is known in advance), and per micro-batch the count and the checks. Accelerate's is "
+        "mostly per micro-batch (its `accumulate` context and `backward`), Fabric's per "
+        "micro-batch and per step (its wrappers).",
     ]
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "overhead_added.md").write_text("\n".join(lines) + "\n")
