@@ -144,3 +144,14 @@ def test_plan_times_the_sizes_that_fit_or_keeps_the_largest(prefer):
     assert "| 32 | 1 x 32 |" in planned.timing_table()
     back = type(planned).from_dict(json.loads(json.dumps(planned.to_dict())))
     assert back.timings == planned.timings
+
+
+def test_no_round_runs_past_the_budget():
+    """A budget shorter than one round of windows: the short windows only, then the largest,
+    untimed, within the budget's order of time."""
+    model, optimizer, x = setup()
+    window = real_window(model, optimizer, x)
+    one = window(window_sizes(PER_RANK, 32))
+    result = race(window, [32, 16, 8], PER_RANK, one * 0.5)
+    assert result.chosen == 32 and "time planning allows" in result.why
+    assert all(t.seconds == () for t in result.timings)

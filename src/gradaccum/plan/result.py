@@ -247,7 +247,7 @@ class Plan:
         """The time the chosen size takes, and what accumulation costs against one
         micro-batch of the whole per-rank batch (the seed's trade as a number)."""
         chosen = self.timing(self.micro_size)
-        if chosen is None:
+        if chosen is None or not chosen.seconds:
             return []
         per = self.per_rank_batch
         line = (
@@ -286,9 +286,13 @@ class Plan:
             mark = "chosen" if t.micro_size == self.micro_size else ""
             if t.left is not None:
                 mark = f"left the race after round {t.left}: slower"
+            timed = (
+                f"{t.median:.3g} [{t.low:.3g}, {t.high:.3g}] | {t.per_sample(per) * 1e3:.3g}"
+                if t.seconds
+                else "untimed | "
+            )
             rows.append(
-                f"| {t.micro_size} | {shape} | {format_bytes(t.peak_bytes)} | {t.median:.3g} "
-                f"[{t.low:.3g}, {t.high:.3g}] | {t.per_sample(per) * 1e3:.3g} | "
+                f"| {t.micro_size} | {shape} | {format_bytes(t.peak_bytes)} | {timed} | "
                 f"{len(t.seconds)} | {mark} |"
             )
         return "\n".join(rows)

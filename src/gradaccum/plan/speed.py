@@ -205,6 +205,14 @@ def race(
     left: dict[int, int | None] = dict.fromkeys(sizes)
     alive = list(sizes)
     for r in range(max_rounds):
+        # no round that would end past the budget, the first one included
+        cost = sum(
+            statistics.median(seconds[m]) * samples / per_rank if seconds[m] else
+            per_sample[m] * samples
+            for m in alive
+        )  # fmt: skip
+        if time.perf_counter() - began + cost > budget_s:
+            break
         for m in alive if r % 2 == 0 else alive[::-1]:
             seconds[m].append(window(window_sizes(samples, m)) * per_rank / samples)
         if r + 1 >= _MIN_ROUNDS:
@@ -213,11 +221,14 @@ def race(
                 if m != best and slower(seconds[m], seconds[best], tie):
                     alive.remove(m)
                     left[m] = r + 1
-        spent = time.perf_counter() - began
-        next_round = sum(statistics.median(seconds[m]) for m in alive) * samples / per_rank
-        if len(alive) == 1 or spent + next_round > budget_s:
+        if len(alive) == 1:
             break
-    chosen, fastest, why = choose(seconds, tie)
+    if seconds[largest]:
+        chosen, fastest, why = choose(seconds, tie)
+    else:
+        chosen = fastest = largest
+        why = "the largest that fits; no window of the others fit in the time planning allows"
+
     timings = tuple(
         Timing(
             micro_size=m,
