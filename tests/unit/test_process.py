@@ -137,3 +137,37 @@ def test_what_other_packages_say_is_kept_off_the_terminal_and_then_in_the_run_fo
     assert "DeepSpeed WARNING: Setting accelerator to CPU. If you have GPU" in lines[0]
     assert "FutureWarning (" in lines[1] and "`is_gradient_checkpointing` is depre" in lines[1]
     assert lines[2].endswith("DeepSpeed WARNING: Setting accelerator to CPU, once more")
+
+
+def test_another_packages_info_is_kept_aside_and_its_warnings_shown(capfd):
+    """The command's root handler (basicConfig at INFO) showed matplotlib's "generated new
+    fontManager" as a fresh machine's first run drew its plots: another package's INFO is
+    held for third_party.log; its warnings, and gradaccum's own INFO, are shown."""
+    import logging
+    import sys
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        kept = process.quiet_third_parties()
+        kept.close()
+        kept.held.clear()
+        logging.getLogger("matplotlib.font_manager").info("generated new fontManager")
+        logging.getLogger("matplotlib.font_manager").warning("a font is missing")
+        logging.getLogger("gradaccum.app").info("planning the micro-batch")
+        held = list(kept.held)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        process.THIRD_PARTIES.held.clear()
+    err = capfd.readouterr().err
+    assert "generated new fontManager" not in err
+    assert "WARNING matplotlib.font_manager: a font is missing" in err
+    assert "INFO gradaccum.app: planning the micro-batch" in err
+    assert len(held) == 1 and held[0].endswith(
+        "matplotlib.font_manager INFO: generated new fontManager"
+    )

@@ -111,7 +111,8 @@ def quiet_third_parties() -> ThirdParties:
     the command and the processes it starts (their output is its log): DeepSpeed's "Setting
     accelerator to CPU" (transformers and accelerate import DeepSpeed when it is installed;
     gradaccum never runs it), transformers' loading and saving progress bars (turned off:
-    they count files), and PEFT's use of a property transformers deprecates. What is said
+    they count files), PEFT's use of a property transformers deprecates, and any other
+    package's INFO through the root logger's handler (matplotlib's font cache note). What is said
     is kept (``ThirdParties``, returned): a training run writes it to its folder's
     third_party.log. Called before they are imported; a user's own
     HF_HUB_DISABLE_PROGRESS_BARS is kept."""
@@ -127,6 +128,11 @@ def quiet_third_parties() -> ThirdParties:
         ds.addFilter(_AsideDeepSpeed())
     if not isinstance(warnings.showwarning, _AsideWarnings):
         warnings.showwarning = _AsideWarnings(warnings.showwarning)
+    # another package's INFO (matplotlib's "generated new fontManager" as a fresh machine's
+    # first run draws its plots) reaches the terminal through the root's handler: kept aside
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _AsideInfo) for f in handler.filters):
+            handler.addFilter(_AsideInfo())
     return THIRD_PARTIES
 
 
@@ -188,6 +194,26 @@ class _AsideDeepSpeed(logging.Filter):
         if "Setting accelerator to" not in message:
             return True
         THIRD_PARTIES.keep(f"{_stamp(record.created)} {record.name} {record.levelname}: {message}")
+        return False
+
+
+class _AsideInfo(logging.Filter):
+    """Records below WARNING from loggers other than gradaccum's: another package's notes on
+    its own work, kept aside; its warnings and errors are shown as before."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        name = record.name
+        if (
+            record.levelno >= logging.WARNING
+            or name == "gradaccum"
+            or name.startswith("gradaccum.")
+        ):
+            return True
+        if not getattr(record, "gradaccum_kept", False):  # once, whatever the handlers
+            record.gradaccum_kept = True
+            THIRD_PARTIES.keep(
+                f"{_stamp(record.created)} {name} {record.levelname}: {record.getMessage()}"
+            )
         return False
 
 
