@@ -524,5 +524,6 @@ def test_a_plan_whose_line_says_nothing_measures_its_size_and_says_so():
     assert planned.micro_batches == 1  # its memory does not grow: the whole batch fits
     said = [line for line in planned.summary().splitlines() if "no plausible line" in line]
     assert len(said) == 1 and said[0].endswith(
-        "the peak measured at the planned size is what counts"
+        "no plausible line (the peak does not grow with the micro-batch): the peak measured "
+        "at the planned size is what counts"
     ), planned.summary()

@@ -202,8 +202,8 @@ def _lightning(plan: Plan, micro_size: int, steps: int):
     }
     comments = [
         *_recompute_comment(plan),
-        "Lightning divides each micro-batch's loss by accumulate_grad_batches;",
-        "exact over tokens and ranks: gradaccum.integrations.lightning.ExactAccumulation",
+        "Lightning divides each micro-batch's loss by accumulate_grad_batches; exact over "
+        "tokens and ranks: gradaccum.integrations.lightning.ExactAccumulation",
     ]
     snippet = "\n".join(
         [

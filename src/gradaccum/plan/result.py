@@ -40,9 +40,13 @@ class Fit:
         if self.bound:
             return "a bound above every probe"  # and a note says why
         if not self.plausible:
+            why = (
+                f"it misses a probe by {self.max_error:.0%}"
+                if self.max_error > 1.0
+                else "the peak does not grow with the micro-batch"
+            )
             return (
-                f"no plausible line (it misses a probe by {self.max_error:.0%}): the peak "
-                "measured at the planned size is what counts"
+                f"no plausible line ({why}): the peak measured at the planned size is what counts"
             )
         return f"fit error {self.max_error:.1%}"
 
@@ -253,7 +257,7 @@ class Plan:
         line = (
             f"{chosen.median:.3g} s per effective batch at micro-batch {self.micro_size} "
             f"({chosen.per_sample(per) * 1e3:.3g} ms per sample), timed over "
-            f"{len(chosen.seconds)} windows"
+            f"{len(chosen.seconds)} window{'s' if len(chosen.seconds) != 1 else ''}"
             + (f" of {chosen.samples} samples, scaled to {per}" if chosen.samples < per else "")
             + f" (the timing took {self.timing_seconds:.1f} s of the {self.seconds:.1f} s)"
         )
