@@ -103,3 +103,50 @@ def test_a_runs_plan_is_keyed_by_what_shapes_its_memory_and_not_by_its_length_or
     assert set(same) == {base}
     other = [key(seq_len=32), key(lora=8), key(precision="bf16"), key(merge_lora=True)]
     assert base not in other and len(set(other)) == len(other)
+
+
+def test_a_runs_cached_plan_is_said_before_its_model_and_data_are_built(tmp_path, monkeypatch):
+    """`gradaccum train`'s key is known from its configuration (``cache_settings``): a
+    stored plan is answered before the recipe's model is built and its data loaded, so a
+    rerun says its plan at once; the run then trains at the stored size (16, made up: no
+    measurement of digits gives it)."""
+    import dataclasses
+    import json
+
+    import torch
+    from helpers import make_plan
+
+    from gradaccum.app import build
+    from gradaccum.app.planner import Planner
+    from gradaccum.app.planning import cache_settings, request
+
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "plans"))
+    cfg = TrainConfig.of(
+        recipe="digits", effective_batch=64, budget="300MB", steps=1, out=str(tmp_path / "run")
+    )
+    Planner(
+        torch.device("cpu"), cache_settings(cfg, request(cfg, 64, each_rank=False), 1),
+        (None, None), log=print,
+    ).keep(dataclasses.replace(make_plan(64, micro=16), budget=300_000_000).to_dict())  # fmt: skip
+    said = []
+    real = build.get_recipe
+
+    def watched(name):
+        recipe = real(name)
+        make_model, make_data = recipe.build_model, recipe.make_data
+
+        def build_model():
+            said.append("model built")
+            return make_model()
+
+        def make_data_(seed):
+            said.append("data loaded")
+            return make_data(seed)
+
+        return dataclasses.replace(recipe, build_model=build_model, make_data=make_data_)
+
+    monkeypatch.setattr(build, "get_recipe", watched)
+    train(cfg, log=lambda *a, **k: said.append(" ".join(map(str, a))))
+    cached = next(i for i, line in enumerate(said) if line.startswith("the plan is the cached"))
+    assert cached < said.index("model built") < said.index("data loaded"), said[:8]
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["micro_size"] == 16

@@ -92,7 +92,12 @@ def build_run(cfg: TrainConfig, rank: int = 0, world: int = 1, log=print) -> Run
     if problem:
         raise ValueError(problem)
     try:
-        return _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log)
+        # A stored plan is answered before the model and data are built (its key needs
+        # neither): a rerun says its plan at once.
+        cached = None
+        if not resuming and cfg.batch.micro_batch is None:
+            cached = kind.cached(cfg, run_device(), log)
+        return _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log, cached)
     except BaseException:
         # Failed before the first step (a bad option found late, the plan, Ctrl-C): nothing
         # is left that would refuse the same command, fixed (RunFolder.abandon).
@@ -145,19 +150,25 @@ def compiled(recipe: Recipe, model: torch.nn.Module, kind: RunKind, log) -> Reci
     return dataclasses.replace(recipe, loss_fn=compiled_loss)
 
 
+def run_device() -> torch.device:
+    """This process's device: its CUDA device under torchrun (LOCAL_RANK), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     return torch.optim.AdamW(trainable, lr=cfg.schedule.lr, weight_decay=cfg.schedule.weight_decay)
 
 
-def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> Run:
-    """The model, data, optimizer, micro-batch and window runner, in the opened folder."""
+def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log, cached=None) -> Run:
+    """The model, data, optimizer, micro-batch and window runner, in the opened folder
+    (``cached``: the plan already read from the cache)."""
     main, effective = kind.main, cfg.batch.effective_batch
     resuming = cfg.output.resume is not None
     model = build_model(cfg, recipe, log)
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    device = run_device()
     signature = _signature(recipe, model)  # the whole model's, on every process
     model = kind.wrap(model).to(device)
     recipe, data = run_data(cfg, recipe, loaded)
@@ -199,7 +210,7 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log) -> Run:
     # counts it, as the plan's fresh process does.
     with Resident(device) as before_training:
         micro_size, checkpointing, sync, eval_micro_size = planning.micro_size(
-            cfg, folder, saved, kind, model, optimizer, recipe, device, log, data
+            cfg, folder, saved, kind, model, optimizer, recipe, device, log, data, cached
         )
         baseline(model, micro_size)
     if (

@@ -66,12 +66,20 @@ class RunKind:
         later."""
         return model
 
-    def plan(self, cfg: Any, model, optimizer, recipe, device, log, data=None) -> dict[str, Any]:
+    def cached(self, cfg: Any, device: torch.device, log) -> dict[str, Any] | None:
+        """Rank 0's plan from the cache before the model is built (``plan``'s ``cached``),
+        or None: none stored, another rank, or a kind whose ranks plan together."""
+        return planning.cached_plan(cfg, device, self.world, log) if self.main else None
+
+    def plan(
+        self, cfg: Any, model, optimizer, recipe, device, log, data=None, cached=None
+    ) -> dict[str, Any]:
         """A new plan (plan.json's record): rank 0 plans, every rank takes its plan. With
-        the run's ``data``, the plan covers its evaluations, checkpoints and exports too."""
+        the run's ``data``, the plan covers its evaluations, checkpoints and exports too.
+        ``cached``: rank 0's plan already read from the cache (``cached``)."""
         return planning.window_plan(
             cfg, model, optimizer, recipe, device, self.rank, self.world, log,
-            each_rank=False, data=data,
+            each_rank=False, data=data, cached=cached,
         )  # fmt: skip
 
     def window(self, cfg: Any, model, optimizer, micro_size: int, sync: str, device, log) -> Any:
@@ -182,7 +190,10 @@ class Sharded(RunKind):
         before(model)
         return _fully_shard(model, log)
 
-    def plan(self, cfg, model, optimizer, recipe, device, log, data=None):
+    def cached(self, cfg, device, log):
+        return None  # every rank plans its own shards, together
+
+    def plan(self, cfg, model, optimizer, recipe, device, log, data=None, cached=None):
         return planning.window_plan(
             cfg, model, optimizer, recipe, device, self.rank, self.world, log, each_rank=True
         )
@@ -288,7 +299,10 @@ class Pipelined(RunKind):
         self.chained = ChainedStages(stage)
         return stage
 
-    def plan(self, cfg, model, optimizer, recipe, device, log, data=None):
+    def cached(self, cfg, device, log):
+        return None  # the stages' plan is made from the stages themselves
+
+    def plan(self, cfg, model, optimizer, recipe, device, log, data=None, cached=None):
         return planning.pipeline_plan(cfg, model, log)
 
     def window(self, cfg, model, optimizer, micro_size, sync, device, log):

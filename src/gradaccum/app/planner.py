@@ -79,13 +79,20 @@ class Planner:
         that measures the planned size; ``phases``: the run's other parts)."""
         return plan(model, optimizer, sample, loss_fn, request, verify=verify, phases=phases)
 
+    def answer(self) -> dict[str, Any] | None:
+        """The cached plan's record, its summary said, or None (nothing stored, --replan)."""
+        found = self.stored()
+        if found is None:
+            return None
+        planned, info = found
+        self.log(planned.summary())
+        return info
+
     def plan(self, make: Callable[[], dict[str, Any]], *, keep: bool = True) -> dict[str, Any]:
         """The cached plan's record, else ``make()``'s, stored (``keep=False``: ``make``
         stores it itself, as train's plan process does)."""
-        found = self.stored()
-        if found is not None:
-            planned, info = found
-            self.log(planned.summary())
+        info = self.answer()
+        if info is not None:
             return info
         info = make()
         if keep:

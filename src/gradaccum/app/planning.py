@@ -62,12 +62,14 @@ def micro_size(
     device: torch.device,
     log,
     data: Any = None,
+    cached: dict[str, Any] | None = None,
 ) -> tuple[int, bool, str, int | None]:
     """(micro-batch size, whether blocks recompute their activations, gradient sync,
     evaluation's own micro-batch or None). Whatever the source, checkpointing is applied
     here, so a resumed run trains as it was planned. plan.json is a record of the library's
     ``Plan`` (``Plan.to_dict()``), in its words: ``micro_size`` is the size the command's
-    --micro-batch gives."""
+    --micro-batch gives. ``cached``: the plan read from the cache before the model was
+    built (``cached_plan``), taken as a new plan would be."""
     if saved is not None:
         # (a checkpoint written before checkpointing was recorded: it was never on then)
         info = {
@@ -88,7 +90,7 @@ def micro_size(
             folder.write_json(PLAN, info)
     else:
         try:
-            info = kind.plan(cfg, model, optimizer, recipe, device, log, data)
+            info = kind.plan(cfg, model, optimizer, recipe, device, log, data, cached=cached)
         except ValueError as err:
             raise ValueError(as_flags(str(err))) from err
         if kind.main:
@@ -123,6 +125,7 @@ def window_plan(
     data: Any = None,
     here: bool = False,
     started: FreshProcessVerifier | None = None,
+    cached: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The micro-batch of an Accumulator's window. One plan for all ranks (same model and
     hardware): rank 0's, broadcast; or, ``each_rank`` (FSDP2), every rank planning its own
@@ -134,10 +137,13 @@ def window_plan(
     unless ``here``: probing leaves the planning process holding memory a fresh one does not
     (kernels' caches, freed blocks, the phases' imports), which training would then sit
     on. ``started``: the verifier ``here`` plans with, started before the model was built.
+    ``cached``: rank 0's plan, already read from the cache (``cached_plan``).
     """
     per_rank = math.ceil(cfg.batch.effective_batch / world)
     info = None
-    if rank == 0 or each_rank:
+    if cached is not None and rank == 0 and not each_rank:
+        info = cached
+    elif rank == 0 or each_rank:
         # (FSDP2's plans are collectives of every rank: each rank plans, never from a file)
         asked = request(cfg, per_rank, each_rank)
         planner = Planner(
@@ -168,6 +174,18 @@ def window_plan(
     if world > 1 and not each_rank:
         info = launch.broadcast(info)
     return info
+
+
+def cached_plan(cfg: TrainConfig, device: torch.device, world: int, log) -> dict[str, Any] | None:
+    """Rank 0's plan from the cache, read before the model and data are built (the key needs
+    neither: ``cache_settings`` and the files'), so a rerun's plan is answered at once; None
+    when none is stored, or --replan."""
+    asked = request(cfg, math.ceil(cfg.batch.effective_batch / world), each_rank=False)
+    planner = Planner(
+        device, cache_settings(cfg, asked, world), (cfg.source.hf_model, cfg.source.data),
+        log=log, replan=cfg.memory.replan,
+    )  # fmt: skip
+    return planner.answer()
 
 
 def _plan_elsewhere(cfg: TrainConfig, data: Any, log) -> dict[str, Any]:
