@@ -1,14 +1,19 @@
 """plan(): measured memory, a linear model, an exact effective batch, checkpointing."""
 
+import json
+import time
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import GroupNormCNN, deep_lm_setup, make_model, params
+from helpers import GroupNormCNN, TinyLM, deep_lm_setup, make_model, params
+from torch import nn
 
 import gradaccum as ga
 from gradaccum.app.recipes import get_recipe
-from gradaccum.memory import LiveTensorBytes
+from gradaccum.batching import take
+from gradaccum.memory import LiveTensorBytes, MemoryMeter
 
 
 def cnn_setup():
@@ -199,6 +204,138 @@ def test_auto_checkpointing_is_tried_when_the_verification_does_not_fit():
         run(budget=int(need_ckpt / 2), checkpointing="auto", verify=verify)
     assert "even with activation checkpointing" in str(refused.value)
     assert "checkpointing='auto'" not in str(refused.value)  # it was given, and tried
+
+
+class _CallCost(nn.Module):
+    """A TinyLM of 8 blocks whose every call also waits 30 ms outside them (a host round
+    trip paid per micro-batch; recomputation does not repeat it): per effective batch, one
+    large checkpointed micro-batch pays it once where small ones pay it per micro-batch. A
+    wait is a cost a loaded machine lengthens, never shortens, and by the same for every
+    call: the sizes' order is the model's, not the machine's (the work clock of
+    test_speed.py, for a race that plan() runs on its own clock)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = TinyLM(d=16, layers=8, max_len=32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.03)
+        return self.lm(ids)
+
+
+def _lm_loss(model, mb):
+    return ga.causal_lm_loss(model(mb["input_ids"]), mb["labels"])
+
+
+def _window_peak(model, optimizer, batch, micro_size: int) -> int:
+    """A training window's whole peak by the "tensors" meter the plans here use: what the
+    model and optimizer hold (counted with torch alone, after a first step made the
+    optimizer's state) plus what the window allocates, its batch included."""
+    acc = ga.Accumulator(model, optimizer)
+    acc.step(ga.split(batch, micro_size), _lm_loss)
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [v for state in optimizer.state.values() for v in state.values()]
+    held = sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+    meter = MemoryMeter("cpu", "tensors")
+    meter.start()
+    try:
+        acc.step(ga.split({k: v.clone() for k, v in batch.items()}, micro_size), _lm_loss)
+    finally:
+        meter.stop()
+    return held + meter.peak()
+
+
+@pytest.mark.slow
+def test_fastest_races_the_size_only_checkpointing_fits_and_its_plan_trains_within_it():
+    """checkpointing="auto" where 2 fits without it and the whole batch, 8, only with it:
+    prefer="fastest" measures the checkpointed line too and races 8 (checkpointed) against 2
+    and 1 (plain); 8 wins (the wait per call) and the plan is the checkpointed one, its peak
+    what a training window at 8 with checkpointing peaks at, or more; prefer="largest" plans
+    2 without checkpointing and times nothing, as before."""
+    model = make_model(_CallCost)
+    ids = torch.randint(1, 32, (8, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+
+    def run(**kw):
+        optimizer = torch.optim.AdamW(model.parameters())
+        return ga.plan(
+            model, optimizer, batch, _lm_loss, effective_batch=8, meter="tensors",
+            checkpointing="auto", **kw,
+        )  # fmt: skip
+
+    free = run(budget="8GiB", prefer="largest", probe_sizes=[1, 2])
+    assert (free.micro_size, free.checkpointing) == (8, False)
+    budget = int((free.predict(2) + free.predict(3)) / 2 / (1 - free.margin))
+    usable = budget * (1 - free.margin)
+
+    largest = run(budget=budget, prefer="largest", probe_sizes=[1, 2])
+    assert (largest.micro_size, largest.checkpointing, largest.timings) == (2, False, ())
+    assert not any("checkpointing" in note for note in largest.notes), largest.notes
+
+    # more probes than the default: a longer plan, so half of it times three rounds
+    fastest = run(budget=budget, probe_sizes=[1, 2, 3, 4, 5, 6, 7, 8])
+    print(fastest.summary(), fastest.timing_table(), sep="\n")
+    rows = [(t.micro_size, t.checkpointed) for t in fastest.timings]
+    assert rows == [(8, True), (2, False), (1, False)]
+    assert fastest.micro_size == 8 and fastest.micro_batches == 1, fastest.choice
+    assert "with activation checkpointing" in fastest.choice
+    assert fastest.checkpointing
+    assert fastest.checkpointed_blocks == tuple(f"lm.blocks.{i}" for i in range(8))
+    assert "activation checkpointing on 8 blocks" in fastest.summary()
+    table = fastest.timing_table()
+    assert "| 8 | 1 x 8 | on |" in table and "| 2 | 4 x 2 | off |" in table
+    deciding = fastest.probes[-1]
+    assert (deciding.micro_size, deciding.kind) == (8, "verify")
+    assert fastest.predicted_peak == fastest.base_bytes + deciding.peak_bytes <= usable
+    assert fastest.timing(8).peak_bytes == fastest.predicted_peak
+    assert fastest.timing(2).peak_bytes <= usable
+    assert type(fastest).from_dict(json.loads(json.dumps(fastest.to_dict()))) == fastest
+    assert not ga.recompute.checkpointing_enabled(model)  # the race put it back
+
+    # Training as the plan says: a window of 8 with checkpointing peaks within the plan;
+    # without it, the same window is over the budget (the size fits only checkpointed).
+    optimizer = torch.optim.AdamW(model.parameters())
+    fastest.apply(model)
+    trained = _window_peak(model, optimizer, batch, fastest.micro_size)
+    ga.disable_checkpointing(model)
+    plain = _window_peak(model, optimizer, batch, fastest.micro_size)
+    print(
+        f"window at 8: {trained} B checkpointed, {plain} B without; plan {fastest.predicted_peak}"
+    )
+    assert trained <= fastest.predicted_peak
+    assert plain > usable
+
+
+@pytest.mark.slow
+def test_the_checkpointed_size_is_verified_where_training_runs():
+    """With ``verify`` (a fresh process, in a run), the checkpointed line's size is measured
+    there too, with checkpointing: here a fresh model of the same seed, as that process
+    builds it."""
+    model = make_model(_CallCost)
+    ids = torch.randint(1, 32, (8, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    asked = []
+
+    def verify(micro: int, n: int, checkpointed: bool) -> int:
+        asked.append((micro, n, checkpointed))
+        fresh = make_model(_CallCost)
+        if checkpointed:
+            ga.enable_checkpointing(fresh)
+        optimizer = torch.optim.AdamW(fresh.parameters())
+        return _window_peak(fresh, optimizer, take(batch, micro * n), micro)
+
+    def run(**kw):
+        optimizer = torch.optim.AdamW(model.parameters())
+        return ga.plan(
+            model, optimizer, batch, _lm_loss, effective_batch=8, meter="tensors",
+            checkpointing="auto", probe_sizes=[1, 2], **kw,
+        )  # fmt: skip
+
+    free = run(budget="8GiB", prefer="largest")
+    budget = int((free.predict(2) + free.predict(3)) / 2 / (1 - free.margin))
+    planned = run(budget=budget, verify=verify)
+    assert asked == [(2, 2, False), (8, 1, True)]
+    assert [(t.micro_size, t.checkpointed) for t in planned.timings][0] == (8, True)
 
 
 @pytest.mark.slow

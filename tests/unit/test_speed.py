@@ -48,7 +48,7 @@ def real_window(model, optimizer, x, seen=None):
     """One real window through an Accumulator: the micro-batches of the given sizes."""
     acc = ga.Accumulator(model, optimizer)
 
-    def window(sizes):
+    def window(sizes, checkpointed=False):
         if seen is not None:
             seen.append(list(sizes))
         batches = [x[:s] for s in sizes]
@@ -59,15 +59,17 @@ def real_window(model, optimizer, x, seen=None):
     return window
 
 
-def work_clock(window, fixed: float = 256.0, unit: float = 1e-4):
+def work_clock(window, fixed: float = 256.0, unit: float = 1e-4, recompute: float = 1.0):
     """Real windows, timed by the work they hold instead of a shared machine's clock:
     ``fixed`` per micro-batch plus the square of its size (Pairwise's two costs), so the
-    sizes' order is known exactly. Wall-clock seconds are the benchmark's (bench/fastest.py);
-    here they would make the test a measurement of the machine's load."""
+    sizes' order is known exactly; a checkpointed window's growing part costs ``recompute``
+    times as much (its forward runs twice). Wall-clock seconds are the benchmark's
+    (bench/fastest.py); here they would make the test a measurement of the machine's load."""
 
-    def timed(sizes):
-        window(sizes)
-        return unit * sum(fixed + m * m for m in sizes)
+    def timed(sizes, checkpointed=False):
+        window(sizes, checkpointed)
+        grows = recompute if checkpointed else 1.0
+        return unit * sum(fixed + grows * m * m for m in sizes)
 
     return timed
 
@@ -105,7 +107,7 @@ def test_the_largest_is_chosen_when_the_sizes_tie():
     """Every candidate's window is the same real window: nothing tells them apart."""
     model, optimizer, x = setup()
     window = real_window(model, optimizer, x)
-    result = race(lambda sizes: window(window_sizes(PER_RANK, 8)), [32, 16, 8], PER_RANK, 3.0)
+    result = race(lambda sizes, _: window(window_sizes(PER_RANK, 8)), [32, 16, 8], PER_RANK, 3.0)
     assert result.chosen == 32
 
 
@@ -118,6 +120,45 @@ def test_the_choice_needs_the_largest_slower_beyond_the_noise():
     assert choose({32: [1.5, 0.8, 1.4, 0.9], 8: [1.0, 1.0, 1.0, 1.0]})[0] == 32
     # two rounds say nothing, however far apart
     assert choose({32: [3.0, 3.0], 8: [1.0, 1.0]})[0] == 32
+
+
+@pytest.mark.parametrize("recompute", [4 / 3, 2.0])
+def test_a_size_that_fits_only_checkpointed_races_and_the_largest_without_stays_the_default(
+    recompute,
+):
+    """16 fits only with checkpointing, 8 and 4 without. Per sample, 256 / m + m, the
+    checkpointed size's m part times ``recompute``: at 4/3, 16 takes 37 against 8's 40 and
+    wins; at 2, 48: 8, the largest without, stays the choice though 16 is larger."""
+    model, optimizer, x = setup()
+    seen = []
+
+    def window(sizes, checkpointed):
+        seen.append((max(sizes), checkpointed))
+        return real_window(model, optimizer, x)(sizes)
+
+    clock = work_clock(window, recompute=recompute)
+    result = race(clock, [16, 8, 4], PER_RANK, 10.0, checkpointed=[16])
+    assert {m for m, ckpt in seen if ckpt} == {16}  # the only size recomputed
+    assert [(t.micro_size, t.checkpointed) for t in result.timings] == [
+        (16, True), (8, False), (4, False),
+    ]  # fmt: skip
+    if recompute < 1.5:
+        assert result.chosen == 16, result.why
+        assert result.why.startswith("the fastest of 3 sizes timed, with activation")
+        assert "than the largest that fits without checkpointing, 8" in result.why
+    else:
+        assert result.chosen == 8, result.why
+        assert result.why.startswith("the fastest of 3 sizes timed, the largest that fits")
+
+
+def test_the_default_among_checkpointed_sizes_is_the_largest_without():
+    # 16 checkpointed, 1% faster than 8: inside the noise, 8 stays; 20% faster: 16
+    assert choose({16: [1.0, 1.0, 1.0], 8: [1.01, 1.01, 1.01]}, checkpointed={16})[0] == 8
+    assert choose({16: [1.0, 1.0, 1.0], 8: [1.2, 1.21, 1.2]}, checkpointed={16})[0] == 16
+    # every size checkpointed (checkpointing "on"): the largest, as without
+    assert choose({16: [1.0, 1.0, 1.0], 8: [1.01, 1.01, 1.01]}, checkpointed={16, 8})[0] == 16
+    with pytest.raises(ValueError, match=r"checkpointed sizes \[4\] must be larger .* is 8"):
+        race(lambda sizes, c: 1.0, [8, 4], PER_RANK, 1.0, checkpointed=[4])
 
 
 @pytest.mark.parametrize("prefer", ["fastest", "largest"])
@@ -137,9 +178,14 @@ def test_plan_times_the_sizes_that_fit_or_keeps_the_largest(prefer):
     assert [t.micro_size for t in planned.timings] == [32, 16, 8]
     assert planned.micro_size in (32, 16, 8) and planned.choice in planned.summary()
     assert all(t.peak_bytes <= planned.timing(32).peak_bytes for t in planned.timings)
-    assert "| 32 | 1 x 32 |" in planned.timing_table()
+    assert "| 32 | 1 x 32 | off |" in planned.timing_table()
     back = type(planned).from_dict(json.loads(json.dumps(planned.to_dict())))
     assert back.timings == planned.timings
+    # a plan cached before timings said whether they were checkpointed reads as unchecked
+    saved = planned.to_dict()
+    for t in saved["timings"]:
+        del t["checkpointed"]
+    assert type(planned).from_dict(saved).timings == planned.timings
 
 
 def test_no_round_runs_past_the_budget():

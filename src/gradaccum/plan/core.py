@@ -20,7 +20,7 @@ import gc
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,7 +34,12 @@ from gradaccum.plan.prober import Measured, Prober
 from gradaccum.plan.request import CHECKPOINTING, PlanRequest
 from gradaccum.plan.result import Plan, Probe
 from gradaccum.plan.speed import Race, Timing, candidates, race
-from gradaccum.recompute import checkpointing_enabled, disable_checkpointing, enable_checkpointing
+from gradaccum.recompute import (
+    checkpointing_enabled,
+    disable_checkpointing,
+    enable_checkpointing,
+    repeated_blocks,
+)
 from gradaccum.sync import SYNC_MODES, is_sharded, one_process
 
 __all__ = ["CHECKPOINTING", "plan", "too_small"]
@@ -109,51 +114,65 @@ def plan(
     batch_bytes = round(_input_bytes(sample_batch) / sample_n * per_rank)
     # the probes' dropout and data order must not advance any generator
     with preserved_rng(), _heap_set_aside():
+
+        def measure(use_ckpt: bool) -> _Line:
+            prober = Prober(
+                model,
+                optimizer,
+                sample_batch,
+                loss_fn,
+                use_ckpt,
+                asked.precision,
+                asked.accumulate_dtype,
+                memory,
+                asked.sync,
+                batch_bytes,
+            )
+            return _Line.measure(prober, probe_sizes, per_rank, usable, verify)
+
         try:
             use_ckpt = asked.checkpointing == "on"
             while True:
-                prober = Prober(
-                    model,
-                    optimizer,
-                    sample_batch,
-                    loss_fn,
-                    use_ckpt,
-                    asked.precision,
-                    asked.accumulate_dtype,
-                    memory,
-                    asked.sync,
-                    batch_bytes,
-                )
-                m = prober.measure(probe_sizes, usable)
-                need, measured = m.need(1), False
-                if need <= usable:
-                    largest = min(per_rank, int((usable - m.need(0)) // max(m.peak_fit.slope, 1.0)))
-                    largest, micro_size, checked = _verify(
-                        prober, m, per_rank, largest, usable, verify
-                    )
-                    need, measured = m.base + checked[-1].peak_bytes, True
-                    if need <= usable:
-                        # the fastest of the sizes up to the one measured to fit
-                        raced = _race(prober, asked, per_rank, micro_size, started)
-                        timings = _timings(raced, m, checked[-1])
-                        if raced is not None:
-                            micro_size = raced.chosen
-                            need = next(t.peak_bytes for t in timings if t.micro_size == micro_size)
-                        measured_phases = measure_phases(
-                            phases or {}, memory, m, micro_size, usable, budget_bytes, margin
-                        )
-                        break
+                line = measure(use_ckpt)
+                if line.fits:
+                    break
                 # Nothing fits as it is, by the line or measured at one sample per
                 # micro-batch: with "auto", try recomputing activations before refusing.
                 if asked.checkpointing != "auto" or use_ckpt:
                     raise ValueError(
-                        too_small(model, budget_bytes, margin, use_ckpt, need, measured)
+                        too_small(model, budget_bytes, margin, use_ckpt, line.need, line.verified)
                     )
                 use_ckpt = True
                 _restore(model, optimizer, saved)
+            lines, raced_note = [line], None
+            if _races_checkpointing(model, asked, line, per_rank):
+                # "auto" with a size that fits without: whether recomputing fits a larger one,
+                # measured as the first line was (its probes, its verification), to race it
+                _restore(model, optimizer, saved)
+                began = time.perf_counter()
+                try:
+                    ckpt = measure(True)
+                except torch.OutOfMemoryError:  # a device ran out on its second probe
+                    ckpt = None
+                raced_note = _checkpointed_note(line, ckpt, time.perf_counter() - began)
+                if ckpt is not None and ckpt.fits and ckpt.micro_size > line.micro_size:
+                    lines.append(ckpt)
+            # the fastest of the sizes up to the one measured to fit
+            raced = _race(lines, asked, per_rank, started)
+            timings = _timings(raced, lines)
+            micro_size, chosen = line.micro_size, line
+            if raced is not None:
+                micro_size = raced.chosen
+                chosen = lines[-1] if micro_size > line.micro_size else line
+            need = next((t.peak_bytes for t in timings if t.micro_size == micro_size), line.need)
+            # the run's other parts as training will run them, its checkpointing on
+            (enable_checkpointing if chosen.m.blocks else disable_checkpointing)(model)
+            measured_phases = measure_phases(
+                phases or {}, memory, chosen.m, micro_size, usable, budget_bytes, margin
+            )
         finally:
             _restore(model, optimizer, saved)
-    measured_peak = need
+    m = chosen.m
 
     micro_batches = math.ceil(per_rank / micro_size)
     last = per_rank - (micro_batches - 1) * micro_size
@@ -163,6 +182,8 @@ def plan(
             f"note: the memory fit is off by up to {m.peak_fit.max_error:.0%} on the probes; "
             "the planned size was measured directly"
         )
+    if raced_note:
+        notes.append(raced_note)
     return Plan(
         effective_batch=asked.effective_batch,
         world_size=asked.world_size,
@@ -174,19 +195,19 @@ def plan(
         margin=float(margin),
         # what training will peak at is what the planned size peaked at, measured as it
         # will run; the fit only chose the size to measure
-        predicted_peak=measured_peak,
+        predicted_peak=need,
         static_bytes=m.static,
         overhead_bytes=m.overhead,
         batch_bytes=m.batch,
         bytes_per_sample=m.peak_fit.slope,
         peak_fit=m.peak_fit,
         activation_fit=m.activation_fit,
-        probes=m.probes + checked,
+        probes=m.probes + chosen.checked,
         checkpointing=bool(m.blocks),
         checkpointed_blocks=m.blocks,
         device=str(device),
         seconds=time.perf_counter() - started,
-        largest_fitting=largest,
+        largest_fitting=chosen.largest,
         notes=tuple(notes),
         precision=asked.precision,
         sync=asked.sync,
@@ -198,36 +219,108 @@ def plan(
     )
 
 
-def _race(
-    prober: Prober, asked: PlanRequest, per_rank: int, micro_size: int, started: float
-) -> Race | None:
-    """With ``prefer="fastest"``, ``micro_size`` (measured to fit) and smaller sizes timed
-    against each other in at most half the planning time so far (planning grows by half at
-    most); None: untimed (``"largest"``, a single candidate, or ranks that would each time
-    their own)."""
+@dataclass(frozen=True)
+class _Line:
+    """One memory line (with or without checkpointing, as its prober runs) and its planned
+    size verified: ``need``, the whole peak of the deciding measurement (or the line's
+    prediction at one sample, ``verified`` False, when even that is over the budget)."""
+
+    prober: Prober
+    m: Measured
+    need: float
+    verified: bool
+    fits: bool
+    largest: int = 0
+    micro_size: int = 0
+    checked: tuple[Probe, ...] = ()
+
+    @classmethod
+    def measure(cls, prober, probe_sizes, per_rank, usable, verify) -> _Line:
+        m = prober.measure(probe_sizes, usable)
+        if m.need(1) > usable:
+            return cls(prober, m, m.need(1), verified=False, fits=False)
+        largest = min(per_rank, int((usable - m.need(0)) // max(m.peak_fit.slope, 1.0)))
+        largest, micro_size, checked = _verify(prober, m, per_rank, largest, usable, verify)
+        need = m.base + checked[-1].peak_bytes
+        return cls(prober, m, need, True, need <= usable, largest, micro_size, checked)
+
+
+def _races_checkpointing(
+    model: torch.nn.Module, asked: PlanRequest, line: _Line, per_rank: int
+) -> bool:
+    """Whether checkpointing's line is measured to race a larger size: "auto" and "fastest"
+    asked, the planned size without it below the per-rank batch, blocks to recompute, and
+    one process timing (ranks planning together are not timed)."""
+    return (
+        asked.prefer == "fastest"
+        and asked.checkpointing == "auto"
+        and not line.m.blocks
+        and line.micro_size < per_rank
+        and not line.prober.acc.sync.distributed
+        and bool(repeated_blocks(model))
+    )
+
+
+def _checkpointed_note(line: _Line, ckpt: _Line | None, seconds: float) -> str:
+    """What measuring the checkpointed line found, and what it cost."""
+    cost = f"(its line and verification took {seconds:.1f} s of the planning)"
+    if ckpt is None or not ckpt.fits:
+        return f"activation checkpointing measured: it fits no micro-batch here {cost}"
+    if ckpt.micro_size <= line.micro_size:
+        return (
+            f"activation checkpointing measured: it fits micro-batch {ckpt.micro_size}, no "
+            f"larger than {line.micro_size} without it, so it was not raced {cost}"
+        )
+    return (
+        f"activation checkpointing raced: micro-batch {ckpt.micro_size} fits with it "
+        f"({format_bytes(ckpt.need)} measured), {line.micro_size} without "
+        f"({format_bytes(line.need)}) {cost}"
+    )
+
+
+def _race(lines: list[_Line], asked: PlanRequest, per_rank: int, started: float) -> Race | None:
+    """With ``prefer="fastest"``, the size measured to fit and smaller ones (and the size
+    that fits only with checkpointing, where ``lines`` has its line) timed against each
+    other in at most half the planning time so far (planning grows by half at most); None:
+    untimed (``"largest"``, a single candidate, or ranks that would each time their own)."""
+    plain, prober = lines[0], lines[-1].prober
     if asked.prefer != "fastest" or prober.acc.sync.distributed:
         return None
-    sizes = candidates(per_rank, micro_size)
-    if len(sizes) < 2:
+    sizes = candidates(per_rank, plain.micro_size)
+    # a line measured with checkpointing on times its sizes with it, as training will run
+    # them: every size (checkpointing "on", or "auto" when nothing fitted without it), or
+    # the size that fits only with it
+    checkpointed = sizes if plain.m.blocks else [line.micro_size for line in lines[1:]]
+    every = sorted({*sizes, *checkpointed})
+    if len(every) < 2:
         return None
-    return race(prober.timed, sizes, per_rank, 0.5 * (time.perf_counter() - started))
+    return race(
+        prober.timed,
+        every,
+        per_rank,
+        0.5 * (time.perf_counter() - started),
+        checkpointed=checkpointed,
+    )
 
 
-def _timings(raced: Race | None, m: Measured, deciding: Probe) -> tuple[Timing, ...]:
-    """Each timed size with the peak the plan predicts for it: measured at the deciding
-    size; below it, the line plus what the deciding measurement sat above the line (a
-    fresh process's one-time bytes stay whatever the size), never above the measurement."""
+def _timings(raced: Race | None, lines: list[_Line]) -> tuple[Timing, ...]:
+    """Each timed size with the peak the plan predicts for it, on its own line (with or
+    without checkpointing): measured at the deciding size; below it, the line plus what the
+    deciding measurement sat above the line (a fresh process's one-time bytes stay whatever
+    the size), never above the measurement."""
     if raced is None:
         return ()
-    measured = m.base + deciding.peak_bytes
-    above = max(0.0, deciding.peak_bytes - m.peak_fit(deciding.micro_size))
 
-    def peak(size: int) -> float:
+    def peak(size: int, checkpointed: bool) -> float:
+        line = next(line for line in lines if bool(line.m.blocks) == checkpointed)
+        m, deciding = line.m, line.checked[-1]
+        measured = m.base + deciding.peak_bytes
         if size == deciding.micro_size:
             return measured
+        above = max(0.0, deciding.peak_bytes - m.peak_fit(deciding.micro_size))
         return min(m.base + m.peak_fit(size) + above, measured)
 
-    return tuple(replace(t, peak_bytes=peak(t.micro_size)) for t in raced.timings)
+    return tuple(replace(t, peak_bytes=peak(t.micro_size, t.checkpointed)) for t in raced.timings)
 
 
 def _plan_sync(model, optimizer, sample_batch, loss_fn, asked: PlanRequest, verify, phases):

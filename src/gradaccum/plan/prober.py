@@ -14,7 +14,11 @@ from gradaccum.engine import Accumulator
 from gradaccum.memory import format_bytes, saved_activation_bytes, tensor_bytes
 from gradaccum.plan.result import Fit, Probe
 from gradaccum.precision import Precision
-from gradaccum.recompute import enable_checkpointing
+from gradaccum.recompute import (
+    checkpointing_enabled,
+    disable_checkpointing,
+    enable_checkpointing,
+)
 from gradaccum.stats import fit_line
 
 __all__ = ["Measured", "Prober", "fit", "fit_with"]
@@ -103,17 +107,26 @@ class Prober:
             peak, saved = self.acc.sync.most([peak, saved])
         return peak, saved, stepped
 
-    def timed(self, micro_sizes: Sequence[int]) -> float:
+    def timed(self, micro_sizes: Sequence[int], checkpointed: bool = False) -> float:
         """Seconds of one real window (``acc.step``) of micro-batches of ``micro_sizes``,
-        the device synchronized at its start and end; the batches are made before."""
+        the device synchronized at its start and end; the batches are made before. With
+        ``checkpointed``, the window recomputes activations as training would; without, it
+        saves them; the model's checkpointing is put back as it was after."""
         batches = [take(self.sample_batch, size) for size in micro_sizes]
         device = next(self.model.parameters()).device
         synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        synchronize()
-        began = time.perf_counter()
-        self.acc.step(batches, self.loss_fn)
-        synchronize()
-        return time.perf_counter() - began
+        switch = checkpointed != checkpointing_enabled(self.model)
+        if switch:
+            (enable_checkpointing if checkpointed else disable_checkpointing)(self.model)
+        try:
+            synchronize()
+            began = time.perf_counter()
+            self.acc.step(batches, self.loss_fn)
+            synchronize()
+            return time.perf_counter() - began
+        finally:
+            if switch:
+                (disable_checkpointing if checkpointed else enable_checkpointing)(self.model)
 
     def measure(self, probe_sizes: Sequence[int], usable: float | None = None) -> Measured:
         """Warm up, then probe ``probe_sizes`` in order, stopping once the line through the

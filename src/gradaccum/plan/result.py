@@ -266,6 +266,11 @@ class Plan:
             line += (
                 f"; accumulation takes {chosen.median / whole.median:.2f}x the time of one "
                 f"micro-batch of the whole {per}"
+                + (
+                    " (with activation checkpointing: it fits only so)"
+                    if whole.checkpointed and not chosen.checkpointed
+                    else ""
+                )
             )
         elif whole is None and self.largest_fitting < per:
             line += (
@@ -274,12 +279,13 @@ class Plan:
         return [line]
 
     def timing_table(self) -> str:
-        """Each timed size's memory and seconds per effective batch (markdown)."""
+        """Each timed size's memory and seconds per effective batch (markdown); a size timed
+        with activation checkpointing (it fits only with it) says so."""
         per = self.per_rank_batch
         rows = [
-            "| micro-batch | window | predicted peak | s per effective batch: median "
-            "[range] | ms per sample | windows | |",
-            "|---:|---|---:|---:|---:|---:|---|",
+            "| micro-batch | window | activation checkpointing | predicted peak | s per "
+            "effective batch: median [range] | ms per sample | windows | |",
+            "|---:|---|---|---:|---:|---:|---:|---|",
         ]
         for t in self.timings:
             shape = (
@@ -296,7 +302,8 @@ class Plan:
                 else "untimed | "
             )
             rows.append(
-                f"| {t.micro_size} | {shape} | {format_bytes(t.peak_bytes)} | {timed} | "
+                f"| {t.micro_size} | {shape} | {'on' if t.checkpointed else 'off'} | "
+                f"{format_bytes(t.peak_bytes)} | {timed} | "
                 f"{len(t.seconds)} | {mark} |"
             )
         return "\n".join(rows)

@@ -10,6 +10,11 @@ alike, and each is compared with the others round by round (paired ratios). A ca
 slower than the best beyond the noise (``slower``) leaves the race; the race ends when one
 is left, or its time is spent. The largest that fits stays the choice unless another is
 faster than it beyond the noise.
+
+Where activation checkpointing lets a larger size fit (``plan(checkpointing="auto")``), that
+size races too, its windows recomputing activations; it is told apart by its size (larger
+than any that fits without), and the largest that fits without checkpointing stays the
+default.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -79,7 +84,8 @@ class Timing:
     """One candidate's timed windows: ``seconds``, each round's seconds per effective batch
     (of ``samples`` samples timed, scaled to the per-rank batch when fewer); ``left``: the
     round after which it left the race as clearly slower (None: it ran to the end);
-    ``peak_bytes``: the peak the plan predicts at this size."""
+    ``peak_bytes``: the peak the plan predicts at this size; ``checkpointed``: timed with
+    activation checkpointing (the size fits only with it)."""
 
     micro_size: int
     micro_batches: int
@@ -88,6 +94,7 @@ class Timing:
     seconds: tuple[float, ...]
     peak_bytes: float = 0.0
     left: int | None = None
+    checkpointed: bool = False
 
     @property
     def median(self) -> float:
@@ -138,68 +145,90 @@ def slower(a: Sequence[float], b: Sequence[float], tie: float = TIE) -> bool:
     return spread == 0 or mean / spread > _T99[min(n - 1, max(_T99))]
 
 
-def choose(seconds: dict[int, list[float]], tie: float = TIE) -> tuple[int, int, str]:
+def choose(
+    seconds: dict[int, list[float]],
+    tie: float = TIE,
+    *,
+    checkpointed: Collection[int] = (),
+) -> tuple[int, int, str]:
     """(chosen, fastest, why) from each size's seconds per effective batch, round by round:
-    the fastest by median when the largest is slower than it beyond the noise (``slower``),
-    else the largest."""
-    largest = max(seconds)
+    the fastest by median when the default is slower than it beyond the noise (``slower``),
+    else the default: the largest size, or with ``checkpointed`` sizes (those timed with
+    activation checkpointing) the largest of the others."""
+    plain = [m for m in seconds if m not in checkpointed]
+    default = max(plain or seconds)
+    mixed = bool(plain) and len(plain) < len(seconds)  # some timed with checkpointing
+    largest = "the largest that fits" + (" without checkpointing" if mixed else "")
     fastest = min(seconds, key=lambda m: statistics.median(seconds[m]))
     n = len(seconds)
-    if fastest == largest:
-        return largest, fastest, f"the fastest of {n} sizes timed, the largest that fits"
-    if slower(seconds[largest], seconds[fastest], tie):
-        gain = statistics.median(_ratios(seconds[largest], seconds[fastest]))
+    if fastest == default:
+        return default, fastest, f"the fastest of {n} sizes timed, {largest}"
+    if slower(seconds[default], seconds[fastest], tie):
+        gain = statistics.median(_ratios(seconds[default], seconds[fastest]))
+        how = ", with activation checkpointing" if mixed and fastest in checkpointed else ""
         return (
             fastest,
             fastest,
             (
-                f"the fastest of {n} sizes timed: {gain:.2f}x faster per effective batch than "
-                f"the largest that fits, {largest}"
+                f"the fastest of {n} sizes timed{how}: {gain:.2f}x faster per effective batch "
+                f"than {largest}, {default}"
             ),
         )
-    rounds = len(_ratios(seconds[largest], seconds[fastest]))
+    rounds = len(_ratios(seconds[default], seconds[fastest]))
     each = f"{rounds} window{'s' if rounds > 1 else ''} each"
     if rounds < _MIN_ROUNDS:
         each += " in the time planning allows"
+    other = f"{fastest}{' checkpointed' if mixed and fastest in checkpointed else ''}"
     return (
-        largest,
+        default,
         fastest,
-        (f"the largest that fits; timing cannot tell it from {fastest} beyond the noise ({each})"),
+        f"{largest}; timing cannot tell it from {other} beyond the noise ({each})",
     )
 
 
 def race(
-    window: Callable[[list[int]], float],
+    window: Callable[[list[int], bool], float],
     sizes: Sequence[int],
     per_rank: int,
     budget_s: float,
     *,
+    checkpointed: Collection[int] = (),
     max_rounds: int = _MAX_ROUNDS,
     tie: float = TIE,
 ) -> Race:
-    """Time ``sizes`` (largest first) and choose. ``window(micro_sizes) -> seconds`` runs one
-    real window of those micro-batches. First a short window of each (one micro-batch, and
-    the ragged last one where there is one: the shapes' one-time costs, and the cost per
-    sample); then rounds of a window each, taking turns (in order, then reversed), of the
-    whole per-rank batch, or of fewer samples when three rounds of the whole would not fit
-    ``budget_s`` (scaled up to the per-rank batch). A candidate slower than the fastest so
-    far beyond the noise leaves the race. The largest is chosen unless another is faster
-    than it beyond the noise."""
+    """Time ``sizes`` and choose. ``window(micro_sizes, checkpointed) -> seconds`` runs one
+    real window of those micro-batches, with activation checkpointing for the sizes in
+    ``checkpointed`` (all of them, or some each larger than every other size: what fits
+    only with it). First a
+    short window of each (one micro-batch, and the ragged last one where there is one: the
+    shapes' one-time costs, and the cost per sample); then rounds of a window each, taking
+    turns (in order, then reversed), of the whole per-rank batch, or of fewer samples when
+    three rounds of the whole would not fit ``budget_s`` (scaled up to the per-rank batch).
+    A candidate slower than the fastest so far beyond the noise leaves the race. The
+    largest (without checkpointing, where some are checkpointed) is chosen unless another
+    is faster than it beyond the noise."""
     began = time.perf_counter()
     sizes = sorted(set(sizes), reverse=True)
-    largest = sizes[0]
+    checkpointed = frozenset(m for m in checkpointed if m in sizes)
+    plain = [m for m in sizes if m not in checkpointed]
+    if plain and checkpointed and min(checkpointed) < plain[0]:
+        raise ValueError(
+            f"checkpointed sizes {sorted(checkpointed)} must be larger than every size timed "
+            f"without checkpointing, the largest of which is {plain[0]}"
+        )
+    default = plain[0] if plain else sizes[0]
     per_sample = {}
     for m in sizes:
         warm = [m]
         if per_rank % m:  # the real window's ragged last micro-batch, warmed too
             warm.append(per_rank % m)
-        per_sample[m] = window(warm) / sum(warm)
+        per_sample[m] = window(warm, m in checkpointed) / sum(warm)
     left_s = budget_s - (time.perf_counter() - began)
     # one round of every candidate at the whole per-rank batch, as far as the budget goes
     round_cost = sum(per_sample.values()) * per_rank
     samples = per_rank
     if _MIN_ROUNDS * round_cost > left_s:
-        samples = max(largest, int(left_s / (_MIN_ROUNDS * sum(per_sample.values()))))
+        samples = max(sizes[0], int(left_s / (_MIN_ROUNDS * sum(per_sample.values()))))
         samples = min(per_rank, samples)
     seconds: dict[int, list[float]] = {m: [] for m in sizes}
     left: dict[int, int | None] = dict.fromkeys(sizes)
@@ -214,7 +243,8 @@ def race(
         if time.perf_counter() - began + cost > budget_s:
             break
         for m in alive if r % 2 == 0 else alive[::-1]:
-            seconds[m].append(window(window_sizes(samples, m)) * per_rank / samples)
+            spent = window(window_sizes(samples, m), m in checkpointed)
+            seconds[m].append(spent * per_rank / samples)
         if r + 1 >= _MIN_ROUNDS:
             best = min(alive, key=lambda m: statistics.median(seconds[m]))
             for m in list(alive):
@@ -223,11 +253,15 @@ def race(
                     left[m] = r + 1
         if len(alive) == 1:
             break
-    if seconds[largest]:
-        chosen, fastest, why = choose(seconds, tie)
+    if seconds[default]:
+        chosen, fastest, why = choose(seconds, tie, checkpointed=checkpointed)
     else:
-        chosen = fastest = largest
-        why = "the largest that fits; no window of the others fit in the time planning allows"
+        chosen = fastest = default
+        why = (
+            "the largest that fits"
+            + (" without checkpointing" if plain and checkpointed else "")
+            + "; no window of the others fit in the time planning allows"
+        )
 
     timings = tuple(
         Timing(
@@ -237,6 +271,7 @@ def race(
             samples=samples,
             seconds=tuple(seconds[m]),
             left=left[m],
+            checkpointed=m in checkpointed,
         )
         for m in sizes
     )
