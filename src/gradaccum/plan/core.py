@@ -115,7 +115,7 @@ def plan(
     # the probes' dropout and data order must not advance any generator
     with preserved_rng(), _heap_set_aside():
 
-        def measure(use_ckpt: bool) -> _Line:
+        def measure(use_ckpt: bool, after: _Line | None = None) -> _Line:
             prober = Prober(
                 model,
                 optimizer,
@@ -128,12 +128,16 @@ def plan(
                 asked.sync,
                 batch_bytes,
             )
-            return _Line.measure(prober, probe_sizes, per_rank, usable, verify)
+            # A process pays its one-time bytes (thread pools, workspaces) on its first
+            # step: a line measured after another in this process sees them already paid,
+            # and a fresh training process would not. It keeps the first line's.
+            paid = after.m.overhead if after is not None else 0
+            return _Line.measure(prober, probe_sizes, per_rank, usable, verify, paid)
 
         try:
-            use_ckpt = asked.checkpointing == "on"
+            use_ckpt, line = asked.checkpointing == "on", None
             while True:
-                line = measure(use_ckpt)
+                line = measure(use_ckpt, line)
                 if line.fits:
                     break
                 # Nothing fits as it is, by the line or measured at one sample per
@@ -151,7 +155,7 @@ def plan(
                 _restore(model, optimizer, saved)
                 began = time.perf_counter()
                 try:
-                    ckpt = measure(True)
+                    ckpt = measure(True, line)
                 except torch.OutOfMemoryError:  # a device ran out on its second probe
                     ckpt = None
                 raced_note = _checkpointed_note(line, ckpt, time.perf_counter() - began)
@@ -235,8 +239,12 @@ class _Line:
     checked: tuple[Probe, ...] = ()
 
     @classmethod
-    def measure(cls, prober, probe_sizes, per_rank, usable, verify) -> _Line:
+    def measure(cls, prober, probe_sizes, per_rank, usable, verify, overhead=0) -> _Line:
+        """``overhead``: the least first-step overhead to count (what an earlier line in
+        this process measured)."""
         m = prober.measure(probe_sizes, usable)
+        if overhead > m.overhead:
+            m = replace(m, overhead=overhead)
         if m.need(1) > usable:
             return cls(prober, m, m.need(1), verified=False, fits=False)
         largest = min(per_rank, int((usable - m.need(0)) // max(m.peak_fit.slope, 1.0)))
