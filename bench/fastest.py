@@ -13,6 +13,11 @@ fastest; where the fastest is not the largest, the table says by how much. Plann
 before and after is each plan's own seconds (`ga.plan` in this process, the largest size
 measured in a fresh process, as `gradaccum plan` does).
 
+One case plans with `checkpointing="auto"` at a budget where activation checkpointing fits a
+larger size than the largest without it: the fastest plan measures the checkpointed line
+too and races its size; the sweep times the sizes that fit only with checkpointing with it
+on, and the case says what measuring the checkpointed line took of the planning.
+
 Writes bench/results/fastest.md. `python bench/fastest.py gpt` runs one case.
 """
 
@@ -85,25 +90,33 @@ def lora_gpt2(folder: Path):
     return build, sample, loss_fn, verifier
 
 
-# name: (what builds it, effective batch, two budgets)
+# name: (what builds it, effective batch, budgets, the plans' other settings)
 CASES = {
-    "gpt": (partial(recipe, "gpt"), 16, ("100MB", "250MB")),
-    "segment": (partial(recipe, "segment"), 8, ("400MB", "700MB")),
-    "minilm": (partial(recipe, "minilm"), 16, ("800MB", "1GB")),
-    "gpt2 LoRA": (lora_gpt2, 16, ("150MB", "300MB")),
+    "gpt": (partial(recipe, "gpt"), 16, ("100MB", "250MB"), {}),
+    "segment": (partial(recipe, "segment"), 8, ("400MB", "700MB"), {}),
+    "minilm": (partial(recipe, "minilm"), 16, ("800MB", "1GB"), {}),
+    "gpt2 LoRA": (lora_gpt2, 16, ("150MB", "300MB"), {}),
+    # without checkpointing 100MB fits 6 or 7 of 16; with it, more
+    "gpt checkpointing": (partial(recipe, "gpt"), 16, ("100MB",), {"checkpointing": "auto"}),
 }
 
 
-def sweep(model, optimizer, sample, loss_fn, per_rank: int, sizes: list[int]):
+def sweep(model, optimizer, sample, loss_fn, per_rank: int, sizes: list[int], checkpointed=()):
     """Seconds per effective batch of every size, ROUNDS rounds taking turns: a window of
-    the whole per-rank batch at each size, after one untimed window each."""
+    the whole per-rank batch at each size, after one untimed window each; the sizes in
+    ``checkpointed`` with activation checkpointing on."""
     acc = ga.Accumulator(model, optimizer)
     batches = {s: [take(sample, m) for m in window_sizes(per_rank, s)] for s in sizes}
 
     def window(s: int) -> float:
-        began = time.perf_counter()
-        acc.step(batches[s], loss_fn)
-        return time.perf_counter() - began
+        if s in checkpointed:
+            ga.enable_checkpointing(model)
+        try:
+            began = time.perf_counter()
+            acc.step(batches[s], loss_fn)
+            return time.perf_counter() - began
+        finally:
+            ga.disable_checkpointing(model)
 
     for s in sizes:
         window(s)
@@ -115,12 +128,12 @@ def sweep(model, optimizer, sample, loss_fn, per_rank: int, sizes: list[int]):
 
 
 def case(name: str) -> list[str]:
-    build, effective, budgets = CASES[name]
+    build, effective, budgets, settings = CASES[name]
     with tempfile.TemporaryDirectory(prefix="fastest-") as tmp:
-        return _case(name, build(Path(tmp)), effective, budgets)
+        return _case(name, build(Path(tmp)), effective, budgets, settings)
 
 
-def _case(name: str, built, effective: int, budgets) -> list[str]:
+def _case(name: str, built, effective: int, budgets, settings) -> list[str]:
     make, sample_batch, loss_fn, verifier = built
     rows = []
     for budget in budgets:
@@ -129,7 +142,7 @@ def _case(name: str, built, effective: int, budgets) -> list[str]:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-4)
         sample = sample_batch(8)
-        kw = dict(effective_batch=effective, budget=budget)
+        kw = dict(effective_batch=effective, budget=budget, **settings)
         plans = {}
         try:
             for prefer in ("largest", "fastest"):
@@ -151,8 +164,14 @@ def _case(name: str, built, effective: int, budgets) -> list[str]:
         fits = max([t.micro_size for t in after.timings] + [after.micro_size])
         top = max(before.micro_size, fits)
         sizes = list(range(top, 0, -1))
+        # the sizes above the largest that fits without checkpointing fit only with it
+        plain_top = max(
+            [t.micro_size for t in after.timings if not t.checkpointed] + [before.micro_size]
+        )
+        raced_ckpt = any(t.checkpointed for t in after.timings)
+        ckpt = {s for s in sizes if s > plain_top} if raced_ckpt else set()
         began = time.perf_counter()
-        swept = sweep(model, optimizer, sample, loss_fn, before.per_rank_batch, sizes)
+        swept = sweep(model, optimizer, sample, loss_fn, before.per_rank_batch, sizes, ckpt)
         sweep_s = time.perf_counter() - began
         med = {s: statistics.median(v) for s, v in swept.items()}
         fastest = min((s for s in med if s <= fits), key=med.get)
@@ -165,6 +184,13 @@ def _case(name: str, built, effective: int, budgets) -> list[str]:
             else ""
         )
         within = med[chosen] / med[fastest] - 1
+        raced = [n for n in after.notes if n.startswith("activation checkpointing")]
+        ckpt_said = (
+            f" The checkpointed line: {raced[0]}; the sweep times {min(ckpt)} to {max(ckpt)} "
+            "with checkpointing on (they fit only with it)."
+            if raced and ckpt
+            else (f" The checkpointed line: {raced[0]}." if raced else "")
+        )
         rows.append(
             f"### {name}, effective batch {effective}, budget {budget}\n\n"
             f'Planning: {before.seconds:.1f} s before (`prefer="largest"`: micro-batch '
@@ -173,7 +199,7 @@ def _case(name: str, built, effective: int, budgets) -> list[str]:
             f"{after.seconds / before.seconds:.2f}x; the timing itself "
             f"{after.timing_seconds:.1f} s, "
             f"{after.timing_seconds / max(after.seconds - after.timing_seconds, 1e-9):.0%} "
-            "of the rest of its plan.\n\n"
+            f"of the rest of its plan.{ckpt_said}\n\n"
             f"The plan's candidates:\n\n{after.timing_table()}\n\n"
             f"The sweep ({ROUNDS} rounds, {sweep_s:.0f} s): every size from 1 to the largest "
             f"that fits, {top}, seconds per effective batch, median [range]:\n\n"
@@ -188,6 +214,7 @@ def _case(name: str, built, effective: int, budgets) -> list[str]:
                         ("fastest", s == fastest),
                         ("the plan's choice", s == chosen),
                         ("largest", s == top),
+                        ("checkpointed", s in ckpt),
                     )
                     if on
                 )
