@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from gradaccum.plan.estimate import allocator as alloc
-from gradaccum.plan.estimate import cuda
+from gradaccum.plan.estimate import cuda, fsdp
 from gradaccum.plan.estimate.devices import gpu as find_gpu
 from gradaccum.plan.estimate.optimizers import bitsandbytes_refusal
 from gradaccum.plan.estimate.result import PARTS, Estimate
@@ -28,6 +28,7 @@ from gradaccum.plan.estimate.trace import (
 __all__ = ["estimate"]
 
 _DEVICES = ("cuda", "cpu")
+_SHARDS = ("ddp", "fsdp")
 
 
 def estimate(
@@ -47,6 +48,8 @@ def estimate(
     allocator: str | alloc.AllocatorConfig | None = None,
     prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     world_size: int = 1,
+    shard: str = "ddp",
+    sync: str = "window",
 ) -> Estimate:
     """The peak memory of a window of ``micro_batches`` micro-batches on ``device``, without
     that device, without the model's weights, without compute.
@@ -56,10 +59,14 @@ def estimate(
     ``sample(micro_size)`` makes one micro-batch (or ``sample`` is a micro-batch);
     ``loss_fn(model, micro_batch) -> (loss_sum, count)`` as for ``Accumulator.step``.
     ``prepare(model)`` returns the model to train (LoRA adapters, for one) after it is built.
-    ``world_size`` > 1: one of that many data-parallel processes, each with the whole model in
-    ``DistributedDataParallel``, whose gradient buckets are a second copy of the gradients
-    (FSDP2 sharding is not modelled: refused; bitsandbytes' quantized layers are refused for
-    ``gradaccum.plan.estimate.quantized.quantize``'s model of them).
+    ``world_size`` > 1: one of that many data-parallel processes. ``shard="ddp"``: each with
+    the whole model in ``DistributedDataParallel``, whose gradient buckets are a second copy
+    of the gradients. ``shard="fsdp"``: FSDP2's ``fully_shard`` on each repeated block and
+    the root, modelled from the unsharded trace (``gradaccum.plan.estimate.fsdp``), with
+    gradaccum's gradient ``sync`` ("window": the unsharded gradient kept between
+    micro-batches, one reduce-scatter per window; "micro": one per micro-batch, the sharded
+    gradient accumulated); the peak is rank 0's (the largest shards). bitsandbytes' quantized
+    layers are refused for ``gradaccum.plan.estimate.quantized.quantize``'s model of them.
 
     Two windows run through a real ``Accumulator``: the first creates the optimizer's state,
     the second is the steady one; the peak is over both. ``evaluate=True`` adds a forward
@@ -82,6 +89,12 @@ def estimate(
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if callable(sample) and micro_size is None:
         raise ValueError("micro_size is needed when sample is a function of it")
+    if shard not in _SHARDS:
+        raise ValueError(f"shard must be 'ddp' or 'fsdp', got {shard!r}")
+    if sync not in fsdp.SYNCS:
+        raise ValueError(f"sync must be 'window' or 'micro', got {sync!r}")
+    if shard == "fsdp" and (refusal := _fsdp_refusal(world_size, precision, evaluate)):
+        raise ValueError(refusal)
     target = find_gpu(gpu) if device == "cuda" else None
     config = allocator if isinstance(allocator, alloc.AllocatorConfig) else None
     config = config or alloc.AllocatorConfig.parse(allocator if isinstance(allocator, str) else "")
@@ -100,6 +113,8 @@ def estimate(
         max_grad_norm=max_grad_norm,
         prepare=prepare,
         world_size=world_size,
+        shard=shard,
+        sync=sync,
     )
     if target is None:
         parts = _parts(tally, tally.peak_index, set(), rounded=False)
@@ -136,6 +151,7 @@ def estimate(
 
 
 def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_cuda, **how):
+    from gradaccum.batching import map_tensors
     from gradaccum.engine import Accumulator
     from gradaccum.precision import PRECISIONS
     from gradaccum.recompute import enable_checkpointing
@@ -160,10 +176,21 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
             raise ValueError(refusal)
         if how["checkpointing"]:
             enable_checkpointing(module)
+        params: dict[int, tuple[int, ...]] = {}  # the parameters' storages, for FSDP2's shards
         for tensor in apply_order(module):
             tally.tag(tensor, "parameters")
+            if isinstance(tensor, torch.nn.Parameter):
+                params[tally.record(tensor)] = tuple(tensor.shape)
         trainable = [p for p in module.parameters() if p.requires_grad]
-        buckets = ddp_buckets(trainable) if how["world_size"] > 1 else []
+        sharded = how["shard"] == "fsdp"
+        if sharded and (odd := [p.dtype for p in trainable if p.dtype != torch.float32]):
+            raise ValueError(
+                f"shard='fsdp' with {odd[0]} trainable parameters is not modelled (FSDP2's "
+                "MixedPrecisionPolicy and low-precision gradients are not); train them in float32"
+            )
+        units = fsdp.layout(module, how["world_size"]) if sharded else None
+        marks = fsdp.Marks(units, tally) if sharded else contextlib.nullcontext()
+        buckets = ddp_buckets(trainable) if how["world_size"] > 1 and not sharded else []
         for bucket in buckets:  # DistributedDataParallel(model) allocates them when built
             tally.tag(bucket, "gradients")
         if buckets:
@@ -208,11 +235,16 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
         with (
             tally,
             kernels,
+            marks,
             module_names(module, tally),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
+            pad = None
             for _ in range(2):
-                acc.step([make() for _ in range(micro_batches)], traced_loss)
+                batches = [make() for _ in range(micro_batches)]
+                if how["world_size"] > 1:  # the one sample a distributed window keeps to pad
+                    pad = map_tensors(batches[-1], lambda t: t[:1].clone())  # noqa: F841
+                acc.step(batches, traced_loss)
                 for state in opt.state.values():
                     for value in state.values():
                         tally.tag(value, "optimizer state")
@@ -232,7 +264,40 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
                 "outside the caching allocator (not in allocated or reserved), counted in the "
                 "device total as resident"
             )
+    if sharded:
+        shapes = {tuple(p.shape) for p in trainable}
+        tally = fsdp.shard(
+            tally, marks, units, params, shapes, sync=how["sync"], micro_batches=micro_batches
+        )
+        blocks = len(units.modules) - 1
+        assumptions.append(
+            f"world size {how['world_size']}, FSDP2 (fully_shard) on {blocks} repeated blocks "
+            "and the root, rank 0's share (dim-0 shards padded to a multiple of the world "
+            "size); default settings: reshard_after_forward (the root's not), one unit's "
+            "all-gather prefetched in backward, one reduce-scatter input held; gradient sync "
+            + (
+                "'window': each unit's unsharded gradient kept between micro-batches, one "
+                "reduce-scatter per window"
+                if how["sync"] == "window"
+                else "'micro': a reduce-scatter per micro-batch, the sharded gradient accumulated"
+            )
+        )
     return tally, host, unified, assumptions
+
+
+def _fsdp_refusal(world_size: int, precision: str, evaluate: bool) -> str | None:
+    """One line for what FSDP2's model does not cover (HSDP, CPU offload and mixed precision
+    policies are not arguments: a ``fully_shard``-wrapped model is refused by ``_unmodelled``)."""
+    if world_size < 2:
+        return f"shard='fsdp' needs world_size of 2 or more, got {world_size}"
+    if precision == "fp16":
+        return (
+            "shard='fsdp' with precision='fp16' is not modelled (gradaccum refuses fp16 under "
+            "FSDP2: each rank would see only its own shards' overflow)"
+        )
+    if evaluate:
+        return "shard='fsdp' with evaluate=True is not modelled (FSDP2's evaluation forward)"
+    return None
 
 
 def ddp_buckets(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
@@ -262,7 +327,10 @@ def _unmodelled(module: torch.nn.Module) -> str | None:
                 "documented layout"
             )
         if sharded is not None and isinstance(sub, sharded):
-            return f"model: {where} is sharded by FSDP2 (fully_shard), not modelled yet"
+            return (
+                f"model: {where} is already sharded by FSDP2 (fully_shard); build it unwrapped "
+                "and pass shard='fsdp' with the world size"
+            )
     return None
 
 

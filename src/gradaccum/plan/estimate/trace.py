@@ -83,13 +83,14 @@ class Tally(TorchDispatchMode):
 
     ``events``: ``(action, serial, bytes)``; ``tags``: serial -> what the storage is
     ("parameters", "gradients", "optimizer state", "activations"), given by ``tag``;
-    the rest are temporaries. ``peak``/``peak_index``: the live bytes' peak and the number of
-    events up to it."""
+    the rest are temporaries; ``shapes``: serial -> the shape of the tensor it was made for.
+    ``peak``/``peak_index``: the live bytes' peak and the number of events up to it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.events: list[tuple[str, int, int]] = []
         self.tags: dict[int, str] = {}
+        self.shapes: dict[int, tuple[int, ...]] = {}  # serial -> the shape it was made with
         self.current = self.peak = self.peak_index = 0
         self._live: dict[int, tuple[int, int, Any]] = {}  # id(storage) -> serial, bytes, ref
         self._serial = 0
@@ -111,6 +112,7 @@ class Tally(TorchDispatchMode):
         self._serial += 1
         self._live[key] = (serial, size, weakref.ref(storage, lambda _, key=key: self._free(key)))
         self.events.append(("alloc", serial, size))
+        self.shapes[serial] = tuple(tensor.shape)
         self.current += size
         if self.current > self.peak:
             self.peak, self.peak_index = self.current, len(self.events)
