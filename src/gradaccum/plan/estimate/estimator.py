@@ -147,6 +147,7 @@ def estimate(
         context=0 if target is None else target.context,
         unified=unified,
         seconds=time.perf_counter() - started,
+        sync=sync if shard == "fsdp" else None,
     )
 
 

@@ -259,6 +259,12 @@ def shard(
     trainable parameters' shapes, for the optimizer step's state and temporaries."""
     if sync not in SYNCS:
         raise ValueError(f"sync must be 'window' or 'micro', got {sync!r}")
+    if not any(what == "fwd_pre" and unit == 0 for _, what, unit, _ in marks.marks):
+        root = type(units.modules[0]).__name__
+        raise ValueError(
+            f"shard='fsdp': loss_fn never called the model's forward ({root}); FSDP2 gathers "
+            "the root's parameters there"
+        )
     world = units.world
     out: list[tuple[str, Any, int]] = []
     tags: dict[Any, str] = {}

@@ -47,6 +47,8 @@ class Estimate:
     """Paged optimizer state in CUDA unified memory, outside the caching allocator (in
     ``total``, not in ``allocated`` or ``reserved``)."""
     seconds: float = 0.0
+    sync: str | None = None
+    """Under FSDP2 (``shard="fsdp"``): the gradient sync modelled, "window" or "micro"."""
 
     def fits(self, budget: int) -> bool:
         """Whether the device total stays within ``budget`` bytes."""
@@ -68,6 +70,7 @@ class Estimate:
             "parts": dict(self.parts),
             "assumptions": list(self.assumptions),
             "seconds": round(self.seconds, 3),
+            **({"sync": self.sync} if self.sync else {}),
         }
 
     def table(self) -> str:
