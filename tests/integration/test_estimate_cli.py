@@ -154,10 +154,12 @@ def test_a_second_identical_estimate_answers_from_the_plan_cache(tmp_path, monke
 
 
 def test_what_the_estimate_does_not_model_is_refused_in_one_line():
-    done = in_process("plan", "--device", "cuda", "--shard", "fsdp", "--world-size", "4")
-    assert done.returncode == 2 and "FSDP2 sharding over --world-size is not modelled" in (
+    done = in_process("plan", "--device", "cuda", "--shard", "fsdp")
+    assert done.returncode == 2 and "shard fsdp needs --world-size 2 or more, got 1" in (
         done.stderr
     )
+    done = in_process("plan", "--shard", "fsdp", "--world-size", "2")
+    assert done.returncode == 2 and "shard fsdp applies to the estimate" in done.stderr
     done = in_process("plan", "--device", "cuda", "--quantize", "nf4")
     assert done.returncode == 2 and "quantize needs --lora R" in done.stderr
     assert done.stderr.strip().count("\n") == 0
@@ -173,3 +175,44 @@ def test_lora_on_a_4bit_base_is_estimated_and_says_what_it_modelled(tmp_path):
     assumed = " ".join(result["assumptions"])
     assert "bitsandbytes' Linear4bit nf4 with double quantization" in assumed
     assert "prepare_model_for_kbit_training's fp32 cast not applied" in assumed
+
+
+def test_fsdp_is_estimated_per_rank_with_the_sync_the_plan_would_choose():
+    args = ("plan", "--device", "cuda", "--recipe", "gpt", "--micro-batch", "2",
+            "--effective-batch", "8", "--gpu", "t4", "--json")  # fmt: skip
+    ddp = json.loads(in_process(*args, "--world-size", "4").stdout)
+    done = in_process(*args, "--world-size", "4", "--shard", "fsdp")
+    assert done.returncode == 0, done.stderr
+    sharded = json.loads(done.stdout)
+    assert sharded["sync"] == "window" and sharded["per_window"] == 1
+    assert "FSDP2 (fully_shard) on 4 repeated blocks and the root" in " ".join(
+        sharded["assumptions"]
+    )
+    # a quarter of the optimizer state (give or take the padding and the allocator's blocks)
+    quarter = ddp["parts"]["optimizer state"] / 4
+    assert quarter <= sharded["parts"]["optimizer state"] <= 1.05 * quarter
+    assert sharded["allocated"] < ddp["allocated"]
+
+
+def test_fsdp_falls_back_to_micro_sync_where_window_sync_does_not_fit():
+    import torch
+
+    import gradaccum as ga
+    from gradaccum.app.recipes import get_recipe
+
+    recipe = get_recipe("gpt")
+
+    def total(sync):
+        return ga.estimate(recipe.build_model, lambda p: torch.optim.AdamW(p, lr=1e-4),
+                           recipe.sample_batch, recipe.loss_fn, micro_size=2, micro_batches=2,
+                           gpu="t4", world_size=2, shard="fsdp", sync=sync).total  # fmt: skip
+
+    window, micro = total("window"), total("micro")
+    assert micro < window  # the whole unsharded gradient held against its shard
+    done = in_process("plan", "--device", "cuda", "--recipe", "gpt", "--micro-batch", "2",
+                      "--effective-batch", "8", "--gpu", "t4", "--world-size", "2", "--shard",
+                      "fsdp", "--budget", str((window + micro) // 2), "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["sync"] == "micro" and result["total"] == micro
+    assert "(window) does not fit the budget" in " ".join(result["assumptions"])

@@ -881,8 +881,10 @@ class PlanConfig:
         help="estimate this micro-batch size alone (default: the largest that fits the budget)"
     )
     shard: str = SHARD(
-        help="how --world-size's processes hold the model: ddp (each a whole copy, with "
-        "DistributedDataParallel's gradient buckets); fsdp is not modelled by the estimate yet"
+        help="how --world-size's processes hold the model in the estimate: ddp (each a whole "
+        "copy, with DistributedDataParallel's gradient buckets) or fsdp (FSDP2's fully_shard "
+        "on each repeated block and the root; gradient sync 'window' where it fits, else "
+        "'micro', as the plan chooses)"
     )
     quantize: str | None = Opt(
         None,
@@ -915,11 +917,12 @@ class PlanConfig:
         if self.task is not None and self.hf_model is None:
             out.append("task applies to --hf-model; a built-in recipe has its own head")
         if self.shard == "fsdp":
-            out.append(
-                "shard fsdp: FSDP2 sharding over --world-size is not modelled by the estimate "
-                "yet (a 1/N share of parameters, gradients and optimizer state, one unit's "
-                "all-gathered parameters at a time); --shard ddp estimates each process whole"
-            )
+            if not (self.estimate or self.device == "cuda"):
+                out.append("shard fsdp applies to the estimate: add --device cuda or --estimate")
+            if self.world_size < 2:
+                out.append(f"shard fsdp needs --world-size 2 or more, got {self.world_size}")
+            if self.quantize is not None:
+                out.append("shard fsdp with --quantize: a sharded quantized base is not modelled")
         if self.quantize is not None and self.lora is None:
             out.append("quantize needs --lora R: a quantized base trains adapters only")
         if self.double_quant and self.quantize not in ("nf4", "fp4"):

@@ -158,7 +158,7 @@ def _estimate(cfg: PlanConfig) -> dict[str, Any]:
     model, sample, loss_fn, prepare, assumed = _workload(cfg)
     per_rank = math.ceil(cfg.effective_batch / cfg.world_size)
 
-    def at(micro_size: int, windows: int = 2) -> ga.Estimate:
+    def at(micro_size: int, windows: int = 2, sync: str = "window") -> ga.Estimate:
         return ga.estimate(
             model,
             _optimizer(cfg.optimizer),
@@ -171,25 +171,39 @@ def _estimate(cfg: PlanConfig) -> dict[str, Any]:
             checkpointing=cfg.checkpointing == "on",
             prepare=prepare,
             world_size=cfg.world_size,
+            shard=cfg.shard,
+            sync=sync,
         )
 
     budget = parse_bytes(cfg.budget)
     largest = None
+    # under FSDP2 the plan's choice (plan(sync="auto")): "window" where it fits, else "micro"
+    syncs = ("window", "micro") if cfg.shard == "fsdp" else ("window",)
     if cfg.micro_batch is not None:
         micro_size = cfg.micro_batch
-        est = at(micro_size, math.ceil(per_rank / micro_size))
+        windows = math.ceil(per_rank / micro_size)
+        for sync in syncs:
+            est = at(micro_size, windows, sync)
+            if est.total <= budget:
+                break
+        else:
+            est = at(micro_size, windows) if len(syncs) > 1 else est
     else:
-        # the largest size whose total fits: memory grows with the micro-batch
-        low, high, best = 1, per_rank, None
-        while low <= high:
-            mid = (low + high) // 2
-            trial = at(mid)
-            if trial.total <= budget:
-                low, best = mid + 1, (mid, trial)
-            else:
-                high = mid - 1
+        best = None
+        for sync in syncs:
+            # the largest size whose total fits: memory grows with the micro-batch
+            low, high = 1, per_rank
+            while low <= high:
+                mid = (low + high) // 2
+                trial = at(mid, sync=sync)
+                if trial.total <= budget:
+                    low, best = mid + 1, (mid, trial)
+                else:
+                    high = mid - 1
+            if best is not None:
+                break
         if best is None:
-            one = at(1)
+            one = at(1, sync=syncs[-1])
             raise ValueError(
                 f"even a micro-batch of 1 needs {format_bytes(one.total)} on {cfg.gpu}, over "
                 f"--budget {cfg.budget}; try --checkpointing on, --precision bf16 or --lora"
@@ -200,6 +214,12 @@ def _estimate(cfg: PlanConfig) -> dict[str, Any]:
     result["per_window"] = math.ceil(per_rank / micro_size)
     result["largest"] = largest
     result["budget"] = budget
+    if est.sync == "micro":
+        assumed = [
+            *assumed,
+            "gradient sync micro, as the plan would choose: holding the whole unsharded "
+            "gradient between micro-batches (window) does not fit the budget",
+        ]
     if cfg.optimizer in _OPTIMIZER_ASSUMED:
         assumed = [*assumed, f"optimizer: {_OPTIMIZER_ASSUMED[cfg.optimizer]}"]
     result["assumptions"] = assumed + result["assumptions"]
