@@ -179,6 +179,11 @@ class Marks:
     def _begin(self, unit: int) -> None:
         self._backward_begins()
         if unit not in self._open:
+            # this unit's output is the next one's input: FSDP2 ends the next unit's backward
+            # (its post-backward runs on the gradient of its inputs) before this one's begins
+            for other in [u for u in self._open if u and self._pending.get(u, 0) <= 0]:
+                self._open.discard(other)
+                self._mark("bwd_post", other)
             self._open.add(unit)
             self._mark("bwd_pre", unit)
 
@@ -290,7 +295,7 @@ def shard(
     # the unsharded gradients held: unit -> parameter -> the traced gradient or a stand-in
     unsharded: dict[int, dict[int, Any]] = {}
     sharded_grads: dict[int, Any] = {}
-    rs_input: Any = None
+    rs_inputs: list[Any] = []
     order: list[int] = []  # blocks in the order their forward ended
     began: list[int] = []  # units whose backward began in this micro-batch
 
@@ -308,12 +313,12 @@ def shard(
         free(flat)
 
     def post_backward(unit: int) -> None:
-        nonlocal rs_input
         free(gathered.pop(unit, None))
         if not last() or not unsharded.get(unit):
             return
-        free(rs_input)
-        rs_input = alloc("reduce-scatter input", units.reduced[unit], "gradients")
+        while rs_inputs:  # FSDP2 keeps one past its reduce-scatter, until the next one's
+            free(rs_inputs.pop(0))
+        rs_inputs.append(alloc("reduce-scatter input", units.reduced[unit], "gradients"))
         for key in unsharded.pop(unit).values():
             free(key)
         output = alloc("reduce-scatter output", units.reduced[unit] // world, "gradients")
@@ -323,7 +328,7 @@ def shard(
             sharded_grads[unit] = output
 
     def apply(what: str, unit: int | None, param: int | None) -> None:
-        nonlocal micro, in_step, flat_held, rs_input
+        nonlocal micro, in_step, flat_held
         if what == "fwd_pre":
             if unit == 0:
                 micro, in_step = micro + 1, False
@@ -363,8 +368,9 @@ def shard(
             for key in list(prefetched.values()):
                 free(key)
             prefetched.clear()
-            free(rs_input)
-            rs_input = None
+            for key in rs_inputs:
+                free(key)
+            rs_inputs.clear()
             in_step = window_ends()
 
     zeroed = False
