@@ -207,28 +207,38 @@ def test_auto_checkpointing_is_tried_when_the_verification_does_not_fit():
 
 
 class _CallCost(nn.Module):
-    """A TinyLM of 8 blocks whose every call also waits 30 ms outside them (a host round
+    """A TinyLM of 8 blocks whose every call also waits 10 ms outside them (a host round
     trip paid per micro-batch; recomputation does not repeat it): per effective batch, one
     large checkpointed micro-batch pays it once where small ones pay it per micro-batch. A
     wait is a cost a loaded machine lengthens, never shortens, and by the same for every
     call: the sizes' order is the model's, not the machine's (the work clock of
     test_speed.py, for a race that plan() runs on its own clock). Its first call allocates
-    a workspace of WORKSPACE bytes that it keeps, as a process's first step does (thread
-    pools, kernel workspaces): a one-time cost that a second line measured in the same
-    process does not see."""
+    a workspace of WORKSPACE bytes that it keeps and waits ``first_call_s``, as a process's
+    first step does (thread pools, kernel workspaces, a device context, kernels tuned): a
+    one-time cost that a second line measured in the same process does not see, and that
+    makes the plan before timing long enough for checkpointing's line and race to fit in
+    half of it (nothing else here does: that line is the first one's work again)."""
 
     WORKSPACE = 1 << 20  # above the optimizer state, which the first step's peak leaves out
 
-    def __init__(self) -> None:
+    def __init__(self, first_call_s: float = 0.0) -> None:
         super().__init__()
         self.lm = TinyLM(d=16, layers=8, max_len=32)
         self.workspace = None
+        self.first_call_s = first_call_s
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.workspace is None:
             self.workspace = torch.zeros(self.WORKSPACE // 4)
-        time.sleep(0.03)
+            time.sleep(self.first_call_s)
+        time.sleep(0.01)
         return self.lm(ids)
+
+
+# the one-time wait of a plan that races checkpointing: long enough that the estimate of its
+# line and race fits in half the plan before them on a loaded machine (the estimate comes
+# from the probes' windows, which the "tensors" meter slows several times over a race's)
+_FIRST_CALL_S = 40.0
 
 
 def _lm_loss(model, mb):
@@ -253,6 +263,28 @@ def _window_peak(model, optimizer, batch, micro_size: int) -> int:
     return held + meter.peak()
 
 
+def _call_cost_plan(first_call_s: float = 0.0, **kw) -> tuple[ga.Plan, nn.Module]:
+    """A plan of effective batch 8 for a new _CallCost (as a new process has it: workspace
+    unpaid), checkpointing "auto", by the deterministic "tensors" meter."""
+    ids = torch.randint(1, 32, (8, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    model = make_model(lambda: _CallCost(first_call_s))
+    optimizer = torch.optim.AdamW(model.parameters())
+    planned = ga.plan(
+        model, optimizer, batch, _lm_loss, effective_batch=8, meter="tensors",
+        checkpointing="auto", probe_sizes=[1, 2], **kw,
+    )  # fmt: skip
+    return planned, model
+
+
+def _between_2_and_3() -> tuple[ga.Plan, int]:
+    """The plan with all the memory it wants (8 without checkpointing), and a budget where 2
+    fits without checkpointing and 3 does not: 8 fits only with it."""
+    free, _ = _call_cost_plan(budget="8GiB", prefer="largest")
+    assert (free.micro_size, free.checkpointing) == (8, False)
+    return free, int((free.predict(2) + free.predict(3)) / 2 / (1 - free.margin))
+
+
 @pytest.mark.slow
 def test_fastest_races_the_size_only_checkpointing_fits_and_its_plan_trains_within_it():
     """checkpointing="auto" where 2 fits without it and the whole batch, 8, only with it:
@@ -260,31 +292,14 @@ def test_fastest_races_the_size_only_checkpointing_fits_and_its_plan_trains_with
     and 1 (plain); 8 wins (the wait per call) and the plan is the checkpointed one, its peak
     what a training window at 8 with checkpointing peaks at, or more; prefer="largest" plans
     2 without checkpointing and times nothing, as before."""
-    ids = torch.randint(1, 32, (8, 32), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids.clone()}
-    models = []
-
-    def run(**kw):
-        # each plan on a model of the same seed, as a new process has it (workspace unpaid)
-        models.append(make_model(_CallCost))
-        optimizer = torch.optim.AdamW(models[-1].parameters())
-        return ga.plan(
-            models[-1], optimizer, batch, _lm_loss, effective_batch=8, meter="tensors",
-            checkpointing="auto", **kw,
-        )  # fmt: skip
-
-    free = run(budget="8GiB", prefer="largest", probe_sizes=[1, 2])
-    assert (free.micro_size, free.checkpointing) == (8, False)
-    budget = int((free.predict(2) + free.predict(3)) / 2 / (1 - free.margin))
+    free, budget = _between_2_and_3()
     usable = budget * (1 - free.margin)
 
-    largest = run(budget=budget, prefer="largest", probe_sizes=[1, 2])
+    largest, _ = _call_cost_plan(budget=budget, prefer="largest")
     assert (largest.micro_size, largest.checkpointing, largest.timings) == (2, False, ())
     assert not any("checkpointing" in note for note in largest.notes), largest.notes
 
-    # more probes than the default: a longer plan, so half of it times three rounds
-    fastest = run(budget=budget, probe_sizes=[1, 2, 3, 4, 5, 6, 7, 8])
-    model = models[-1]
+    fastest, model = _call_cost_plan(_FIRST_CALL_S, budget=budget)
     print(fastest.summary(), fastest.timing_table(), sep="\n")
     rows = [(t.micro_size, t.checkpointed) for t in fastest.timings]
     assert rows == [(8, True), (2, False), (1, False)]
@@ -309,6 +324,7 @@ def test_fastest_races_the_size_only_checkpointing_fits_and_its_plan_trains_with
     # without it, the same window is over the budget (the size fits only checkpointed).
     optimizer = torch.optim.AdamW(model.parameters())
     fastest.apply(model)
+    batch = _call_cost_batch()
     trained = _window_peak(model, optimizer, batch, fastest.micro_size)
     ga.disable_checkpointing(model)
     plain = _window_peak(model, optimizer, batch, fastest.micro_size)
@@ -320,12 +336,34 @@ def test_fastest_races_the_size_only_checkpointing_fits_and_its_plan_trains_with
 
 
 @pytest.mark.slow
-def test_the_checkpointed_size_is_verified_where_training_runs():
-    """With ``verify`` (a fresh process, in a run), the checkpointed line's size is measured
-    there too, with checkpointing: here a fresh model of the same seed, as that process
-    builds it."""
+def test_checkpointing_is_not_raced_where_its_line_and_race_would_take_over_half_the_plan():
+    """Without a one-time cost for the first line to pay, checkpointing's line is the first
+    line's work again, recomputing: with its race, more than half of the plan before them.
+    The plan races the sizes without it in that half, and says why checkpointing was not."""
+    free, budget = _between_2_and_3()
+    planned, model = _call_cost_plan(budget=budget)
+    print(planned.summary(), planned.timing_table(), sep="\n")
+    assert not planned.checkpointing and planned.micro_size <= 2
+    assert [(t.micro_size, t.checkpointed) for t in planned.timings] == [(2, False), (1, False)]
+    skipped = [n for n in planned.notes if n.startswith("activation checkpointing not raced")]
+    assert len(skipped) == 1 and "planning may add" in skipped[0], planned.notes
+    assert not ga.recompute.checkpointing_enabled(model)
+
+
+def _call_cost_batch() -> dict[str, torch.Tensor]:
     ids = torch.randint(1, 32, (8, 32), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids.clone()}
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fits", [True, False], ids=["fits", "refused"])
+def test_the_checkpointed_winner_is_verified_where_training_runs(fits):
+    """With ``verify`` (a fresh process, in a run), the checkpointed line is measured in this
+    process and only its winning size is measured there too, with checkpointing (here a fresh
+    model of the same seed, as that process builds it), in the time held back for it. Where
+    that process finds it over the budget (``fits`` False: it reports the window's peak
+    doubled), the plan is the fastest without checkpointing and says why."""
+    batch = _call_cost_batch()
     asked = []
 
     def verify(micro: int, n: int, checkpointed: bool) -> int:
@@ -334,21 +372,23 @@ def test_the_checkpointed_size_is_verified_where_training_runs():
         if checkpointed:
             ga.enable_checkpointing(fresh)
         optimizer = torch.optim.AdamW(fresh.parameters())
-        return _window_peak(fresh, optimizer, take(batch, micro * n), micro)
+        peak = _window_peak(fresh, optimizer, take(batch, micro * n), micro)
+        return peak if fits or not checkpointed else 2 * peak
 
-    def run(**kw):
-        model = make_model(_CallCost)  # as a new process has it (workspace unpaid)
-        optimizer = torch.optim.AdamW(model.parameters())
-        return ga.plan(
-            model, optimizer, batch, _lm_loss, effective_batch=8, meter="tensors",
-            checkpointing="auto", probe_sizes=[1, 2], **kw,
-        )  # fmt: skip
-
-    free = run(budget="8GiB", prefer="largest")
-    budget = int((free.predict(2) + free.predict(3)) / 2 / (1 - free.margin))
-    planned = run(budget=budget, verify=verify)
+    free, budget = _between_2_and_3()
+    planned, _ = _call_cost_plan(_FIRST_CALL_S, budget=budget, verify=verify)
+    print(planned.summary(), planned.timing_table(), sep="\n")
     assert asked == [(2, 2, False), (8, 1, True)]
     assert [(t.micro_size, t.checkpointed) for t in planned.timings][0] == (8, True)
+    assert planned.predicted_peak <= budget * (1 - planned.margin)
+    if fits:
+        assert (planned.micro_size, planned.checkpointing) == (8, True)
+        assert planned.probes[-1].kind == "verify, fresh process"
+        assert planned.predicted_peak == planned.timing(8).peak_bytes
+    else:
+        assert planned.micro_size <= 2 and not planned.checkpointing
+        assert "peaked at" in planned.choice and "in a fresh process" in planned.choice
+        assert planned.timing(8).peak_bytes > budget * (1 - planned.margin)
 
 
 @pytest.mark.slow

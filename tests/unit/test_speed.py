@@ -10,7 +10,18 @@ import torch
 from torch import nn
 
 import gradaccum as ga
-from gradaccum.plan.speed import candidates, choose, race, window_sizes
+from gradaccum.plan.speed import (
+    RECOMPUTE,
+    Extra,
+    Race,
+    Timing,
+    WindowCost,
+    candidates,
+    choose,
+    race,
+    window_sizes,
+    without_checkpointed,
+)
 
 PER_RANK = 32
 
@@ -197,3 +208,83 @@ def test_no_round_runs_past_the_budget():
     result = race(window, [32, 16, 8], PER_RANK, one * 0.5)
     assert result.chosen == 32 and "time planning allows" in result.why
     assert all(t.seconds == () for t in result.timings)
+
+
+def test_a_window_cost_is_a_cost_per_micro_batch_plus_one_per_sample():
+    # windows of 0.5 s per micro-batch and 0.25 s per sample, whatever their count
+    windows = [(m, n, n * (0.5 + 0.25 * m)) for m, n in [(1, 2), (2, 2), (4, 2), (8, 1)]]
+    cost = WindowCost.fit(windows)
+    assert cost.per_micro_batch == pytest.approx(0.5) and cost.per_sample == pytest.approx(0.25)
+    assert cost([8, 8, 4]) == pytest.approx(3 * 0.5 + 20 * 0.25)
+    assert cost([8, 8, 4], checkpointed=True) == pytest.approx(RECOMPUTE * (1.5 + 5.0))
+    # one size measured: all of it per sample; a cost falling with the size: all per call
+    assert WindowCost.fit([(4, 2, 2.0), (4, 2, 2.0)]) == WindowCost(0.0, 0.25)
+    assert WindowCost.fit([(1, 1, 2.0), (2, 1, 1.0)]) == WindowCost(1.5, 0.0)
+    with pytest.raises(ValueError, match="at least one measured window, got none"):
+        WindowCost.fit([])
+
+
+def _extra(allowed: float, fresh: float = 0.0) -> Extra:
+    """Per-rank batch 8, a first line at 2 (probes 1 and 2), every micro-batch 1 s and
+    nothing per sample: the count of micro-batches is the estimate."""
+    cost = WindowCost(per_micro_batch=1.0, per_sample=0.0)
+    return Extra.estimate(allowed, cost, fresh, probe_sizes=[1, 2], sizes=[2, 1], per_rank=8)
+
+
+def test_the_checkpointed_extra_counts_its_line_its_least_race_and_its_fresh_verification():
+    extra = _extra(100.0, fresh=7.0)
+    # its line: a warm-up and two windows at each probe size, two micro-batches each, and
+    # two verifications of the dearest size above 2 (3 or 4: two micro-batches), recomputing
+    assert extra.line == pytest.approx(RECOMPUTE * (2 + 2 * 2 * 2 + 2 * 2))
+    # per sample instead: the dearest verification is 2 x 4 (8 samples), as 1 x 8 is
+    by_sample = WindowCost(per_micro_batch=0.0, per_sample=1.0)
+    line = Extra.estimate(1.0, by_sample, 0.0, probe_sizes=[1, 2], sizes=[2, 1], per_rank=8).line
+    assert line == pytest.approx(RECOMPUTE * (2 + 2 * (2 + 4) + 2 * 8))
+    # the race: a first window of each (one micro-batch), then three rounds of 8 samples:
+    # 4 x 2, 8 x 1 and 1 x 8 (recomputing)
+    first = 1 + 1 + RECOMPUTE
+    assert extra.race == pytest.approx(first + 3 * (4 + 8 + RECOMPUTE))
+    assert extra.fresh == 7.0
+
+
+def test_checkpointing_races_only_where_its_line_race_and_verification_fit_the_half():
+    whole = _extra(0.0, fresh=7.0)
+    need = whole.line + whole.race + whole.fresh
+    keep = _extra(need, fresh=7.0)  # exactly the half: it races, its fresh verification held back
+    assert keep.affordable
+    # the race gets what the line left, less the fresh verification held back for a winner
+    assert keep.race_budget(line_spent=keep.line) == pytest.approx(keep.race)
+    assert keep.race_budget(line_spent=keep.line + 2.0) == pytest.approx(keep.race - 2.0)
+    # a fraction short: skipped, and the note says each part and the half
+    skip = _extra(0.99 * need, fresh=7.0)
+    assert not skip.affordable
+    assert "not raced" in skip.why_not() and "fresh process (about 7.0 s)" in skip.why_not()
+    # without verify, nothing is held back and the note names no fresh process
+    plain = _extra(need - 7.0)
+    assert plain.affordable and plain.race_budget(plain.line) == pytest.approx(plain.race)
+    assert "fresh process" not in _extra(1.0).why_not()
+
+
+def test_a_refused_checkpointed_winner_falls_back_to_the_fastest_without():
+    def timing(m: int, seconds: list[float], checkpointed: bool = False) -> Timing:
+        n = -(-8 // m)
+        return Timing(m, n, 8 - (n - 1) * m, 8, tuple(seconds), checkpointed=checkpointed)
+
+    # 8 checkpointed the fastest; without it, 2 beyond the noise faster than 4
+    raced = Race(
+        (
+            timing(8, [1.0, 1.0, 1.0], checkpointed=True),
+            timing(4, [3.0, 3.1, 3.0]),
+            timing(2, [2.0, 2.05, 2.0]),
+        ),
+        fastest=8,
+        chosen=8,
+        why="the fastest of 3 sizes timed, with activation checkpointing",
+        spent=1.0,
+    )
+    back = without_checkpointed(raced, "refused")
+    assert (back.chosen, back.fastest, back.timings) == (2, 8, raced.timings)
+    assert back.why.startswith("the fastest of 2 sizes timed") and back.why.endswith("; refused")
+    # a tie without it: the largest without it
+    tie = Race((raced.timings[0], timing(4, [2.0] * 3), timing(2, [2.0] * 3)), 8, 8, "", 1.0)
+    assert without_checkpointed(tie, "refused").chosen == 4

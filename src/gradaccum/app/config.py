@@ -235,8 +235,9 @@ METER = Opt(
 )
 CHECKPOINTING_OPT = Opt(
     "off",
-    "activation checkpointing of the model's repeated blocks: off, on, or auto (only when the "
-    "plan finds nothing fits without)",
+    "activation checkpointing of the model's repeated blocks: off, on, or auto (when the plan "
+    "finds nothing fits without; with --prefer fastest, also timed against the sizes without "
+    "it where it fits a larger one and measuring it fits in half the planning time)",
     choices=CHECKPOINTING,
 )
 PREFER_OPT = Opt(

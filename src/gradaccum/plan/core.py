@@ -33,7 +33,15 @@ from gradaccum.plan.phases import measure_phases
 from gradaccum.plan.prober import Measured, Prober
 from gradaccum.plan.request import CHECKPOINTING, PlanRequest
 from gradaccum.plan.result import Plan, Probe
-from gradaccum.plan.speed import Race, Timing, candidates, race
+from gradaccum.plan.speed import (
+    Extra,
+    Race,
+    Timing,
+    WindowCost,
+    candidates,
+    race,
+    without_checkpointed,
+)
 from gradaccum.recompute import (
     checkpointing_enabled,
     disable_checkpointing,
@@ -115,7 +123,7 @@ def plan(
     # the probes' dropout and data order must not advance any generator
     with preserved_rng(), _heap_set_aside():
 
-        def measure(use_ckpt: bool, after: _Line | None = None) -> _Line:
+        def measure(use_ckpt: bool, after: _Line | None = None, fresh: bool = True) -> _Line:
             prober = Prober(
                 model,
                 optimizer,
@@ -132,7 +140,8 @@ def plan(
             # step: a line measured after another in this process sees them already paid,
             # and a fresh training process would not. It keeps the first line's.
             paid = after.m.overhead if after is not None else 0
-            return _Line.measure(prober, probe_sizes, per_rank, usable, verify, paid)
+            check = verify if fresh else None
+            return _Line.measure(prober, probe_sizes, per_rank, usable, check, paid)
 
         try:
             use_ckpt, line = asked.checkpointing == "on", None
@@ -149,20 +158,40 @@ def plan(
                 use_ckpt = True
                 _restore(model, optimizer, saved)
             lines, raced_note = [line], None
-            if _races_checkpointing(model, asked, line, per_rank):
-                # "auto" with a size that fits without: whether recomputing fits a larger one,
-                # measured as the first line was (its probes, its verification), to race it
+            # What timing may add: half of what the plan took so far (planning grows by half
+            # at most), the checkpointed line's measurement and verification included.
+            allowed = 0.5 * (time.perf_counter() - started)
+            race_budget = allowed
+            extra = _checkpointed_extra(model, asked, line, probe_sizes, per_rank, allowed)
+            if extra is not None and not extra.affordable:
+                raced_note = extra.why_not()
+            elif extra is not None:
+                # "auto" with a size that fits without: whether recomputing fits a larger
+                # one, its line measured in this process (a fresh process only for a winner)
                 _restore(model, optimizer, saved)
                 began = time.perf_counter()
                 try:
-                    ckpt = measure(True, line)
+                    ckpt = measure(True, line, fresh=False)
                 except torch.OutOfMemoryError:  # a device ran out on its second probe
                     ckpt = None
-                raced_note = _checkpointed_note(line, ckpt, time.perf_counter() - began)
+                spent = time.perf_counter() - began
+                raced_note = _checkpointed_note(line, ckpt, spent)
+                race_budget = allowed - spent
                 if ckpt is not None and ckpt.fits and ckpt.micro_size > line.micro_size:
                     lines.append(ckpt)
+                    race_budget = extra.race_budget(spent)
             # the fastest of the sizes up to the one measured to fit
-            raced = _race(lines, asked, per_rank, started)
+            raced = _race(lines, asked, per_rank, race_budget)
+            if raced is not None and raced.chosen > line.micro_size and verify is not None:
+                # the checkpointed winner measured where training runs, in the time held back
+                lines[-1] = _verified_fresh(lines[-1], verify, per_rank, usable)
+                if not lines[-1].fits:
+                    refused = (
+                        f"activation checkpointing's {raced.chosen}, timed faster, peaked at "
+                        f"{format_bytes(lines[-1].need)} in a fresh process, above the "
+                        f"{format_bytes(usable)} usable"
+                    )
+                    raced = without_checkpointed(raced, refused)
             timings = _timings(raced, lines)
             micro_size, chosen = line.micro_size, line
             if raced is not None:
@@ -237,6 +266,7 @@ class _Line:
     largest: int = 0
     micro_size: int = 0
     checked: tuple[Probe, ...] = ()
+    fresh_s: float = 0.0  # the longest of its fresh-process verifications, in seconds
 
     @classmethod
     def measure(cls, prober, probe_sizes, per_rank, usable, verify, overhead=0) -> _Line:
@@ -248,18 +278,26 @@ class _Line:
         if m.need(1) > usable:
             return cls(prober, m, m.need(1), verified=False, fits=False)
         largest = min(per_rank, int((usable - m.need(0)) // max(m.peak_fit.slope, 1.0)))
-        largest, micro_size, checked = _verify(prober, m, per_rank, largest, usable, verify)
+        largest, micro_size, checked, fresh_s = _verify(
+            prober, m, per_rank, largest, usable, verify
+        )
         need = m.base + checked[-1].peak_bytes
-        return cls(prober, m, need, True, need <= usable, largest, micro_size, checked)
+        return cls(prober, m, need, True, need <= usable, largest, micro_size, checked, fresh_s)
 
 
-def _races_checkpointing(
-    model: torch.nn.Module, asked: PlanRequest, line: _Line, per_rank: int
-) -> bool:
-    """Whether checkpointing's line is measured to race a larger size: "auto" and "fastest"
-    asked, the planned size without it below the per-rank batch, blocks to recompute, and
-    one process timing (ranks planning together are not timed)."""
-    return (
+def _checkpointed_extra(
+    model: torch.nn.Module,
+    asked: PlanRequest,
+    line: _Line,
+    probe_sizes: list[int],
+    per_rank: int,
+    allowed: float,
+) -> Extra | None:
+    """What racing checkpointing's size would add, estimated from ``line``'s windows, where
+    it may race a larger size: "auto" and "fastest" asked, the planned size without it below
+    the per-rank batch, blocks to recompute, and one process timing (ranks planning together
+    are not timed); None where it may not."""
+    races = (
         asked.prefer == "fastest"
         and asked.checkpointing == "auto"
         and not line.m.blocks
@@ -267,11 +305,39 @@ def _races_checkpointing(
         and not line.prober.acc.sync.distributed
         and bool(repeated_blocks(model))
     )
+    if not races:
+        return None
+    return Extra.estimate(
+        allowed,
+        WindowCost.fit(line.prober.windows),
+        line.fresh_s,
+        probe_sizes=probe_sizes,
+        sizes=candidates(per_rank, line.micro_size),
+        per_rank=per_rank,
+    )
+
+
+def _verified_fresh(
+    line: _Line, verify: Callable[[int, int, bool], int], per_rank: int, usable: float
+) -> _Line:
+    """``line``'s size (measured in this process) measured again by ``verify``, where training
+    runs, that measurement deciding: over ``usable``, the line no longer fits."""
+    m, size = line.m, line.micro_size
+    began = time.perf_counter()
+    peak = int(verify(size, min(math.ceil(per_rank / size), 2), bool(m.blocks)))
+    peak -= m.static + m.overhead
+    fresh_s = time.perf_counter() - began
+    act, line_at = int(m.activation_fit(size)), m.peak_fit(size)
+    probe = Probe(size, peak, act, line_at, kind="verify, fresh process")
+    need = m.base + peak
+    return replace(
+        line, need=need, fits=need <= usable, checked=(*line.checked, probe), fresh_s=fresh_s
+    )
 
 
 def _checkpointed_note(line: _Line, ckpt: _Line | None, seconds: float) -> str:
     """What measuring the checkpointed line found, and what it cost."""
-    cost = f"(its line and verification took {seconds:.1f} s of the planning)"
+    cost = f"(its line, measured in this process, took {seconds:.1f} s of the planning)"
     if ckpt is None or not ckpt.fits:
         return f"activation checkpointing measured: it fits no micro-batch here {cost}"
     if ckpt.micro_size <= line.micro_size:
@@ -286,11 +352,11 @@ def _checkpointed_note(line: _Line, ckpt: _Line | None, seconds: float) -> str:
     )
 
 
-def _race(lines: list[_Line], asked: PlanRequest, per_rank: int, started: float) -> Race | None:
+def _race(lines: list[_Line], asked: PlanRequest, per_rank: int, budget_s: float) -> Race | None:
     """With ``prefer="fastest"``, the size measured to fit and smaller ones (and the size
     that fits only with checkpointing, where ``lines`` has its line) timed against each
-    other in at most half the planning time so far (planning grows by half at most); None:
-    untimed (``"largest"``, a single candidate, or ranks that would each time their own)."""
+    other in at most ``budget_s``; None: untimed (``"largest"``, a single candidate, or
+    ranks that would each time their own)."""
     plain, prober = lines[0], lines[-1].prober
     if asked.prefer != "fastest" or prober.acc.sync.distributed:
         return None
@@ -306,7 +372,7 @@ def _race(lines: list[_Line], asked: PlanRequest, per_rank: int, started: float)
         prober.timed,
         every,
         per_rank,
-        0.5 * (time.perf_counter() - started),
+        budget_s,
         checkpointed=checkpointed,
     )
 
@@ -412,15 +478,19 @@ def _verify(
     the first's summed gradient and nothing more (bench/results/memory_vs_n.md). When the
     measured peak is over, the line is scaled through it and the largest size that fits by
     the scaled line is measured next; in a fresh process, planned by the scaled line, so a
-    plan starts one process at most. Returns the sizes' probes, the deciding one last.
+    plan starts one process at most. Returns the sizes' probes, the deciding one last, and
+    the seconds of the fresh process's measurement (0: none).
     """
     checked: list[Probe] = []
+    fresh_s = 0.0
     for _ in range(8):
         micro_size = math.ceil(per_rank / math.ceil(per_rank / largest))  # balanced window
         n = min(math.ceil(per_rank / micro_size), 2)
         act = int(m.activation_fit(micro_size))
         if verify is not None:
+            began = time.perf_counter()
             peak = int(verify(micro_size, n, bool(m.blocks))) - m.static - m.overhead
+            fresh_s = max(fresh_s, time.perf_counter() - began)
             kind = "verify, fresh process"
         else:
             # The planned window, twice, keeping the larger peak: on CPU, RSS grows over
@@ -430,7 +500,7 @@ def _verify(
         verified = Probe(micro_size, peak, act, m.peak_fit(micro_size), kind=kind)
         checked.append(verified)
         if m.base + peak <= usable or micro_size == 1:
-            return largest, micro_size, tuple(checked)
+            return largest, micro_size, tuple(checked), fresh_s
         # the line scaled to pass through this measurement (never below it)
         scale = max(1.0, peak / max(m.peak_fit(micro_size), 1.0))
         fits = [s for s in range(1, micro_size) if m.base + scale * m.peak_fit(s) <= usable]
@@ -449,8 +519,8 @@ def _verify(
                 m.peak_fit(micro_size),
                 kind=f"from the fresh process's {verified.micro_size}, the line scaled",
             )
-            return largest, micro_size, (*checked, stepped)
-    return largest, micro_size, tuple(checked)
+            return largest, micro_size, (*checked, stepped), fresh_s
+    return largest, micro_size, tuple(checked), fresh_s
 
 
 def too_small(

@@ -73,6 +73,9 @@ class Prober:
         batch_bytes=0,
     ) -> None:
         self.batch_bytes = batch_bytes
+        # (micro_size, micro_batches, seconds) of each measured window after the warm-up: what
+        # the plan estimates another line's cost from (speed.WindowCost)
+        self.windows: list[tuple[int, int, float]] = []
         self.blocks = enable_checkpointing(model) if use_ckpt else []
         self.model, self.optimizer = model, optimizer
         self.sample_batch, self.loss_fn, self.meter = sample_batch, loss_fn, meter
@@ -88,6 +91,7 @@ class Prober:
         activation bytes one micro-batch saves for backward, and whether the optimizer stepped.
         From the second micro-batch on, the first one's gradients are held, as in training."""
         micro = take(self.sample_batch, size)
+        began = time.perf_counter()
         self.meter.start()
         try:
             for i in range(micro_batches):
@@ -103,6 +107,7 @@ class Prober:
             self.meter.stop()
             raise
         peak, saved = self.meter.peak(), act[0]
+        self.windows.append((size, micro_batches, time.perf_counter() - began))
         if self.acc.sync.distributed:  # the fullest rank's numbers, so every rank decides alike
             peak, saved = self.acc.sync.most([peak, saved])
         return peak, saved, stepped
@@ -144,6 +149,7 @@ class Prober:
                 f"the optimizer never stepped in {_WARMUP_WINDOWS} warm-up windows (every one "
                 "was skipped: a non-finite gradient); the model cannot be planned like this"
             )
+        self.windows.clear()  # the warm-up's one-time costs are no window's
         state_after = tensor_bytes(self.optimizer.state_dict()["state"])
         static = (
             tensor_bytes(list(self.model.parameters()))

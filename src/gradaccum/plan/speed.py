@@ -14,7 +14,9 @@ faster than it beyond the noise.
 Where activation checkpointing lets a larger size fit (``plan(checkpointing="auto")``), that
 size races too, its windows recomputing activations; it is told apart by its size (larger
 than any that fits without), and the largest that fits without checkpointing stays the
-default.
+default. Measuring that size's line, racing it and verifying it all come out of the same
+half of the planning time: ``Extra`` estimates them from the first line's measured windows
+(``WindowCost``) before any is spent, and the plan races checkpointing only when they fit.
 """
 
 from __future__ import annotations
@@ -23,18 +25,24 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from gradaccum.stats import fit_line
 
 __all__ = [
     "PREFER",
+    "RECOMPUTE",
     "TIE",
+    "Extra",
     "Race",
     "Timing",
+    "WindowCost",
     "candidates",
     "choose",
     "race",
     "slower",
     "window_sizes",
+    "without_checkpointed",
 ]
 
 PREFER = ("fastest", "largest")
@@ -47,6 +55,11 @@ TIE = 0.03
 _MIN_ROUNDS = 3
 _MAX_ROUNDS = 9
 _T99 = {2: 6.965, 3: 4.541, 4: 3.747, 5: 3.365, 6: 3.143, 7: 2.998, 8: 2.896}
+
+# What a checkpointed window costs against the same window without: a backward is about two
+# forwards, and recomputation runs each block's forward once more, so three passes become
+# four at most (the layers outside the blocks are not recomputed).
+RECOMPUTE = 4 / 3
 
 
 def window_sizes(samples: int, micro_size: int) -> list[int]:
@@ -77,6 +90,113 @@ def candidates(per_rank: int, largest: int) -> list[int]:
     for part in (2, 4):
         out.append(near(largest / part, largest / part * 2 / 3))
     return sorted(set(out), reverse=True)
+
+
+@dataclass(frozen=True)
+class WindowCost:
+    """Seconds of a window, as a line fitted through measured ones: ``per_micro_batch`` (what
+    each micro-batch pays whatever its size: Python, kernel launches, a host round trip)
+    plus ``per_sample`` times its samples; a checkpointed window costs ``RECOMPUTE`` times
+    the same window without."""
+
+    per_micro_batch: float
+    per_sample: float
+
+    @classmethod
+    def fit(cls, windows: Sequence[tuple[int, int, float]]) -> WindowCost:
+        """Through ``(micro_size, micro_batches, seconds)`` measured windows: a micro-batch's
+        seconds against its size, by least squares, neither term below zero (one size
+        measured, or a line through the origin's wrong side: all of it per sample)."""
+        if not windows:
+            raise ValueError("a window cost needs at least one measured window, got none")
+        xs = [float(size) for size, _, _ in windows]
+        ys = [seconds / n for _, n, seconds in windows]
+        if len(set(xs)) > 1:
+            intercept, slope = fit_line(xs, ys)
+            if slope < 0:  # no dearer per sample than the mean micro-batch
+                return cls(per_micro_batch=statistics.fmean(ys), per_sample=0.0)
+            if intercept >= 0:
+                return cls(per_micro_batch=intercept, per_sample=slope)
+        return cls(per_micro_batch=0.0, per_sample=sum(ys) / sum(xs))
+
+    def __call__(self, micro_sizes: Sequence[int], checkpointed: bool = False) -> float:
+        """Seconds of a window of ``micro_sizes``."""
+        plain = len(micro_sizes) * self.per_micro_batch + sum(micro_sizes) * self.per_sample
+        return plain * (RECOMPUTE if checkpointed else 1.0)
+
+
+@dataclass(frozen=True)
+class Extra:
+    """What racing the size only checkpointing fits adds to a plan, in seconds, against what
+    it may add: ``allowed``, half of what the plan took before (planning grows by half at
+    most). ``line``: the checkpointed line's probes and its verification in this process;
+    ``race``: the least race that can choose it (a first window of every size, then three
+    rounds, each window of the checkpointed size's samples at least); ``fresh``: its
+    verification in a fresh process, where training runs, should it win (0: no ``verify``).
+    Estimates, made before any of it is spent; ``fresh`` is held back from the race."""
+
+    allowed: float
+    line: float
+    race: float
+    fresh: float
+
+    @classmethod
+    def estimate(
+        cls,
+        allowed: float,
+        cost: WindowCost,
+        fresh: float,
+        *,
+        probe_sizes: Sequence[int],
+        sizes: Sequence[int],
+        per_rank: int,
+    ) -> Extra:
+        """From the first line's windows (``cost``) and its fresh-process verification's
+        seconds (``fresh``): the checkpointed line probes ``probe_sizes`` as the first did
+        (a warm-up window, then two windows of two micro-batches each) and verifies its
+        size twice; the race times ``sizes`` (without checkpointing) against it. Its size is
+        not known before its line is measured: taken as the per-rank batch, the most it can
+        be, so the estimate is the dearest."""
+        top = per_rank  # the checkpointed size, at most
+        probes = [[probe_sizes[0]] * 2] + [[s] * 2 for s in probe_sizes for _ in range(2)]
+        # two verification windows at the dearest size it may verify: balanced (the per-rank
+        # batch over a whole number of micro-batches), larger than every size raced without
+        # it, two micro-batches at most
+        balanced = {math.ceil(per_rank / k) for k in range(1, per_rank + 1)}
+        above = [m for m in balanced if m > max(sizes, default=0)]
+        dearest = max(
+            ([m] * min(math.ceil(per_rank / m), 2) for m in above),
+            key=lambda w: cost(w, checkpointed=True),
+            default=[top],
+        )
+        verification = [dearest] * 2
+        line = sum(cost(w, checkpointed=True) for w in probes + verification)
+        race_sizes = [(m, False) for m in sizes if m < top] + [(top, True)]
+        first = sum(cost([m, *([per_rank % m] if per_rank % m else [])], c) for m, c in race_sizes)
+        rounds = sum(cost(window_sizes(top, m), c) for m, c in race_sizes)
+        return cls(allowed, line, first + _MIN_ROUNDS * rounds, fresh)
+
+    @property
+    def affordable(self) -> bool:
+        return self.line + self.race + self.fresh <= self.allowed
+
+    def race_budget(self, line_spent: float) -> float:
+        """What the race may take once the line took ``line_spent``: the rest of ``allowed``,
+        less the fresh verification held back for a checkpointed winner."""
+        return self.allowed - line_spent - self.fresh
+
+    def why_not(self) -> str:
+        fresh = (
+            f" and its verification in a fresh process (about {self.fresh:.1f} s)"
+            if self.fresh
+            else ""
+        )
+        return (
+            "activation checkpointing not raced: measuring its line in this process (about "
+            f"{self.line:.1f} s), a race that can choose it (about {self.race:.1f} s){fresh} "
+            f"would take more than the {self.allowed:.1f} s planning may add (half of what "
+            "it took without them)"
+        )
 
 
 @dataclass(frozen=True)
@@ -276,3 +396,17 @@ def race(
         for m in sizes
     )
     return Race(timings, fastest, chosen, why, time.perf_counter() - began)
+
+
+def without_checkpointed(raced: Race, why_not: str) -> Race:
+    """``raced`` chosen again among the sizes it timed without checkpointing, as ``choose``
+    would have chosen among them alone (a checkpointed winner that its verification refused:
+    ``why_not`` says so, after the choice)."""
+    seconds = {t.micro_size: list(t.seconds) for t in raced.timings if not t.checkpointed}
+    if not seconds:
+        raise ValueError("the race timed no size without checkpointing to fall back to")
+    if all(seconds.values()):
+        chosen, _, why = choose(seconds)
+    else:  # a round short: the largest, untimed against the others
+        chosen, why = max(seconds), "the largest that fits without checkpointing"
+    return replace(raced, chosen=chosen, why=f"{why}; {why_not}")
