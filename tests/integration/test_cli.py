@@ -252,7 +252,7 @@ def test_a_budget_without_a_unit_is_refused_before_anything_is_built():
         started = time.perf_counter()
         proc = in_process(command, "--recipe", "digits", "--budget", "200")
         took = time.perf_counter() - started
-        line = one_line(proc, "200 has no unit", "did you mean 200MB?")
+        line = one_line(proc, "--budget: 200 has no unit", "did you mean 200MB?")
         assert took < 2.0, (command, took, line)
     # a plain number of bytes large enough to be a budget is still taken (the margin refused)
     line = one_line(in_process("plan", "--budget", "300000000", "--margin", "2"), "margin")

@@ -294,3 +294,22 @@ def test_a_folder_given_as_the_config_file_is_said_to_be_a_folder(tmp_path):
     )
     with pytest.raises(ValueError, match="no such file"):
         read_config_file(str(tmp_path / "missing.toml"))
+
+
+def test_the_commands_configuration_problems_name_flags_and_a_files_problems_its_keys():
+    """On the command line an option is its flag: a problem names ``--micro-batch``, not the
+    field ``micro_batch``; a word like "steps" inside a sentence stays a word, and a config
+    file's own problems keep the file's keys."""
+    from gradaccum.app.config import invalid_configuration
+
+    cfg = TrainConfig.of(micro_batch=100, effective_batch=64, merge_lora=True, budget="200")
+    said = invalid_configuration(cfg.problems())
+    assert said.splitlines()[1:] == [
+        "  - --budget: 200 has no unit, so it is 200 bytes; did you mean 200MB?",
+        "  - --micro-batch 100 is larger than --effective-batch 64",
+        "  - --merge-lora needs --lora R",
+    ], said
+    file = "--config run.toml: unknown option [memory] effective_batch (it belongs under [batch])"
+    assert invalid_configuration([file]) == f"invalid configuration: {file}"
+    sentence = "--out a and --resume b name different folders; a resumed run stays in its folder"
+    assert invalid_configuration([sentence]).endswith(sentence)

@@ -21,7 +21,9 @@ every problem of all of them in one error; cli/train.py only parses the flags an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -78,10 +80,36 @@ SHARDS = ("ddp", "fsdp")
 
 def invalid_configuration(problems: list[str]) -> str:
     """Every problem with the command's configuration in one message: one line for one, a
-    list for several."""
+    list for several; options named as their flags (``budget: 200 has no unit`` is said
+    ``--budget: 200 has no unit``), as a config file's keys are the same names."""
+    problems = [_flagged(p) for p in problems]
     if len(problems) == 1:
         return f"invalid configuration: {problems[0]}"
     return "invalid configuration:\n  - " + "\n  - ".join(problems)
+
+
+def _flagged(problem: str) -> str:
+    """A problem with its options named as flags: a name with an underscore wherever it
+    stands (``micro_batch 100 is larger than effective_batch 64``), a one-word name where
+    it opens the problem (``lr must be ...``; elsewhere a word like "steps" is English). A
+    config file's own problems (``--config PATH: ...``) keep its keys as the file writes them."""
+    if problem.startswith("--config "):
+        return problem
+    names = _option_names()
+
+    def flag(match: re.Match) -> str:
+        word = match.group(0)
+        return "--" + word.replace("_", "-") if word in names else word
+
+    problem = re.sub(r"(?<![-\w])[a-z]+(?:_[a-z0-9]+)+\b", flag, problem)
+    return re.sub(r"^[a-z]+\b", flag, problem)
+
+
+@functools.cache
+def _option_names() -> frozenset[str]:
+    """Every option of every command (train's sections, plan's, check's, targets')."""
+    classes = [*SECTIONS.values(), PlanConfig, CheckConfig, TargetsConfig]
+    return frozenset(f.name for cls in classes for f in fields(cls))
 
 
 class RecipeDefault:
@@ -997,7 +1025,7 @@ def resolve_train(flags: dict[str, Any]) -> TrainConfig:
     for other in ("epochs", "samples"):
         if ("steps" in flags or "steps" in from_file) and values.get(other) is not None:
             problems.append(
-                f"steps and {other} (here {values[other]!r}) both given: {other} decides how "
+                f"--steps and --{other} (here {values[other]!r}) both given: --{other} decides how "
                 "long the run trains, so give one of them"
             )
     resume, out = cfg.output.resume, cfg.output.out
