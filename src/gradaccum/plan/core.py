@@ -210,11 +210,7 @@ def plan(
     micro_batches = math.ceil(per_rank / micro_size)
     last = per_rank - (micro_batches - 1) * micro_size
     notes = list(m.notes)
-    if m.peak_fit.max_error > 0.05 and not m.peak_fit.bound:
-        notes.append(
-            f"note: the memory fit is off by up to {m.peak_fit.max_error:.0%} on the probes; "
-            "the planned size was measured directly"
-        )
+    # (a line off by more than 5%: Plan.summary() says so, and how the size was found)
     if raced_note:
         notes.append(raced_note)
     return Plan(

@@ -14,7 +14,17 @@ from gradaccum.plan.exports import Export, export
 from gradaccum.plan.speed import Timing
 from gradaccum.recompute import enable_checkpointing
 
-__all__ = ["Fit", "Phase", "Plan", "Probe", "signed_bytes"]
+__all__ = [
+    "TIMING_HEAD", "Fit", "Phase", "Plan", "Probe", "format_seconds", "line_error", "signed_bytes",
+]  # fmt: skip
+
+# the note summary() writes from the numbers; plans saved before it carry it in their notes
+_FIT_NOTE = "note: the memory fit is off by up to "
+# the timing table's columns (the console's markdown and the report's page)
+TIMING_HEAD = (
+    "micro-batch", "window", "activation checkpointing", "predicted peak",
+    "s per effective batch: median [range]", "ms per sample", "windows", "",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -174,7 +184,10 @@ class Plan:
             values["activation_fit"] = Fit(**values["activation_fit"])
             values["probes"] = tuple(Probe(**p) for p in values["probes"])
             values["checkpointed_blocks"] = tuple(values.get("checkpointed_blocks", ()))
-            values["notes"] = tuple(values.get("notes", ()))
+            # the fit's note is said from the numbers now (an older plan saved its words)
+            values["notes"] = tuple(
+                n for n in values.get("notes", ()) if not str(n).startswith(_FIT_NOTE)
+            )
             values["timings"] = tuple(
                 Timing(**{**t, "seconds": tuple(t["seconds"])}) for t in values.get("timings", ())
             )
@@ -211,9 +224,7 @@ class Plan:
             )
         lines = [
             f"effective batch {self.effective_batch}: {shape} = {sum(sizes)} samples{per_rank}",
-            f"micro-batch {self.micro_size} "
-            f"({self.choice or f'largest that fits: {self.largest_fitting}'}), "
-            f"{windows} per window"
+            f"micro-batch {self.micro_size} ({self.reason()}), {windows} per window"
             + (
                 f", activation checkpointing on {len(self.checkpointed_blocks)} blocks"
                 if self.checkpointing
@@ -236,12 +247,82 @@ class Plan:
             + f"{signed_bytes(self.peak_fit.intercept)} + "
             f"{format_bytes(self.bytes_per_sample)} per sample; {self.peak_fit.quality()}",
             f"activations saved for backward: {self.activation_fit.activations()}; planned in "
-            f"{self.seconds:.1f} s",
+            f"{format_seconds(self.seconds)}",
             *self._phase_lines(),
             *self._timing_lines(),
-            *self.notes,
+            *self.remarks(),
         ]
         return "\n".join(lines)
+
+    def remarks(self) -> list[str]:
+        """The summary's closing lines, which the report shows too: a measurement over the
+        usable budget and what was planned instead, the memory line's error and how the size
+        was found despite it, then the plan's notes."""
+        return [*self._stepped_lines(), *self._fit_note(), *self.notes]
+
+    def reason(self) -> str:
+        """Why the micro-batch is ``micro_size``, in the words the summary and the report
+        both use: the race's choice, else the largest that fits (and the balanced window)."""
+        if self.choice:
+            return self.choice
+        if self.micro_size == self.largest_fitting:
+            return "the largest that fits"
+        return (
+            f"the largest that fits is {self.largest_fitting}; {self.micro_size} evens out the "
+            f"{self.micro_batches} micro-batches of the per-rank batch {self.per_rank_batch}"
+        )
+
+    def timing_spent(self) -> str:
+        """What timing the sizes took of the planning, as the summary and the report say it."""
+        return (
+            f"the timing took {format_seconds(self.timing_seconds)} of the "
+            f"{format_seconds(self.seconds)}"
+        )
+
+    def _stepped_lines(self) -> list[str]:
+        """A measurement over the usable budget, and what the plan did instead: why "the
+        largest that fits" is below a size that was measured."""
+        usable = self.budget * (1 - self.margin)
+        over = [
+            p
+            for p in self.probes
+            if p.kind.startswith("verify") and self.base_bytes + p.peak_bytes > usable
+        ]
+        if not over:
+            return []
+        said = ", ".join(
+            f"{p.micro_size} measured {format_bytes(self.base_bytes + p.peak_bytes)}"
+            + (" in a fresh process" if "fresh" in p.kind else "")
+            for p in over
+        )
+        last = self.probes[-1]
+        if last.kind.startswith("from"):
+            then = f"{self.largest_fitting} is the largest the line scaled through it fits"
+            if last.micro_size != self.largest_fitting:
+                then += f" ({last.micro_size} evens the window)"
+        else:
+            then = f"{last.micro_size} was measured next"
+        return [f"{said}, over the {format_bytes(usable)} usable: {then}"]
+
+    def _fit_note(self) -> list[str]:
+        """How far off the memory line is, and how the planned size was found despite it."""
+        fit = self.peak_fit
+        if fit.max_error <= 0.05 or fit.bound or not self.probes:
+            return []
+        last = self.probes[-1]
+        if last.kind.startswith("from") and len(self.probes) > 1:
+            how = (
+                "the planned size is the line scaled through the fresh process's measurement "
+                f"at {self.probes[-2].micro_size}"
+            )
+        elif last.micro_size != self.micro_size:
+            how = (
+                f"the planned size is the line plus what the measurement at {last.micro_size} "
+                "sat above it"
+            )
+        else:
+            how = "the planned size was measured directly"
+        return [f"{_FIT_NOTE}{fit.max_error:.0%} on the probes; {how}"]
 
     def timing(self, micro_size: int) -> Timing | None:
         """The timed windows of ``micro_size`` (None: not timed)."""
@@ -259,7 +340,7 @@ class Plan:
             f"({chosen.per_sample(per) * 1e3:.3g} ms per sample), timed over "
             f"{len(chosen.seconds)} window{'s' if len(chosen.seconds) != 1 else ''}"
             + (f" of {chosen.samples} samples, scaled to {per}" if chosen.samples < per else "")
-            + f" (the timing took {self.timing_seconds:.1f} s of the {self.seconds:.1f} s)"
+            + f" ({self.timing_spent()})"
         )
         whole = self.timing(per)
         if whole is not None and per != self.micro_size:
@@ -281,12 +362,18 @@ class Plan:
     def timing_table(self) -> str:
         """Each timed size's memory and seconds per effective batch (markdown); a size timed
         with activation checkpointing (it fits only with it) says so."""
-        per = self.per_rank_batch
         rows = [
-            "| micro-batch | window | activation checkpointing | predicted peak | s per "
-            "effective batch: median [range] | ms per sample | windows | |",
+            "| " + " | ".join(TIMING_HEAD) + " |",
             "|---:|---|---|---:|---:|---:|---:|---|",
         ]
+        rows += ["| " + " | ".join(row) + " |" for row in self.timing_rows()]
+        return "\n".join(rows)
+
+    def timing_rows(self) -> list[list[str]]:
+        """The timing table's rows (``TIMING_HEAD``'s columns), rounded as the console
+        rounds them; the report shows the same cells."""
+        per = self.per_rank_batch
+        rows = []
         for t in self.timings:
             shape = (
                 f"{t.micro_batches} x {t.micro_size}"
@@ -297,16 +384,22 @@ class Plan:
             if t.left is not None:
                 mark = f"left the race after round {t.left}: slower"
             timed = (
-                f"{t.median:.3g} [{t.low:.3g}, {t.high:.3g}] | {t.per_sample(per) * 1e3:.3g}"
+                [f"{t.median:.3g} [{t.low:.3g}, {t.high:.3g}]", f"{t.per_sample(per) * 1e3:.3g}"]
                 if t.seconds
-                else "untimed | "
+                else ["untimed", ""]
             )
             rows.append(
-                f"| {t.micro_size} | {shape} | {'on' if t.checkpointed else 'off'} | "
-                f"{format_bytes(t.peak_bytes)} | {timed} | "
-                f"{len(t.seconds)} | {mark} |"
+                [
+                    str(t.micro_size),
+                    shape,
+                    "on" if t.checkpointed else "off",
+                    format_bytes(t.peak_bytes),
+                    *timed,
+                    str(len(t.seconds)),
+                    mark,
+                ]
             )
-        return "\n".join(rows)
+        return rows
 
     def _phase_lines(self) -> list[str]:
         """The whole run, phase by phase, and which holds the most."""
@@ -333,18 +426,36 @@ class Plan:
         the summary and the plot count it: the static and first-step bytes included."""
         base = self.base_bytes
         rows = [
-            "| micro-batch | probe | measured peak | the line's prediction | error | activations |",
+            "| micro-batch | probe | measured peak | the line's prediction | the line's error "
+            "(on the peak above the base, as its fit error) | activations |",
             "|---:|---|---:|---:|---:|---:|",
         ]
         for p in self.probes:
             peak, predicted = base + p.peak_bytes, base + p.predicted_bytes
-            err = (predicted - peak) / peak if peak else 0.0
+            err = line_error(p.peak_bytes, p.predicted_bytes)
             rows.append(
                 f"| {p.micro_size} | {p.kind} | {format_bytes(peak)} | "
                 f"{format_bytes(predicted)} | {err:+.1%} | "
                 f"{format_bytes(p.activation_bytes)} |"
             )
         return "\n".join(rows)
+
+
+def line_error(peak: float, predicted: float) -> float:
+    """The line's error at a probe as ``Fit.max_error`` counts it (its largest |value| over
+    the fit's probes): against the peak above the base, the part the line predicts."""
+    return (predicted - peak) / peak if peak > 0 else 0.0
+
+
+def format_seconds(s: float) -> str:
+    """A duration as the console and the report both write it: 2.9 s, 37 min 13 s,
+    1 h 02 min."""
+    if s < 60:
+        return f"{s:.1f} s"
+    minutes, sec = divmod(round(s), 60)
+    if minutes < 60:
+        return f"{minutes} min {sec:02d} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
 
 
 def signed_bytes(n: float) -> str:
