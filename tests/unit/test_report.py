@@ -304,7 +304,7 @@ def test_every_number_a_run_writes_is_in_the_one_metrics_table(run):
     summary = json.loads((run / "summary.json").read_text())
     assert {m.name for m in SUMMARY} <= set(summary)
     labels = {r[0] for r in Page(render(run)).rows}
-    assert {m.label for m in SUMMARY} <= labels
+    assert {m.label for m in SUMMARY if m.page} <= labels
 
 
 def test_cli_report(run, tmp_path, capsys):
@@ -355,7 +355,8 @@ def test_the_plan_section_reads_in_units_with_its_probes_as_a_table(tmp_path):
     assert ["planning took", "21.6 s"] in rows and ["micro-batches of a window", "4 x 16"] in rows
     assert ["peak line", "4.5 MiB + 7.1 MiB per sample (fit error 4.9%)"] in rows
     # the probe's row, each peak whole (static and first-step bytes, 3 MB, included)
-    assert ["4", "fit", "35.3 MiB", "34.1 MiB", "16.2 MiB"] in rows, rows
+    # its error as the fit's own (on the peak above the base), so "fit error" reads off it
+    assert ["4", "fit", "35.3 MiB", "34.1 MiB", "-3.5%", "16.2 MiB"] in rows, rows
 
 
 @pytest.mark.parametrize(
@@ -473,7 +474,9 @@ def test_the_plan_says_the_whole_run_phase_by_phase_and_every_number_in_words(tm
     page = render(run)
     rows = Page(page).rows
     assert ["effective batch", "128 samples = 8 x 16"] in rows, rows
-    assert ["micro-batch", "16 samples (largest that fits: 18); planned: measured"] in rows
+    # not the line's largest (18): a fresh process may refuse it; the plan's own reason
+    assert ["micro-batch", "16 samples; planned: measured"] in rows
+    assert "18" not in "".join(r[1] for r in rows if r[0] == "micro-batch")
     assert ["the window's input batch (held while it trains)", "128.0 KiB"] in rows
     assert ["phase of the run", "micro-batch", "peak, measured", ""] in rows
     assert ["training", "16", "150.0 MiB", "the most"] in rows
@@ -552,3 +555,91 @@ def test_the_noise_advice_keeps_its_lines_on_the_page(tmp_path):
     cells = [c for c in re.findall(r"<td([^>]*)>([^<]*)</td>", page) if c[1] == html.escape(said)]
     assert cells == [(' class="lines"', html.escape(said))], cells
     assert re.search(r"\.lines\{white-space:pre-line\}", Page(page).style)
+
+
+def _full_plan():
+    """A Plan with every field filled as the timing race fills it: timings with unrounded
+    seconds and a fractional peak, phases with a tried size, a choice and its seconds."""
+    import dataclasses
+
+    from helpers import make_plan
+
+    from gradaccum.plan import Fit, Phase, Probe
+    from gradaccum.plan.speed import Timing
+
+    mib = 2**20
+    line = Fit(intercept=20 * mib, slope=4 * mib, max_error=0.3)
+    timings = (
+        Timing(16, 4, 16, 16, (14.578669672000615, 4.29237818799993, 3.5027620119999483),
+               160338944.0),
+        Timing(8, 8, 8, 16, (3.138939812000899, 4.011222868000914), 96161818.71304348),
+        Timing(4, 16, 4, 16, (5.7409078479995514,), 64073256.06956523, left=4, checkpointed=True),
+    )  # fmt: skip
+    return dataclasses.replace(
+        make_plan(64, micro=16, checkpointing=True),
+        budget=200_000_000,
+        static_bytes=10 * mib,
+        overhead_bytes=10 * mib,
+        batch_bytes=131_072,
+        predicted_peak=152.9 * mib,
+        peak_fit=line,
+        activation_fit=line,
+        bytes_per_sample=4.123456789 * mib,
+        largest_fitting=18,
+        probes=(
+            Probe(4, 30 * mib, mib, line(4)),
+            Probe(16, 113 * mib, mib, line(16) + 0.123456, kind="verify, fresh process"),
+        ),
+        seconds=98.41234567,
+        notes=("note: something the planner said",),
+        phases=(Phase("evaluation", 16, 47519004, ((32, 300_000_000),)),),
+        prefer="fastest",
+        timings=timings,
+        choice="the largest that fits; timing cannot tell it from 8 beyond the noise",
+        timing_seconds=34.03243500299959,
+    )
+
+
+def test_no_plan_field_reaches_the_page_as_raw_json_or_an_unrounded_float(tmp_path):
+    """Issue 47: the timing race's fields were a raw JSON row (`timings | [{"micro_size": 16,
+    ..., "seconds": [14.578669672000615, ...]`) and `timing seconds | 34.03243500299959`."""
+    from gradaccum.plan.result import TIMING_HEAD, format_seconds
+
+    plan = _full_plan()
+    saved = plan.to_dict()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"recipe": "gpt", "effective_batch": 64}))
+    (run / "plan.json").write_text(json.dumps(saved))
+    page = render(run)
+    section = page[page.index('id="plan"') : page.index('id="config"')]
+    cells = [c for r in Page(section).rows for c in r]
+    print("\n".join(" | ".join(r) for r in Page(section).rows))
+    for cell in cells:
+        # JSON's braces, quotes or lists of objects, a float's raw digits, an uncommaed count
+        assert not re.search(r'[{}"]|\[\s*[\[{]|\d\.\d{5,}|\d{5,}', cell), cell
+    # the timings as the console's table, every cell its cell
+    rows = Page(section).rows
+    assert list(TIMING_HEAD) in rows
+    for row in plan.timing_rows():
+        assert row in rows, row
+    assert ["4", "16 x 4", "on", "61.1 MiB", "5.74 [5.74, 5.74]", "89.7", "1",
+            "left the race after round 4: slower"] in rows  # fmt: skip
+    # the planning time as the console says it, the timing's share folded in
+    took = f"{format_seconds(98.41234567)} (the timing took 34.0 s of the 1 min 38 s)"
+    assert ["planning took", took] in rows and "planned in 1 min 38 s" in plan.summary()
+    # one micro-batch number: the plan's reason, as the summary says it, not the line's 18
+    micro = next(r[1] for r in rows if r[0] == "micro-batch")
+    assert micro.startswith(f"16 samples ({plan.reason()})") and "18" not in micro
+    assert f"micro-batch 16 ({plan.reason()})" in plan.summary()
+    # every Plan field said somewhere: none shown under its raw name
+    assert not {"timings", "timing seconds", "choice", "prefer"} & {r[0] for r in rows}
+
+
+def test_the_page_leaves_out_the_trade_off_the_console_leaves_out(run):
+    summary = json.loads((run / "summary.json").read_text())
+    said = "against a batch of one sample (127 items), this batch should take about 218% more"
+    summary["noise_tradeoff"] = said
+    (run / "summary.json").write_text(json.dumps(summary))
+    page = render(run)
+    assert "trade-off" not in page and said not in page

@@ -36,9 +36,10 @@ from gradaccum.app.folder import (
     RunFolder,
 )
 from gradaccum.app.folder import SUMMARY as SUMMARY_JSON
-from gradaccum.app.report.metrics import SUMMARY, seconds_text
+from gradaccum.app.report.metrics import SUMMARY
 from gradaccum.memory import format_bytes
-from gradaccum.plan import Fit
+from gradaccum.plan import Fit, Plan
+from gradaccum.plan.result import TIMING_HEAD, format_seconds, line_error
 
 __all__ = ["render", "write_report"]
 
@@ -267,7 +268,7 @@ def _bytes(n: Any) -> str:
 
 
 def _seconds(s: Any) -> str:
-    return seconds_text(s) if _is_number(s) else _num(s)
+    return format_seconds(s) if _is_number(s) else _num(s)
 
 
 def _changes(v: Any) -> str:
@@ -279,6 +280,16 @@ def _changes(v: Any) -> str:
 
 def _json(v: Any) -> str:
     return json.dumps(v, default=str, ensure_ascii=False)
+
+
+def _plain(v: Any) -> str:
+    """A value of a kind the page does not know, in words: numbers rounded as the page
+    rounds them, a list as its items, a mapping as "key: value"; never raw JSON."""
+    if isinstance(v, dict):
+        return "; ".join(f"{_label(str(k))}: {_plain(x)}" for k, x in v.items()) or "none"
+    if isinstance(v, list | tuple):
+        return ", ".join(_plain(x) for x in v) or "none"
+    return _num(v)
 
 
 def _raw(v: Any) -> str:
@@ -363,12 +374,17 @@ _PLAN_LABELS = {
     "seconds": "planning took",
 }
 _SOURCES = {"planned": "planned: measured", "given": "given with --micro-batch"}
+_PREFER = {
+    "fastest": "the fastest size that fits, timed (--prefer fastest)",
+    "largest": "the largest size that fits, untimed (--prefer largest)",
+}
 # what the rows below say, together, of plan.json (the rest is shown as it is)
 _PLAN_SAID = {
     *_PLAN_LABELS, "effective_batch", "world_size", "per_rank_batch", "micro_size",
     "micro_batches", "last_micro_size", "micro_sizes", "largest_fitting", "budget", "margin",
     "bytes_per_sample", "checkpointing", "checkpointed_blocks", "device", "precision", "sync",
-    "source", "probes", "peak_fit", "activation_fit", "notes", "phases",
+    "source", "probes", "peak_fit", "activation_fit", "notes", "phases", "prefer", "timings",
+    "choice", "timing_seconds",
 }  # fmt: skip
 
 
@@ -378,6 +394,10 @@ def _plan(plan: dict[str, Any]) -> str:
     probes as a table of their own; a key the page does not know is shown as it is."""
     if not plan:
         return _p("(empty)", "dim")
+    try:  # a whole plan: its words are the library's, as the console prints them
+        full = Plan.from_dict(plan)
+    except ValueError:  # part of one (an older or damaged file): what it holds
+        full = None
     rows: list[list[Cell]] = []
 
     def row(label: str, text: str) -> None:
@@ -396,8 +416,10 @@ def _plan(plan: dict[str, Any]) -> str:
             "micro-batches of a window", " + ".join(f"{n} x {m}" for m, n in Counter(sizes).items())
         )
     if plan.get("micro_size") is not None:
-        largest = plan.get("largest_fitting")
-        fits = f" (largest that fits: {_num(largest)})" if largest is not None else ""
+        # why this size, in the summary's words (never the line's own largest: a fresh
+        # process may have refused it)
+        why = full.reason() if full is not None else plan.get("choice")
+        fits = f" ({why})" if why else ""
         source = _SOURCES.get(plan.get("source"), plan.get("source"))
         how = f"; {source}" if source else ""
         row("micro-batch", f"{_num(plan['micro_size'])} samples{fits}{how}")
@@ -424,12 +446,19 @@ def _plan(plan: dict[str, Any]) -> str:
         where.append(f"gradient sync once per {plan['sync']}")
     if where:
         row("measured on", ", ".join(where))
+    if plan.get("prefer"):
+        row("the size chosen", _PREFER.get(plan["prefer"], _plain(plan["prefer"])))
     if _is_number(plan.get("seconds")):
-        row("planning took", _seconds(plan["seconds"]))
+        took = _seconds(plan["seconds"])
+        if full is not None and full.timing_seconds:
+            took += f" ({full.timing_spent()})"
+        row("planning took", took)
     for key, value in plan.items():
         if key not in _PLAN_SAID and value not in ([], None):
-            row(_label(key), _raw(value))
+            row(_label(key), _plain(value))
     parts = [_table(None, rows)]
+    if full is not None and full.timings:
+        parts.append(_table(list(TIMING_HEAD), full.timing_rows()))
     phases = _phases(plan)
     if phases:
         parts.append(phases)
@@ -445,21 +474,37 @@ def _plan(plan: dict[str, Any]) -> str:
     if probes:
         parts.append(
             _table(
-                ["micro-batch", "probe", "measured peak", "the line's prediction", "activations"],
+                [
+                    "micro-batch",
+                    "probe",
+                    "measured peak",
+                    "the line's prediction",
+                    "the line's error (on the peak above the base, as its fit error)",
+                    "activations",
+                ],
                 [
                     [
                         (_num(p.get("micro_size")), "num"),
                         str(p.get("kind", "")),
                         (whole(p.get("peak_bytes")), "num"),
                         (whole(p.get("predicted_bytes")), "num"),
+                        (_error(p.get("peak_bytes"), p.get("predicted_bytes")), "num"),
                         (_bytes(p.get("activation_bytes")), "num"),
                     ]
                     for p in probes
                 ],
             )
         )
-    parts += [_p(str(n), "dim") for n in plan.get("notes") or []]
+    # the closing lines as the summary says them, else the notes as saved
+    notes = full.remarks() if full is not None else plan.get("notes") or []
+    parts += [_p(str(n), "dim") for n in notes]
     return "\n".join(parts)
+
+
+def _error(peak: Any, predicted: Any) -> str:
+    if not (_is_number(peak) and _is_number(predicted)):
+        return "—"
+    return f"{line_error(peak, predicted):+.1%}"
 
 
 def _phases(plan: dict[str, Any]) -> str | None:
@@ -553,6 +598,7 @@ FORMATS = {  # a metric's unit (report.metrics): how the page writes its value
 SUMMARY_ROWS = {
     m.name: (m.label, FORMATS.get(m.unit, _num), "lines" if m.unit == "text" else "")
     for m in SUMMARY
+    if m.page
 }
 SHOWN_ELSEWHERE = {"targets", "stopped_by"}
 
@@ -576,7 +622,7 @@ def _summary(summary: dict[str, Any] | None, metrics: list[dict[str, Any]]) -> s
             rows.append([(label, "key"), (value, cls)])
         if key == "final_train_loss":
             rows += [[("held-out " + _label(k[9:]), "key"), _num(summary[k])] for k in held_out]
-    known = set(SUMMARY_ROWS) | set(held_out) | SHOWN_ELSEWHERE
+    known = {m.name for m in SUMMARY} | set(held_out) | SHOWN_ELSEWHERE
     rows += [[(_label(k), "key"), _num(v)] for k, v in summary.items() if k not in known]
     return _table(None, rows)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["STEP", "SUMMARY", "Metric", "seconds_text"]
+__all__ = ["STEP", "SUMMARY", "Metric"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,7 @@ class Metric:
     unit: str = ""
     tag: str | None = None  # TensorBoard's (a step's metric)
     printed: bool = True  # in the table the run prints at its end (a summary's metric)
+    page: bool = True  # on report.html (False: kept in summary.json, said on neither)
 
 
 # A line of metrics.jsonl, one per optimizer step (the held-out eval_* keys join it at each
@@ -63,16 +64,6 @@ SUMMARY = (
     Metric("noise_scale", "gradient noise scale B_simple (items)", "items", printed=False),
     Metric("noise_interval", "its 90% interval", "interval", printed=False),
     Metric("noise_advice", "noise scale advice", "text", printed=False),
-    Metric("noise_tradeoff", "the effective batch's trade-off", "text", printed=False),
+    # the console says the advice alone; the page says what the console says
+    Metric("noise_tradeoff", "the effective batch's trade-off", "text", printed=False, page=False),
 )
-
-
-def seconds_text(s: float) -> str:
-    """A duration as the summary table and the report both write it: 2.9 s, 37 min 13 s,
-    1 h 02 min."""
-    if s < 60:
-        return f"{s:.1f} s"
-    minutes, sec = divmod(round(s), 60)
-    if minutes < 60:
-        return f"{minutes} min {sec:02d} s"
-    return f"{minutes // 60} h {minutes % 60:02d} min"

@@ -9,11 +9,12 @@ import torch
 from gradaccum.app.folder import BASELINE, INCIDENTS, TENSORBOARD
 from gradaccum.app.folder import SUMMARY as SUMMARY_JSON
 from gradaccum.app.report import plots
-from gradaccum.app.report.metrics import SUMMARY, seconds_text
+from gradaccum.app.report.metrics import SUMMARY
 from gradaccum.app.run import Run
 from gradaccum.engine import Accumulator
 from gradaccum.memory import format_bytes
 from gradaccum.noise import NoiseReading, advise, tradeoff_advice
+from gradaccum.plan.result import format_seconds
 
 
 def report(
@@ -130,7 +131,7 @@ def summary_table(s: dict[str, Any]) -> str:
         if unit == "bytes":
             return format_bytes(v)
         if unit == "seconds":
-            return seconds_text(v)  # as the report writes it
+            return format_seconds(v)  # as the report writes it
         if isinstance(v, int) and not isinstance(v, bool):
             return f"{v:,}"  # 1,219,200 items, as the step lines count them
         return f"{v:.4f}" if isinstance(v, float) else str(v)
@@ -192,7 +193,7 @@ def _target_text(name: str, t: dict[str, Any]) -> str:
         if name == "max_memory":
             return format_bytes(v)
         if name == "max_time":
-            return f"{v:.1f} s"
+            return format_seconds(v)
         return f"{v:.4g}"
 
     when = f" at step {t['step']}" if t["step"] is not None else ""
