@@ -426,8 +426,8 @@ class Plan:
         the summary and the plot count it: the static and first-step bytes included."""
         base = self.base_bytes
         rows = [
-            "| micro-batch | probe | measured peak | the line's prediction | the line's error "
-            "(on the peak above the base, as its fit error) | activations |",
+            "| micro-batch | probe | measured peak | the line's prediction | fit error (of the "
+            "peak above the base) | activations |",
             "|---:|---|---:|---:|---:|---:|",
         ]
         for p in self.probes:

@@ -458,7 +458,11 @@ def _plan(plan: dict[str, Any]) -> str:
             row(_label(key), _plain(value))
     parts = [_table(None, rows)]
     if full is not None and full.timings:
-        parts.append(_table(list(TIMING_HEAD), full.timing_rows()))
+        numbers = {0, 3, 4, 5, 6}  # the columns of numbers, right-aligned as the probes'
+        timed = [
+            [(c, "num") if i in numbers else c for i, c in enumerate(r)] for r in full.timing_rows()
+        ]
+        parts.append(_table(list(TIMING_HEAD), timed))
     phases = _phases(plan)
     if phases:
         parts.append(phases)
@@ -479,7 +483,7 @@ def _plan(plan: dict[str, Any]) -> str:
                     "probe",
                     "measured peak",
                     "the line's prediction",
-                    "the line's error (on the peak above the base, as its fit error)",
+                    "fit error (of the peak above the base)",
                     "activations",
                 ],
                 [
