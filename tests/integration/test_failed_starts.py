@@ -29,10 +29,10 @@ FIXED = [*DIGITS, "--steps", 1, "--no-guard"]
 @pytest.mark.parametrize(
     "flag, value, said",
     [
-        ("--max-grad-norm", "nan", "max_grad_norm must be a finite number >= 0, got nan"),
+        ("--max-grad-norm", "nan", "--max-grad-norm must be a finite number >= 0, got nan"),
         ("--seed", str(2**64), f"seed must be an integer below 2**63, got {2**64}"),
         ("--steps", str(2**63), "steps must be an integer below 2**63"),
-        ("--lora-alpha", "inf", "lora_alpha must be a positive finite number"),
+        ("--lora-alpha", "inf", "--lora-alpha must be a positive finite number"),
         ("--budget", "1e300GB", "a memory size must be below 2**63 bytes"),
         ("--max-memory", "1e300GB", "a memory size must be below 2**63 bytes"),
         ("--lr", "nan", "lr must be a positive finite number"),

@@ -95,7 +95,7 @@ def test_target_accuracy_is_refused_where_nothing_measures_it(tmp_path, capsys):
     assert main(["train", "--target-accuracy", "0.9", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert (
-        "target_accuracy needs a recipe whose evaluation measures accuracy "
+        "--target-accuracy needs a recipe whose evaluation measures accuracy "
         "(digits, minilm, minilm-pairs)" in err
     )
     assert not (tmp_path / "x").exists()

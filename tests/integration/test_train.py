@@ -221,9 +221,9 @@ def test_three_config_mistakes_are_reported_together(tmp_path, suffix, text):
     proc = cli("train", "--config", config, "--out", tmp_path / "run", check=False)
     assert proc.returncode == 2
     for part in (
-        "effective_batch must be an integer >= 1, got 0",
-        "lr must be a positive finite number, got -1.0",
-        "precision must be one of fp32, bf16, fp16, got 'fp8'",
+        "--effective-batch must be an integer >= 1, got 0",
+        "--lr must be a positive finite number, got -1.0",
+        "--precision must be one of fp32, bf16, fp16, got 'fp8'",
     ):
         assert part in proc.stderr
     assert "Traceback" not in proc.stderr

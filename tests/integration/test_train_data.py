@@ -89,7 +89,7 @@ def test_data_needs_a_language_model_and_seq_len_needs_data(tmp_path, capsys):
     assert main(args) == 2
     assert "--data needs a language model" in capsys.readouterr().err
     assert main(["train", "--seq-len", "16", "--out", str(tmp_path / "b")]) == 2
-    assert "seq_len applies to --data only" in capsys.readouterr().err
+    assert "--seq-len applies to --data only" in capsys.readouterr().err
 
 
 def test_fine_tuning_options_are_checked_together():

@@ -1,7 +1,7 @@
 """ga.estimate(shard="fsdp"): FSDP2 over a world size, modelled from the unsharded trace. What
 can be worked out by hand is checked here (FSDP2's padded shards, against torch.chunk as
 FSDP2 cuts them; the optimizer state of rank 0's shards; what is refused); the whole window
-against real FSDP2 runs in tests/integration/distributed/test_estimate_fsdp.py."""
+against real FSDP2 runs in tests/integration/distributed/test_fsdp_estimate_against_real.py."""
 
 from __future__ import annotations
 
