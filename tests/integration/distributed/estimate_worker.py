@@ -1,5 +1,6 @@
 """A real FSDP2 window's live tensor bytes on each rank, to check the estimate's model of
-FSDP2 against (tests/integration/distributed/test_fsdp_estimate_against_real.py, bench/estimate_fsdp.py):
+FSDP2 against (bench/estimate_fsdp.py and
+tests/integration/distributed/test_fsdp_estimate_against_real.py):
 a GPT-shaped model of tens of MB, each block and the root wrapped by ``fully_shard`` as
 torchtitan does, trained two windows through gradaccum's Accumulator, measured by
 ``support.live_tensors.LiveBytes`` (no code of the estimate)."""
