@@ -168,6 +168,7 @@ def _main(argv: list[str] | None) -> int:
             from gradaccum.app.planning import as_flags  # the library's words as flags
 
             _for_the_job(f"gradaccum: error: {as_flags(str(err))}")
+            _let_rank_0_say_it(interrupted)
             return EXIT_BAD_INPUT
         except KeyboardInterrupt as stop:  # a stop outside training (planning, loading)
             if debug:
@@ -204,6 +205,21 @@ def _for_the_job(line: str) -> None:
     gathered to every rank where it happens (``launch.first_message``)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("RANK", "0") == "0":
         say(line)
+
+
+def _let_rank_0_say_it(signalled: list[int], patience: float = 5.0) -> None:
+    """Under torchrun, a rank other than 0 that refuses waits (up to ``patience`` seconds,
+    or until torchrun's SIGTERM) before it exits: its exit makes torchrun stop rank 0, which
+    reaches the same refusal a moment later under load and would be stopped before saying
+    it (``gradaccum: stopped by SIGTERM`` in its place). Rank 0 saying it ends the job."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("RANK", "0") == "0":
+        return
+    import time
+
+    ending()  # torchrun's SIGTERM now ends the wait, not this process mid-line
+    waited = time.monotonic() + patience
+    while not signalled and time.monotonic() < waited:
+        time.sleep(0.05)
 
 
 def _stopped(signum: int) -> int:
