@@ -409,8 +409,8 @@ def test_config_files_as_people_write_them(tmp_path):
     twice = tmp_path / "t.toml"
     twice.write_text("effective-batch = 16\neffective_batch = 32\n")
     one_line(in_process("train", "--config", twice), "effective-batch and effective_batch")
-    one_line(in_process("train", *DIGITS, "--steps", 5, "--epochs", 2), "steps and epochs")
-    one_line(in_process("train", *DIGITS, "--steps", 5, "--samples", 200), "steps and samples")
+    one_line(in_process("train", *DIGITS, "--steps", 5, "--epochs", 2), "--steps and --epochs")
+    one_line(in_process("train", *DIGITS, "--steps", 5, "--samples", 200), "--steps and --samples")
 
 
 @pytest.mark.slow  # make test keeps its 8 minutes
