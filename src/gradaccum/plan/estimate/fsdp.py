@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from gradaccum.plan.estimate.trace import live_at
+
 __all__ = ["Events", "Layout", "Marks", "layout", "shard"]
 
 SYNCS = ("window", "micro")
@@ -240,13 +242,7 @@ class Events:
                 self.peak, self.peak_index = current, i
 
     def live_at(self, index: int) -> dict[Any, int]:
-        live: dict[Any, int] = {}
-        for action, serial, size in self.events[:index]:
-            if action == "alloc":
-                live[serial] = size
-            else:
-                live.pop(serial, None)
-        return live
+        return live_at(self.events, index)
 
 
 def shard(

@@ -43,6 +43,18 @@ __all__ = [
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 
 
+def live_at(events: list[tuple[str, Any, int]], index: int) -> dict[Any, int]:
+    """serial -> bytes of what is live after the first ``index`` of an allocation sequence
+    of ``(action, serial, bytes)`` events ("alloc" or a free)."""
+    live: dict[Any, int] = {}
+    for action, serial, size in events[:index]:
+        if action == "alloc":
+            live[serial] = size
+        else:
+            live.pop(serial, None)
+    return live
+
+
 class TraceError(RuntimeError):
     """An op the trace cannot run on fake tensors; ``op`` and ``module`` name where."""
 
@@ -131,13 +143,7 @@ class Tally(TorchDispatchMode):
 
     def live_at(self, index: int) -> dict[int, int]:
         """serial -> bytes of the storages live after the first ``index`` events."""
-        live: dict[int, int] = {}
-        for action, serial, size in self.events[:index]:
-            if action == "alloc":
-                live[serial] = size
-            else:
-                live.pop(serial, None)
-        return live
+        return live_at(self.events, index)
 
     # -- the ops ------------------------------------------------------------------------------
 
