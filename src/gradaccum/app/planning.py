@@ -146,10 +146,7 @@ def window_plan(
     elif rank == 0 or each_rank:
         # (FSDP2's plans are collectives of every rank: each rank plans, never from a file)
         asked = request(cfg, per_rank, each_rank)
-        planner = Planner(
-            device, cache_settings(cfg, asked, world), (cfg.source.hf_model, cfg.source.data),
-            log=log, replan=cfg.memory.replan, cached=not each_rank,
-        )  # fmt: skip
+        planner = run_planner(cfg, asked, device, world, log, cached=not each_rank)
         if here or each_rank or world > 1 or device.type != "cpu":
 
             def make() -> dict[str, Any]:
@@ -181,11 +178,17 @@ def cached_plan(cfg: TrainConfig, device: torch.device, world: int, log) -> dict
     neither: ``cache_settings`` and the files'), so a rerun's plan is answered at once; None
     when none is stored, or --replan."""
     asked = request(cfg, math.ceil(cfg.batch.effective_batch / world), each_rank=False)
-    planner = Planner(
+    return run_planner(cfg, asked, device, world, log).answer()
+
+
+def run_planner(
+    cfg: TrainConfig, asked: PlanRequest, device: torch.device, world: int, log, cached=True
+) -> Planner:
+    """The planner of a run's plan: keyed by its settings and its model's and data's files."""
+    return Planner(
         device, cache_settings(cfg, asked, world), (cfg.source.hf_model, cfg.source.data),
-        log=log, replan=cfg.memory.replan,
+        log=log, replan=cfg.memory.replan, cached=cached,
     )  # fmt: skip
-    return planner.answer()
 
 
 def _plan_elsewhere(cfg: TrainConfig, data: Any, log) -> dict[str, Any]:
