@@ -41,7 +41,6 @@ __all__ = [
     "StepResult",
     "Tally",
     "finish",
-    "normalize",
     "total_norm",
     "warn_skipped",
 ]
@@ -113,7 +112,7 @@ class Tally:
     mean: ``{"ce": (ce_sum, tokens), "aux": (aux_sum, routed, 0.01)}``. The window's gradient
     is the sum over terms of weight x the term's summed gradient / the term's count, counts
     over the window and every rank. A pair's count is learned as the micro-batches run and its
-    gradient divided once at the end (``normalize``). Terms need their counts before the first
+    gradient divided once at the end (``Closing.close``). Terms need their counts before the first
     backward (``begin``: this rank's counts, all-reduced there): each micro-batch then
     backpropagates ``sum_t c_t * loss_sum_t`` with ``c_t = weight_t * K / N_t``, and the
     end's one division is by ``K``, the first term with items (``N_t``, ``K``: global counts).
@@ -342,23 +341,6 @@ def _shown(value: Any) -> str:
     return f"a {type(value).__name__}" if not isinstance(value, Mapping) else "an empty mapping"
 
 
-def normalize(
-    grads: list[torch.Tensor],
-    total: int,
-    sync: Any,
-    carried: float = 1.0,
-    max_grad_norm: float | None = None,
-    skip: SkipPolicy | None = None,
-) -> tuple[float, bool]:
-    """The window's one division: ``grads`` (this rank's summed gradient, in place) by the
-    global item count ``total`` times what the sum still carries besides the items
-    (``carried``: an fp16 pre-scale, a framework's own division), then ``finish``'s norm and
-    clip. DDP and FSDP2 hand back the mean over ranks, the sum over them / world, so the
-    divisor is over the world as well."""
-    divisor = total * carried / sync.world
-    return finish(sync.local(grads), divisor, max_grad_norm, sync.norm, skip)
-
-
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm over a list of tensors, the sum of squares in at least fp32."""
     if not grads:
@@ -409,8 +391,12 @@ def divide_and_clip(
     to the host (as GradScaler decides on the device): returns the mean gradient's norm
     before clipping (float64) and whether the window steps (a bool tensor: ``skip`` does
     not refuse it, and ``keep``, e.g. the count is not 0). ``divisor``: a number or a
-    float64 tensor. A window that does not step is divided and multiplied by exactly 1:
-    its gradient is left as it is. Every window runs the same passes."""
+    float64 tensor.
+
+    One pass over the gradient, whatever the settings: a multiplication by one factor,
+    1 / ``divisor`` times the clip coefficient where the clip applies (computed in float64,
+    rounded once to the precision the pass runs in). A window that does not step is
+    multiplied by exactly 1: its gradient is left as it is."""
     grad_norm = norm(grads).double()
     if not isinstance(divisor, torch.Tensor):
         divisor = torch.full_like(grad_norm, divisor)
@@ -420,22 +406,20 @@ def divide_and_clip(
         steps = steps & keep
     if not grads:
         return grad_norm, steps
-    one = torch.ones_like(grad_norm)
-    divide = torch.where(steps, divisor, one)
+    factor = divisor.reciprocal()
     if max_grad_norm is not None:
-        # a true division (a number over a tensor would multiply by its reciprocal)
+        # torch's clip_grad_norm_ rule: max / (norm + 1e-6) where that is below 1
         coef = torch.full_like(grad_norm, max_grad_norm) / (grad_norm + 1e-6)
-        clip = torch.where(steps & (coef < 1.0), coef, one)
-    # Each dtype by the factor in the precision a Python number takes there (float64 for
-    # float64, else float32; a low-precision gradient's multiplier in its own dtype): the
-    # same bits as the host's division and clip by a number.
+        factor = torch.where(coef < 1.0, factor * coef, factor)
+    factor = torch.where(steps, factor, torch.ones_like(factor))
+    # float64 gradients by the float64 factor, every other dtype by it in float32 (a
+    # low-precision gradient is multiplied in float32 and rounded once to its dtype).
     dtypes = {g.dtype for g in grads}
     for dtype in dtypes:
         group = grads if len(dtypes) == 1 else [g for g in grads if g.dtype == dtype]
-        wide = torch.float64 if dtype == torch.float64 else torch.float32
-        torch._foreach_div_(group, divide.to(wide))
-        if max_grad_norm is not None:
-            torch._foreach_mul_(group, clip.to(dtype if dtype in _LOW else wide))
+        torch._foreach_mul_(
+            group, factor.to(torch.float64 if dtype == torch.float64 else torch.float32)
+        )
     return grad_norm, steps
 
 

@@ -56,6 +56,26 @@ def test_a_non_finite_gradient_is_reported_and_left_alone():
         assert torch.equal(g.nan_to_num(7.0), b.nan_to_num(7.0))  # not divided, not clipped
 
 
+def test_a_bf16_gradient_divided_and_clipped_is_rounded_once():
+    # The division and the clip are one multiplication in float32, rounded once to bf16:
+    # every element within bf16's half unit of the exact mean-and-clip (float64, torch alone).
+    # A clip coefficient rounded to bf16 first (torch's clip_grad_norm_ on bf16 gradients)
+    # can be a whole unit off on top of that.
+    g = torch.Generator().manual_seed(3)
+    summed = [(torch.randn(400, generator=g) * 50).to(torch.bfloat16) for _ in range(3)]
+    divisor, max_norm = 7.0, 0.3
+    exact = [s.double() / divisor for s in summed]
+    norm = float(torch.linalg.vector_norm(torch.cat(exact)))
+    exact = [e * (max_norm / (norm + 1e-6)) for e in exact]
+    grads = [s.clone() for s in summed]
+    grad_norm, steps = finish(grads, divisor, max_norm)
+    assert steps and grad_norm == pytest.approx(norm, rel=1e-6)
+    for got, want in zip(grads, exact, strict=True):
+        assert got.dtype == torch.bfloat16
+        # bf16 keeps 8 significant bits: rounding is off by 2**-8 of the value at most
+        assert float(((got.double() - want) / want).abs().max()) <= 2.0**-8 * (1 + 2.0**-20)
+
+
 def test_total_norm_widens_low_precision_and_mixes_dtypes():
     exact = [torch.full((1000,), 0.01, dtype=torch.float64), torch.full((3,), 2.0)]
     expected = math.sqrt(1000 * 0.01**2 + 3 * 4.0)
