@@ -41,6 +41,7 @@ __all__ = [
     "choose",
     "race",
     "slower",
+    "slower_every_round",
     "window_sizes",
     "without_checkpointed",
 ]
@@ -265,6 +266,20 @@ def slower(a: Sequence[float], b: Sequence[float], tie: float = TIE) -> bool:
     return spread == 0 or mean / spread > _T99[min(n - 1, max(_T99))]
 
 
+def slower_every_round(a: Sequence[float], b: Sequence[float], tie: float = TIE) -> bool:
+    """Whether ``a`` is slower than ``b`` in every round both ran (three at least), by more
+    than ``tie`` in the median round: the test that lets the choice leave the largest. Less
+    strict than ``slower``, which ends a size's race: leaving the largest for a size that is
+    in truth as fast costs nothing, while ending the race of the size that is in truth the
+    fastest loses it. (Three rounds of a window each, all that planning's half allows for
+    larger models, give ``slower`` 2 degrees of freedom: a gap of 4% in every round, as
+    steady as 1-2%, does not pass it.)"""
+    ratios = _ratios(a, b)
+    return (
+        len(ratios) >= _MIN_ROUNDS and min(ratios) > 1.0 and (statistics.median(ratios) > 1.0 + tie)
+    )
+
+
 def choose(
     seconds: dict[int, list[float]],
     tie: float = TIE,
@@ -272,7 +287,8 @@ def choose(
     checkpointed: Collection[int] = (),
 ) -> tuple[int, int, str]:
     """(chosen, fastest, why) from each size's seconds per effective batch, round by round:
-    the fastest by median when the default is slower than it beyond the noise (``slower``),
+    the fastest by median when the default is slower than it beyond the noise (``slower``,
+    or ``slower_every_round``),
     else the default: the largest size, or with ``checkpointed`` sizes (those timed with
     activation checkpointing) the largest of the others."""
     plain = [m for m in seconds if m not in checkpointed]
@@ -283,7 +299,9 @@ def choose(
     n = len(seconds)
     if fastest == default:
         return default, fastest, f"the fastest of {n} sizes timed, {largest}"
-    if slower(seconds[default], seconds[fastest], tie):
+    if slower(seconds[default], seconds[fastest], tie) or slower_every_round(
+        seconds[default], seconds[fastest], tie
+    ):
         gain = statistics.median(_ratios(seconds[default], seconds[fastest]))
         how = ", with activation checkpointing" if mixed and fastest in checkpointed else ""
         return (
