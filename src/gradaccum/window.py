@@ -118,15 +118,20 @@ class Tally:
     end's one division is by ``K``, the first term with items (``N_t``, ``K``: global counts).
     The first term's coefficient is 1: a pair is the one-term case of the same arithmetic.
 
-    Nothing here waits for the device: the losses are summed where they live (in float64,
-    once per window) and a count left on a GPU is read once, at the window's end, with the
+    Nothing here waits for the device: the losses are summed where they live (in float64)
+    and a count left on a GPU is read once, at the window's end, with the
     others."""
 
     def __init__(self) -> None:
         self.micro_batches = 0  # recorded so far: the next one's index
         self._count = 0  # counts known on the host
         self._device_counts: list[tuple[int, torch.Tensor]] = []  # (index, count) on a device
-        self._losses: list[torch.Tensor] = []  # each micro-batch's, detached, where it lives
+        # the summed loss, float64 where the loss lives: one tensor made at the first
+        # micro-batch and added to in place. (Not a list of each micro-batch's detached loss:
+        # a small tensor kept per micro-batch, made between its activations, pins glibc's
+        # heap where they were freed, and a CPU run of 16 micro-batches per window peaked
+        # 43% above its plan with glibc as it comes: bench/results/planner.md.)
+        self._loss: torch.Tensor | None = None
         self._terms: list[_Term] | None = None  # named terms, after begin()
         self._divisor = 0.0  # K: the first term's global count that is not zero
 
@@ -173,7 +178,9 @@ class Tally:
                 self._device_counts.append((index, count))
             else:
                 self._count += count
-            self._losses.append(loss.detach())  # summed once, at the end (``sums``)
+            if self._loss is None:
+                self._loss = loss.detach().new_zeros((), dtype=torch.float64)
+            self._loss.add_(loss.detach())
         self.micro_batches += 1
         return loss, count
 
@@ -242,12 +249,7 @@ class Tally:
         if self._device_counts:
             count = torch.stack([c.to(torch.float64) for _, c in self._device_counts]).sum()
             count = count + self._count
-        if not self._losses:
-            return count, 0.0
-        # One sum in float64 for the window, not an addition per micro-batch: a float32 loss
-        # widens exactly, and float64 holds such a sum exactly in any order unless the
-        # losses span some 2**29 in size, so this is the running sum's value.
-        return count, torch.stack(self._losses).to(torch.float64).sum()
+        return count, (0.0 if self._loss is None else self._loss)
 
     def device_counts(self) -> list[torch.Tensor]:
         return [c for _, c in self._device_counts]
