@@ -180,8 +180,10 @@ def plan(
                 if ckpt is not None and ckpt.fits and ckpt.micro_size > line.micro_size:
                     lines.append(ckpt)
                     race_budget = extra.race_budget(spent)
-            # the fastest of the sizes up to the one measured to fit
-            raced = _race(lines, asked, per_rank, race_budget)
+            # the fastest of the sizes up to the one measured to fit; a smaller winner is
+            # measured where training runs too, in time held back from the race
+            held = line.fresh_s if verify is not None else 0.0
+            raced = _race(lines, asked, per_rank, race_budget - held)
             if raced is not None and raced.chosen > line.micro_size and verify is not None:
                 # the checkpointed winner measured where training runs, in the time held back
                 lines[-1] = _verified_fresh(lines[-1], verify, per_rank, usable)
@@ -193,10 +195,33 @@ def plan(
                     )
                     raced = without_checkpointed(raced, refused)
             timings = _timings(raced, lines)
-            micro_size, chosen = line.micro_size, line
+            micro_size, chosen, remeasured = line.micro_size, line, ()
             if raced is not None:
                 micro_size = raced.chosen
                 chosen = lines[-1] if micro_size > line.micro_size else line
+            if raced is not None and micro_size < line.micro_size and verify is not None:
+                # The line reads a smaller size from the measured one by what that sat
+                # above the line: a process's one-time bytes stay, glibc's steeper slope
+                # does not (gpt at 16 of 32: read 19% above its run). Measured instead.
+                probe, _ = _fresh_probe(line.m, micro_size, verify, per_rank)
+                measured = line.m.base + probe.peak_bytes
+                if measured <= usable:
+                    remeasured = (probe,)
+                    timings = tuple(
+                        replace(t, peak_bytes=measured) if t.micro_size == micro_size else t
+                        for t in timings
+                    )
+                else:  # above what the line read: the largest, measured, instead
+                    refused = (
+                        f"{micro_size}, timed faster, peaked at {format_bytes(measured)} in a "
+                        f"fresh process, above the {format_bytes(usable)} usable"
+                    )
+                    raced = replace(
+                        raced,
+                        chosen=line.micro_size,
+                        why=f"the largest that fits; {refused}",
+                    )
+                    micro_size = line.micro_size
             need = next((t.peak_bytes for t in timings if t.micro_size == micro_size), line.need)
             # the run's other parts as training will run them, its checkpointing on
             (enable_checkpointing if chosen.m.blocks else disable_checkpointing)(model)
@@ -231,7 +256,7 @@ def plan(
         bytes_per_sample=m.peak_fit.slope,
         peak_fit=m.peak_fit,
         activation_fit=m.activation_fit,
-        probes=m.probes + chosen.checked,
+        probes=m.probes + chosen.checked + remeasured,
         checkpointing=bool(m.blocks),
         checkpointed_blocks=m.blocks,
         device=str(device),
@@ -318,17 +343,24 @@ def _verified_fresh(
 ) -> _Line:
     """``line``'s size (measured in this process) measured again by ``verify``, where training
     runs, that measurement deciding: over ``usable``, the line no longer fits."""
-    m, size = line.m, line.micro_size
-    began = time.perf_counter()
-    peak = int(verify(size, min(math.ceil(per_rank / size), 2), bool(m.blocks)))
-    peak -= m.static + m.overhead
-    fresh_s = time.perf_counter() - began
-    act, line_at = int(m.activation_fit(size)), m.peak_fit(size)
-    probe = Probe(size, peak, act, line_at, kind="verify, fresh process")
-    need = m.base + peak
+    probe, fresh_s = _fresh_probe(line.m, line.micro_size, verify, per_rank)
+    need = line.m.base + probe.peak_bytes
     return replace(
         line, need=need, fits=need <= usable, checked=(*line.checked, probe), fresh_s=fresh_s
     )
+
+
+def _fresh_probe(
+    m: Measured, size: int, verify: Callable[[int, int, bool], int], per_rank: int
+) -> tuple[Probe, float]:
+    """A window at ``size`` measured by ``verify`` (where training runs; two micro-batches at
+    most) on ``m``'s line, as a probe above its static and one-time bytes, and its seconds."""
+    began = time.perf_counter()
+    peak = int(verify(size, min(math.ceil(per_rank / size), 2), bool(m.blocks)))
+    peak -= m.static + m.overhead
+    act, line_at = int(m.activation_fit(size)), m.peak_fit(size)
+    probe = Probe(size, peak, act, line_at, kind="verify, fresh process")
+    return probe, time.perf_counter() - began
 
 
 def _checkpointed_note(line: _Line, ckpt: _Line | None, seconds: float) -> str:
