@@ -530,7 +530,7 @@ def test_probes_stop_where_the_line_puts_the_next_size_over_the_budget():
 def test_a_verification_over_the_budget_steps_down_along_the_line_scaled_through_it():
     """The planned size measured where training runs peaks at twice the line: the plan is
     the largest size the line, scaled through that measurement, fits (one step down, not
-    one sample at a time), predicted by the scaled line, with no second process."""
+    one sample at a time), measured where training runs too (a second fresh process)."""
     model, batch, loss_fn = cnn_setup()
     optimizer = torch.optim.AdamW(model.parameters())
     kw = dict(effective_batch=16, probe_sizes=[1, 2, 4], meter="tensors")
@@ -554,13 +554,15 @@ def test_a_verification_over_the_budget_steps_down_along_the_line_scaled_through
     # an independent reading of the scaled line: the largest size whose 2x need fits
     expected = max(s for s in range(1, 9) if base + 2.0 * free.peak_fit(s) <= usable)
     balanced = -(-16 // -(-16 // expected))  # the balanced window's size at that limit
-    assert asked == [(8, 2)]  # 16 over a limit of 8: two micro-batches of 8, measured once
+    # 16 over a limit of 8: two micro-batches of 8, then the size the scaled line fits
+    assert asked == [(8, 2), (balanced, 2)]
     assert result.micro_size == balanced and result.largest_fitting == expected
     assert result.predicted_peak == pytest.approx(base + 2.0 * free.peak_fit(balanced), abs=2)
     assert result.predicted_peak <= usable
     kinds = [p.kind for p in result.probes if p.kind != "fit"]
-    assert kinds == ["verify, fresh process", "from the fresh process's 8, the line scaled"]
-    assert "predicted at micro-batch" in result.summary()
+    assert kinds == ["verify, fresh process", "verify, fresh process"]
+    assert f"peak {ga.memory.format_bytes(result.predicted_peak)} measured" in result.summary()
+    assert f"{balanced} was measured next" in result.summary()
 
 
 @pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute

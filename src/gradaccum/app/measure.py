@@ -172,7 +172,7 @@ class FreshProcessVerifier:
         # the next (glibc's heap layout), which the plan's margin keeps free.
         with_ckpt = " with activation checkpointing" if checkpointing else ""
         print(
-            f"measuring micro-batch {micro_size}, the largest the memory line fits, in a "
+            f"measuring micro-batch {micro_size}, as the plan would train it, in a "
             f"fresh process ({_count(micro_batches, 'micro-batch', 'micro-batches')} a window"
             f"{with_ckpt})",
             file=sys.stderr,
