@@ -180,10 +180,8 @@ def plan(
                 if ckpt is not None and ckpt.fits and ckpt.micro_size > line.micro_size:
                     lines.append(ckpt)
                     race_budget = extra.race_budget(spent)
-            # the fastest of the sizes up to the one measured to fit; a smaller winner is
-            # measured where training runs too, in time held back from the race
-            held = line.fresh_s if verify is not None else 0.0
-            raced = _race(lines, asked, per_rank, race_budget - held)
+            # the fastest of the sizes up to the one measured to fit
+            raced = _race(lines, asked, per_rank, race_budget)
             if raced is not None and raced.chosen > line.micro_size and verify is not None:
                 # the checkpointed winner measured where training runs, in the time held back
                 lines[-1] = _verified_fresh(lines[-1], verify, per_rank, usable)
@@ -202,7 +200,9 @@ def plan(
             if raced is not None and micro_size < line.micro_size and verify is not None:
                 # The line reads a smaller size from the measured one by what that sat
                 # above the line: a process's one-time bytes stay, glibc's steeper slope
-                # does not (gpt at 16 of 32: read 19% above its run). Measured instead.
+                # does not (gpt at 16 of 32: read 19% above its run). Measured instead,
+                # after the race and on top of its half: held back from the race, one
+                # fresh process's seconds left segment's race no window.
                 probe, _ = _fresh_probe(line.m, micro_size, verify, per_rank)
                 measured = line.m.base + probe.peak_bytes
                 if measured <= usable:
