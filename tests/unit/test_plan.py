@@ -14,6 +14,7 @@ import gradaccum as ga
 from gradaccum.app.recipes import get_recipe
 from gradaccum.batching import take
 from gradaccum.memory import LiveTensorBytes, MemoryMeter
+from gradaccum.plan.result import STEPPED_UP
 
 
 def cnn_setup():
@@ -563,6 +564,82 @@ def test_a_verification_over_the_budget_steps_down_along_the_line_scaled_through
     assert kinds == ["verify, fresh process", "verify, fresh process"]
     assert f"peak {ga.memory.format_bytes(result.predicted_peak)} measured" in result.summary()
     assert f"{balanced} was measured next" in result.summary()
+
+
+def _stepping_setup(excess):
+    """A plan whose verifying process measures ``excess(micro)`` bytes above the probes'
+    line, with a budget where the line alone fits 12 samples of the per-rank 24: returns
+    the plan, the sizes it asked to be measured, and what the verifier's need at a size is
+    (the base the plan adds, the verifier's bytes)."""
+    model, batch, loss_fn = cnn_setup()
+    optimizer = torch.optim.AdamW(model.parameters())
+    kw = dict(effective_batch=24, probe_sizes=[1, 2, 4], meter="tensors")
+    free = ga.plan(model, optimizer, batch, loss_fn, budget="8GiB", **kw)
+    measured_base = free.static_bytes + free.overhead_bytes
+    base = measured_base + free.batch_bytes
+    asked = []
+
+    def verify(micro: int, n: int, checkpointed: bool) -> int:
+        asked.append(micro)
+        return int(measured_base + free.peak_fit(micro) + excess(micro))
+
+    usable = base + free.peak_fit(12.5)  # by the line alone, 12 samples fit
+    result = ga.plan(
+        model, optimizer, batch, loss_fn, budget=int(usable / (1 - free.margin)),
+        verify=verify, **kw,
+    )  # fmt: skip
+
+    def need(micro: int) -> float:
+        return base + free.peak_fit(micro) + excess(micro)
+
+    return result, asked, need, usable
+
+
+def test_a_fresh_process_steeper_than_the_line_is_stepped_back_up_between_two():
+    """minilm's case: a fresh process sits above the probes' line by more the larger the
+    micro-batch (glibc as it comes). The line scaled through its measurement at 12 scales
+    the line's every byte by that ratio and reads a size below what fits; the line through
+    that fresh measurement and the one over it reads the largest that fits, measured in a
+    third process and planned."""
+
+    def excess(micro: int) -> float:
+        return 0.4 * 2**10 * micro**2
+
+    result, asked, need, usable = _stepping_setup(excess)
+    assert asked[0] == 12 and need(12) > usable  # the line's size, over in the process
+    fits = [s for s in range(1, 13) if need(s) <= usable]  # independent of the plan's code
+    expected = -(-24 // -(-24 // max(fits)))  # the balanced window at that limit
+    assert need(asked[1]) <= usable and asked[1] < expected  # the scaled line read below it
+    assert asked == [12, asked[1], expected]
+    assert result.micro_size == expected
+    assert result.predicted_peak == pytest.approx(need(expected), abs=2)
+    assert result.predicted_peak <= usable
+    assert [p.kind for p in result.probes if p.kind != "fit"][-1] == STEPPED_UP
+    assert (
+        f"{asked[1]} was measured next and fits; {expected}, read between them on the line "
+        "through both, measured and fits too" in result.summary()
+    )
+
+
+def test_a_size_read_between_two_fresh_measurements_that_does_not_fit_is_not_planned():
+    """The same process, its bytes jumping from 8 samples up (the allocator's next bucket):
+    the line through the two fresh measurements reads 8, measured over; the plan stays the
+    size measured to fit, its measurement deciding, and the summary says 8 did not fit."""
+
+    def excess(micro: int) -> float:
+        return 0.4 * 2**10 * micro**2 + (10 * 2**10 if micro >= 8 else 0)
+
+    result, asked, need, usable = _stepping_setup(excess)
+    low, between = asked[1], asked[2]
+    assert len(asked) == 3 and need(low) <= usable < need(between) and low < between < 12
+    assert result.micro_size == low
+    assert result.predicted_peak == pytest.approx(need(low), abs=2)
+    verified = [p for p in result.probes if p.kind != "fit"]
+    assert [p.micro_size for p in verified] == [12, between, low]  # the deciding one last
+    assert (
+        f"{low} was measured next and fits ({between}, read between them on the line "
+        "through both, did not)" in result.summary()
+    )
 
 
 @pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute

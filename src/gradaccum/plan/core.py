@@ -32,7 +32,7 @@ from gradaccum.memory import MemoryMeter, format_bytes
 from gradaccum.plan.phases import measure_phases
 from gradaccum.plan.prober import Measured, Prober
 from gradaccum.plan.request import CHECKPOINTING, PlanRequest
-from gradaccum.plan.result import Plan, Probe
+from gradaccum.plan.result import STEPPED_UP, Plan, Probe
 from gradaccum.plan.speed import (
     Extra,
     Race,
@@ -508,34 +508,64 @@ def _verify(
     the scaled line is measured next, by ``verify`` too: a fresh process sits above the
     probes' line by what a process pays once and, with glibc as it comes, by a slope
     steeper than the scaled line's, which read minilm's 5 from its 16 6% under its run
-    (bench/results/planner.md). Returns the sizes' probes, the deciding one last, and the
-    seconds of the longest fresh-process measurement (0: none).
+    (bench/results/planner.md). Scaling makes the process's one-time bytes grow with the
+    size too, so the size it finds can sit far below what fits (minilm: 1 from a fresh 24,
+    where 6 fitted): once a fresh measurement fits below one that did not, the line through
+    the two is read once for a larger size between them, measured there too and planned
+    only if it fits. Returns the sizes' probes, the deciding one last, and the seconds of
+    the longest fresh-process measurement (0: none).
     """
-    checked: list[Probe] = []
-    fresh_s = 0.0
-    for _ in range(8):
-        micro_size = math.ceil(per_rank / math.ceil(per_rank / largest))  # balanced window
+
+    def measured(micro_size: int, kind: str = "") -> tuple[Probe, float]:
         n = min(math.ceil(per_rank / micro_size), 2)
-        act = int(m.activation_fit(micro_size))
+        began = time.perf_counter()
         if verify is not None:
-            began = time.perf_counter()
             peak = int(verify(micro_size, n, bool(m.blocks))) - m.static - m.overhead
-            fresh_s = max(fresh_s, time.perf_counter() - began)
-            kind = "verify, fresh process"
+            act, kind = int(m.activation_fit(micro_size)), kind or "verify, fresh process"
         else:
             # The planned window, twice, keeping the larger peak: on CPU, RSS grows over
             # the first windows as malloc's free lists fragment.
             peak, act = max(prober.window(micro_size, micro_batches=n)[:2] for _ in range(2))
             kind = "verify"
-        verified = Probe(micro_size, peak, act, m.peak_fit(micro_size), kind=kind)
-        checked.append(verified)
-        if m.base + peak <= usable or micro_size == 1:
-            return largest, micro_size, tuple(checked), fresh_s
+        probe = Probe(micro_size, peak, act, m.peak_fit(micro_size), kind=kind)
+        return probe, (time.perf_counter() - began if verify is not None else 0.0)
+
+    def fits(probe: Probe) -> bool:
+        return m.base + probe.peak_bytes <= usable
+
+    checked: list[Probe] = []
+    fresh_s = 0.0
+    for _ in range(8):
+        probe, seconds = measured(_balanced(per_rank, largest))
+        checked.append(probe)
+        fresh_s = max(fresh_s, seconds)
+        if fits(probe) or probe.micro_size == 1:
+            break
         # the line scaled to pass through this measurement (never below it)
-        scale = max(1.0, peak / max(m.peak_fit(micro_size), 1.0))
-        fits = [s for s in range(1, micro_size) if m.base + scale * m.peak_fit(s) <= usable]
-        largest = fits[-1] if fits else 1
-    return largest, micro_size, tuple(checked), fresh_s
+        scale = max(1.0, probe.peak_bytes / max(m.peak_fit(probe.micro_size), 1.0))
+        below = range(1, probe.micro_size)
+        largest = max((s for s in below if m.base + scale * m.peak_fit(s) <= usable), default=1)
+    if verify is not None and len(checked) > 1 and fits(checked[-1]):
+        low, high = checked[-1], checked[-2]  # fits; the smallest size that did not
+        # the line through the two fresh measurements (rising: high's is over, low's not)
+        per_sample = (high.peak_bytes - low.peak_bytes) / (high.micro_size - low.micro_size)
+        between = low.micro_size + int((usable - m.base - low.peak_bytes) // per_sample)
+        size = _balanced(per_rank, min(between, high.micro_size - 1))
+        if size > low.micro_size:
+            probe, seconds = measured(size, STEPPED_UP)
+            fresh_s = max(fresh_s, seconds)
+            if fits(probe):
+                checked.append(probe)
+                largest = min(between, high.micro_size - 1)
+            else:  # the deciding measurement stays last
+                checked.insert(-1, probe)
+    return largest, checked[-1].micro_size, tuple(checked), fresh_s
+
+
+def _balanced(per_rank: int, largest: int) -> int:
+    """The micro-batch size that splits ``per_rank`` into the fewest even micro-batches of at
+    most ``largest``."""
+    return math.ceil(per_rank / math.ceil(per_rank / largest))
 
 
 def too_small(

@@ -83,8 +83,13 @@ class Probe:
     activation_bytes: int  # saved for backward; storages once, parameters excluded
     predicted_bytes: float  # the peak fit at this size
     # "fit": a point of the line; "verify": the planned size, measured; "from the fresh
-    # process's N, the line scaled": the line through a measurement over the budget
+    # process's N, the line scaled": the line through a measurement over the budget;
+    # STEPPED_UP: a size between a fresh measurement that fits and one that did not
     kind: str = "fit"
+
+
+# The kind of a fresh measurement read between a fitting one and the smallest over it.
+STEPPED_UP = "verify, fresh process, on the line through two fresh measurements"
 
 
 @dataclass(frozen=True)
@@ -300,6 +305,16 @@ class Plan:
             then = f"{self.largest_fitting} is the largest the line scaled through it fits"
             if last.micro_size != self.largest_fitting:
                 then += f" ({last.micro_size} evens the window)"
+        elif last.kind == STEPPED_UP:
+            then = (
+                f"{self.probes[-2].micro_size} was measured next and fits; {last.micro_size}, "
+                "read between them on the line through both, measured and fits too"
+            )
+        elif over[-1].kind == STEPPED_UP:
+            then = (
+                f"{last.micro_size} was measured next and fits ({over[-1].micro_size}, read "
+                "between them on the line through both, did not)"
+            )
         else:
             then = f"{last.micro_size} was measured next"
         return [f"{said}, over the {format_bytes(usable)} usable: {then}"]
