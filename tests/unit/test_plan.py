@@ -595,21 +595,24 @@ def _stepping_setup(excess):
     return result, asked, need, usable
 
 
+def _fresh_quadratic(micro: int) -> float:
+    """A fresh process above the probes' line by more the larger the micro-batch (glibc as
+    it comes): 0.8 KiB times the size squared."""
+    return 0.8 * 2**10 * micro**2
+
+
 def test_a_fresh_process_steeper_than_the_line_is_stepped_back_up_between_two():
     """minilm's case: a fresh process sits above the probes' line by more the larger the
-    micro-batch (glibc as it comes). The line scaled through its measurement at 12 scales
-    the line's every byte by that ratio and reads a size below what fits; the line through
-    that fresh measurement and the one over it reads the largest that fits, measured in a
-    third process and planned."""
-
-    def excess(micro: int) -> float:
-        return 0.4 * 2**10 * micro**2
-
-    result, asked, need, usable = _stepping_setup(excess)
+    micro-batch. The line scaled through its measurement at 12 scales the line's every byte
+    by that ratio and reads a size below what fits; the line through that fresh measurement
+    and the one over it reads the largest that fits, measured in a third process and
+    planned (6 micro-batches a window become 4)."""
+    result, asked, need, usable = _stepping_setup(_fresh_quadratic)
     assert asked[0] == 12 and need(12) > usable  # the line's size, over in the process
     fits = [s for s in range(1, 13) if need(s) <= usable]  # independent of the plan's code
     expected = -(-24 // -(-24 // max(fits)))  # the balanced window at that limit
     assert need(asked[1]) <= usable and asked[1] < expected  # the scaled line read below it
+    assert 3 * -(-24 // expected) <= 2 * -(-24 // asked[1])  # a third fewer micro-batches
     assert asked == [12, asked[1], expected]
     assert result.micro_size == expected
     assert result.predicted_peak == pytest.approx(need(expected), abs=2)
@@ -622,12 +625,12 @@ def test_a_fresh_process_steeper_than_the_line_is_stepped_back_up_between_two():
 
 
 def test_a_size_read_between_two_fresh_measurements_that_does_not_fit_is_not_planned():
-    """The same process, its bytes jumping from 8 samples up (the allocator's next bucket):
-    the line through the two fresh measurements reads 8, measured over; the plan stays the
-    size measured to fit, its measurement deciding, and the summary says 8 did not fit."""
+    """The same process, its bytes jumping from 6 samples up (the allocator's next bucket):
+    the line through the two fresh measurements reads 6, measured over; the plan stays the
+    size measured to fit, its measurement deciding, and the summary says 6 did not fit."""
 
     def excess(micro: int) -> float:
-        return 0.4 * 2**10 * micro**2 + (10 * 2**10 if micro >= 8 else 0)
+        return _fresh_quadratic(micro) + (20 * 2**10 if micro >= 6 else 0)
 
     result, asked, need, usable = _stepping_setup(excess)
     low, between = asked[1], asked[2]
@@ -640,6 +643,21 @@ def test_a_size_read_between_two_fresh_measurements_that_does_not_fit_is_not_pla
         f"{low} was measured next and fits ({between}, read between them on the line "
         "through both, did not)" in result.summary()
     )
+
+
+def test_a_size_between_that_saves_less_than_a_third_of_the_micro_batches_is_not_measured():
+    """A fresh process no steeper than the line's half as much: the line scaled through 12
+    reads 6 (4 micro-batches a window), the line through the two reads 8 (3 micro-batches),
+    which fits but saves a quarter of the window's micro-batches: not worth a fresh process
+    (minilm 15 to 16 was one of 40 s), so 6 is planned."""
+
+    def excess(micro: int) -> float:
+        return _fresh_quadratic(micro) / 2
+
+    result, asked, need, usable = _stepping_setup(excess)
+    assert need(8) <= usable  # it would have fitted
+    assert asked == [12, 6] and result.micro_size == 6
+    assert not any(p.kind == STEPPED_UP for p in result.probes)
 
 
 @pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute

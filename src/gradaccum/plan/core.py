@@ -511,8 +511,8 @@ def _verify(
     (bench/results/planner.md). Scaling makes the process's one-time bytes grow with the
     size too, so the size it finds can sit far below what fits (minilm: 1 from a fresh 24,
     where 6 fitted): once a fresh measurement fits below one that did not, the line through
-    the two is read once for a larger size between them, measured there too and planned
-    only if it fits. Returns the sizes' probes, the deciding one last, and the seconds of
+    the two is read once for a larger size between them, measured there too where it makes
+    the window's micro-batches at least a third fewer, and planned only if it fits. Returns the sizes' probes, the deciding one last, and the seconds of
     the longest fresh-process measurement (0: none).
     """
 
@@ -551,7 +551,9 @@ def _verify(
         per_sample = (high.peak_bytes - low.peak_bytes) / (high.micro_size - low.micro_size)
         between = low.micro_size + int((usable - m.base - low.peak_bytes) // per_sample)
         size = _balanced(per_rank, min(between, high.micro_size - 1))
-        if size > low.micro_size:
+        # worth a fresh process where the window's micro-batches are a third fewer or more
+        # (minilm 15 to 16 was not: 18 micro-batches to 16, for a process of 40 s)
+        if 3 * math.ceil(per_rank / size) <= 2 * math.ceil(per_rank / low.micro_size):
             probe, seconds = measured(size, STEPPED_UP)
             fresh_s = max(fresh_s, seconds)
             if fits(probe):
