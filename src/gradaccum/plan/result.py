@@ -88,7 +88,8 @@ class Probe:
     kind: str = "fit"
 
 
-# The kind of a fresh measurement read between a fitting one and the smallest over it.
+# The kind of a fresh measurement read between a fitting one and the smallest over it (its
+# peak: the larger of the measurement and the line through the two).
 STEPPED_UP = "verify, fresh process, on the line through two fresh measurements"
 
 
