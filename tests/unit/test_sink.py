@@ -91,3 +91,39 @@ def test_the_time_left_is_the_recent_windows_pace_once_a_few_have_run(tmp_path):
     assert s.time_left(line(14)) == 86 * 4.0
     # the log line at 10% (step 10): nine windows since the warm-up, 30 s, for 90 steps left
     assert said[-1].startswith("step    10/100") and said[-1].endswith("ETA 5m00s"), said
+
+
+def test_the_time_left_counts_the_evaluations_and_checkpoints_still_to_come(tmp_path):
+    """Windows of 2 s, a 10 s evaluation after every 5th step, a 4 s checkpoint after every
+    10th: at step 20 of 100, what is left is 80 windows, 16 evaluations and 8 checkpoints,
+    352 s. The windows' pace alone says 160 s; the time left adds what the run has spent per
+    step outside its windows so far (here 44 s over 20 steps: the checkpoint after step 20
+    is still to be paid), so it reads 336 s."""
+    folder, p, said = RunFolder(tmp_path), progress(100), []
+    now = [0.0]
+    s = MetricsSink(
+        folder, p, "sample", said.append, writes=True, tensorboard=False,
+        max_grad_norm=None, stopped=lambda what: what, clock=lambda: now[0],
+    )  # fmt: skip
+    s.open(0)
+    for step in range(1, 21):
+        before = p.fraction()
+        p.schedule.step = step
+        now[0] += 2.0  # the window
+        if step % 5 == 0:
+            now[0] += 10.0  # its evaluation, before the line is written
+        s.write({**line(step), "seconds": 2.0}, None, 1.0, before)
+        if step % 10 == 0:
+            now[0] += 4.0  # the checkpoint, after it
+    truly_left = 80 * 2.0 + 16 * 10.0 + 8 * 4.0
+    left = s.time_left(line(20))
+    assert abs(left - truly_left) <= 0.05 * truly_left and left == 80 * (2.0 + 44 / 20)
+    assert said[-1].startswith("step    20/100") and said[-1].endswith("ETA 5m36s"), said
+    # a rollback's own time is not the run's pace: what is outside the windows is counted
+    # again from there
+    now[0] += 500.0
+    s.restart(20)
+    p.schedule.step = 21
+    now[0] += 2.0
+    s.write({**line(21), "seconds": 2.0}, None, 1.0, 0.2)
+    assert s.time_left(line(21)) == 79 * 2.0

@@ -9,6 +9,7 @@ import contextlib
 import json
 import shutil
 import sys
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +42,7 @@ class MetricsSink:
         tensorboard: bool,
         max_grad_norm: float | None,
         stopped: Callable[[str], str],
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.folder, self.progress, self.item, self.log = folder, progress, item, log
         self.writes, self.tensorboard, self.max_grad_norm = writes, tensorboard, max_grad_norm
@@ -52,6 +54,13 @@ class MetricsSink:
         # left out: what the time left is measured from
         self.recent: deque[tuple[float, int]] = deque(maxlen=_ETA_WINDOWS)
         self.windows = 0
+        # The seconds between step lines that are not their windows' (the evaluations, the
+        # checkpoints, the exports) and the steps or samples they came with, since open()
+        # or a rollback: what each step still to come adds to the windows' pace, in the
+        # proportion the run has paid it so far.
+        self.clock = clock
+        self.last: float | None = None
+        self.outside = [0.0, 0]
 
     def open_events(self, start: int) -> None:
         """TensorBoard's writer, when asked for and installed. Before the memory meter
@@ -75,6 +84,7 @@ class MetricsSink:
             return
         self.metrics = self.folder.open_metrics(start)
         self.bar = _progress_bar(self.progress)
+        self.last, self.outside = self.clock(), [0.0, 0]
 
     def write(self, line: dict[str, Any], totals: Any, rate: float, before: float) -> None:
         """A step's line everywhere it goes (``totals``: the window runner's counters, for
@@ -103,6 +113,7 @@ class MetricsSink:
             return
         self.metrics.close()
         self.metrics = self.folder.open_metrics(step)
+        self.last, self.outside = self.clock(), [0.0, 0]  # the rollback's own time left out
         if self.events is not None:
             self.events.restart(step)
         if self.bar is not None:
@@ -144,8 +155,14 @@ class MetricsSink:
         )
         p = self.progress
         self.windows += 1
+        units = line["effective_batch"] if p.in_samples else 1
         if self.windows > 1 and line.get("seconds") is not None:
-            self.recent.append((line["seconds"], line["effective_batch"] if p.in_samples else 1))
+            self.recent.append((line["seconds"], units))
+        now = self.clock()
+        if self.last is not None and line.get("seconds") is not None:
+            self.outside[0] += max(0.0, now - self.last - line["seconds"])
+            self.outside[1] += units
+        self.last = now
         if self.bar is not None:
             self.bar.set_postfix_str(text)
             self.bar.update(line["effective_batch"] if p.in_samples else 1)
@@ -163,13 +180,17 @@ class MetricsSink:
 
     def time_left(self, line: dict[str, Any]) -> float | None:
         """The run's time left at the pace of its recent windows (their measured seconds per
-        step, or per sample for a run measured in samples); None until a few have run. The
-        pace now, not the session's average: on a machine whose load changes, an average
-        over the start lags behind (it began at 7m29s and kept rising)."""
+        step, or per sample for a run measured in samples), plus what the run has spent per
+        step outside its windows so far (evaluations, checkpoints, exports: a run that
+        evaluates every 2 steps pays for its evaluations in the steps still to come too);
+        None until a few windows have run. The windows' pace now, not the session's
+        average: on a machine whose load changes, an average over the start lags behind
+        (it began at 7m29s and kept rising)."""
         if len(self.recent) < _ETA_AFTER:
             return None
         p = self.progress
         pace = sum(s for s, _ in self.recent) / sum(n for _, n in self.recent)
+        pace += self.outside[0] / max(self.outside[1], 1)
         left = p.total_samples - line["samples"] if p.in_samples else p.total_steps - line["step"]
         return max(left, 0) * pace
 
