@@ -528,18 +528,37 @@ def test_probes_stop_where_the_line_puts_the_next_size_over_the_budget():
     assert tight.predicted_peak <= usable
 
 
+class _CnnLine:
+    """The GroupNorm CNN's plan at ``effective_batch`` with room for everything (``free``,
+    its line); what a verifying process measures sits on the static and first-step bytes
+    (``measured_base``), the need adds the window's input batch, held while it trains
+    (``base``). ``plan(usable, verify)``: the plan again, under a budget whose usable part
+    is ``usable``, with ``verify``."""
+
+    def __init__(self, effective_batch: int) -> None:
+        self.model, self.batch, self.loss_fn = cnn_setup()
+        self.optimizer = torch.optim.AdamW(self.model.parameters())
+        self.kw = dict(effective_batch=effective_batch, probe_sizes=[1, 2, 4], meter="tensors")
+        self.free = self.plan_under("8GiB")
+        self.measured_base = self.free.static_bytes + self.free.overhead_bytes
+        self.base = self.measured_base + self.free.batch_bytes
+
+    def plan_under(self, budget, verify=None):
+        return ga.plan(
+            self.model, self.optimizer, self.batch, self.loss_fn, budget=budget,
+            verify=verify, **self.kw,
+        )  # fmt: skip
+
+    def plan(self, usable: float, verify):
+        return self.plan_under(int(usable / (1 - self.free.margin)), verify)
+
+
 def test_a_verification_over_the_budget_steps_down_along_the_line_scaled_through_it():
     """The planned size measured where training runs peaks at twice the line: the plan is
     the largest size the line, scaled through that measurement, fits (one step down, not
     one sample at a time), measured where training runs too (a second fresh process)."""
-    model, batch, loss_fn = cnn_setup()
-    optimizer = torch.optim.AdamW(model.parameters())
-    kw = dict(effective_batch=16, probe_sizes=[1, 2, 4], meter="tensors")
-    free = ga.plan(model, optimizer, batch, loss_fn, budget="8GiB", **kw)
-    # what a verifying process measures sits on the static and first-step bytes; the need
-    # adds the window's input batch, held while it trains
-    measured_base = free.static_bytes + free.overhead_bytes
-    base = measured_base + free.batch_bytes
+    setup = _CnnLine(16)
+    free, measured_base, base = setup.free, setup.measured_base, setup.base
     assert free.batch_bytes == 16 * (8 * 8 * 4 + 8)  # 16 images of 8x8 float32, int64 labels
     asked = []
 
@@ -548,10 +567,7 @@ def test_a_verification_over_the_budget_steps_down_along_the_line_scaled_through
         return int(measured_base + 2.0 * free.peak_fit(micro))
 
     usable = base + free.peak_fit(8.5)  # by the line alone, 8 samples fit
-    result = ga.plan(
-        model, optimizer, batch, loss_fn, budget=int(usable / (1 - free.margin)),
-        verify=verify, **kw,
-    )  # fmt: skip
+    result = setup.plan(usable, verify)
     # an independent reading of the scaled line: the largest size whose 2x need fits
     expected = max(s for s in range(1, 9) if base + 2.0 * free.peak_fit(s) <= usable)
     balanced = -(-16 // -(-16 // expected))  # the balanced window's size at that limit
@@ -571,12 +587,8 @@ def _stepping_setup(excess):
     line, with a budget where the line alone fits 12 samples of the per-rank 24: returns
     the plan, the sizes it asked to be measured, and what the verifier's need at a size is
     (the base the plan adds, the verifier's bytes)."""
-    model, batch, loss_fn = cnn_setup()
-    optimizer = torch.optim.AdamW(model.parameters())
-    kw = dict(effective_batch=24, probe_sizes=[1, 2, 4], meter="tensors")
-    free = ga.plan(model, optimizer, batch, loss_fn, budget="8GiB", **kw)
-    measured_base = free.static_bytes + free.overhead_bytes
-    base = measured_base + free.batch_bytes
+    setup = _CnnLine(24)
+    free, measured_base, base = setup.free, setup.measured_base, setup.base
     asked = []
 
     def verify(micro: int, n: int, checkpointed: bool) -> int:
@@ -584,10 +596,7 @@ def _stepping_setup(excess):
         return int(measured_base + free.peak_fit(micro) + excess(micro))
 
     usable = base + free.peak_fit(12.5)  # by the line alone, 12 samples fit
-    result = ga.plan(
-        model, optimizer, batch, loss_fn, budget=int(usable / (1 - free.margin)),
-        verify=verify, **kw,
-    )  # fmt: skip
+    result = setup.plan(usable, verify)
 
     def need(micro: int) -> float:
         return base + free.peak_fit(micro) + excess(micro)
