@@ -552,7 +552,8 @@ def _verify(
         # the line through the two fresh measurements (rising: high's is over, low's not)
         per_sample = (high.peak_bytes - low.peak_bytes) / (high.micro_size - low.micro_size)
         between = low.micro_size + int((usable - m.base - low.peak_bytes) // per_sample)
-        size = _balanced(per_rank, min(between, high.micro_size - 1))
+        between = min(between, high.micro_size - 1)
+        size = _balanced(per_rank, between)
         # worth a fresh process where the window's micro-batches are a third fewer or more
         # (minilm 15 to 16 was not: 18 micro-batches to 16, for a process of 40 s)
         if 3 * math.ceil(per_rank / size) <= 2 * math.ceil(per_rank / low.micro_size):
@@ -566,7 +567,7 @@ def _verify(
             probe = replace(probe, peak_bytes=max(probe.peak_bytes, int(math.ceil(line_at))))
             if fits(probe):
                 checked.append(probe)
-                largest = min(between, high.micro_size - 1)
+                largest = between
             else:  # the deciding measurement stays last
                 checked.insert(-1, probe)
     return largest, checked[-1].micro_size, tuple(checked), fresh_s

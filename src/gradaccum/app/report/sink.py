@@ -156,16 +156,17 @@ class MetricsSink:
         p = self.progress
         self.windows += 1
         units = line["effective_batch"] if p.in_samples else 1
-        if self.windows > 1 and line.get("seconds") is not None:
-            self.recent.append((line["seconds"], units))
-        now = self.clock()
-        if self.last is not None and line.get("seconds") is not None:
-            self.outside[0] += max(0.0, now - self.last - line["seconds"])
-            self.outside[1] += units
+        now, seconds = self.clock(), line.get("seconds")
+        if seconds is not None:
+            if self.windows > 1:
+                self.recent.append((seconds, units))
+            if self.last is not None:
+                self.outside[0] += max(0.0, now - self.last - seconds)
+                self.outside[1] += units
         self.last = now
         if self.bar is not None:
             self.bar.set_postfix_str(text)
-            self.bar.update(line["effective_batch"] if p.in_samples else 1)
+            self.bar.update(units)
             return
         now = p.fraction()
         if int(now * 10) > int(before * 10) or now >= 1 or "eval_loss" in line:
