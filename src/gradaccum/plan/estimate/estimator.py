@@ -209,9 +209,10 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
             assumptions.append("optimizer: torch's foreach implementation, its CUDA default")
         acc = Accumulator(module, opt, precision=precision, max_grad_norm=how["max_grad_norm"])
         low = PRECISIONS[precision]
-        if on_cuda and low is not None:
+        cuda_model = cuda.CudaModel(low) if on_cuda else None
+        if cuda_model is not None and low is not None:
             # CUDA's autocast lists, not the CPU's (an attribute of this one Precision object)
-            acc.precision.autocast = lambda: cuda.Autocast(low)
+            acc.precision.autocast = cuda_model.region
             assumptions.append(f"autocast: CUDA's {precision} op lists")
         for p in trainable:
             p.register_post_accumulate_grad_hook(lambda p: tally.tag(p.grad, "gradients"))
@@ -232,10 +233,9 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
             tally.tag(t, "activations")
             return t
 
-        kernels = cuda.Kernels() if on_cuda else contextlib.nullcontext()
         with (
             tally,
-            kernels,
+            cuda_model or contextlib.nullcontext(),
             marks,
             module_names(module, tally),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
