@@ -163,6 +163,21 @@ def at_least(minimum: int) -> Check:
     return check
 
 
+def _lora_spec(value: str) -> str | None:
+    """A rank (an integer >= 1), or a PEFT adapter_config.json or a folder holding one."""
+    if value.isdigit():
+        return None if int(value) >= 1 else "must be a rank >= 1 or an adapter_config.json"
+    path = Path(value)
+    if path.is_dir():
+        path = path / "adapter_config.json"
+    if path.is_file():
+        return None
+    return (
+        f"must be a rank (an integer >= 1) or a PEFT adapter_config.json or a folder "
+        f"holding one; {path} does not exist"
+    )
+
+
 def _positive(value: float) -> str | None:
     return None if math.isfinite(value) and value > 0 else "must be a positive finite number"
 
@@ -312,7 +327,7 @@ ESTIMATE_TASKS = (
     "token-classification",
     "image-classification",
 )
-ESTIMATE_ONLY = ("hf_model", "task", "seq_len", "lora", "micro_batch", "quantize")
+ESTIMATE_ONLY = ("task", "seq_len", "micro_batch", "quantize")
 QUANTIZED = ("8bit", "nf4", "fp4")
 
 
@@ -883,7 +898,12 @@ class PlanConfig:
         "estimate the CUDA peak with fake tensors (no GPU needed); with a GPU here, beside "
         "the measured plan",
     )()
-    gpu: str = Opt("cuda", "the GPU family the estimate adds constants for", choices=tuple(GPUS))()
+    gpu: str | None = Opt(
+        None,
+        "the GPU the estimate is for: its constants (CUDA context, cuBLAS workspace) and, "
+        "unless --budget is given, its memory as the budget (default: a generic 24 GB card)",
+        choices=tuple(GPUS),
+    )()
     hf_model: str | None = HF_MODEL(
         help="estimate a Hugging Face model from a local directory or config JSON (its "
         "config alone; weights never load) with its task head (--task); replaces --recipe"
@@ -902,10 +922,14 @@ class PlanConfig:
         "ones by their documented state layout",
         choices=ESTIMATE_OPTIMIZERS,
     )()
-    lora: int | None = LORA(
-        help="estimate LoRA adapters of this rank on the frozen --hf-model (bf16 base under "
-        "--precision bf16)"
-    )
+    lora: str | None = Opt(
+        None,
+        "estimate LoRA adapters on the frozen --hf-model (bf16 base under --precision bf16): "
+        "a rank (the default attention projections), or a PEFT adapter_config.json or a "
+        "folder holding one (its rank, alpha, dropout, target modules and modules to save)",
+        check=_lora_spec,
+        metavar="R|ADAPTER",
+    )()
     micro_batch: int | None = MICRO_BATCH(
         help="estimate this micro-batch size alone (default: the largest that fits the budget)"
     )
@@ -924,9 +948,27 @@ class PlanConfig:
     double_quant: bool = Opt(
         False, "with --quantize nf4 or fp4: double quantization (bnb_4bit_use_double_quant)"
     )()
+    trace_limit: float = Opt(
+        300.0,
+        "seconds the estimate's trace may take before it stops with the layer it was at",
+        check=_positive,
+        metavar="SECONDS",
+    )()
 
     def __post_init__(self) -> None:
+        card = self.gpu or ("cuda" if self.estimate or self.device == "cuda" else None)
+        if card in GPUS and isinstance(self.budget, RecipeDefault):
+            self.budget = f"{GPUS[card].memory}B"  # the card's memory, when none is given
         _resolve_recipe_defaults([self], self.recipe, self.hf_model)
+
+    def budget_said(self) -> str:
+        """Where the budget came from, in both units: the card's memory or --budget."""
+        size = parse_bytes(self.budget)
+        both = f"{size / 1e9:.1f} GB ({size / 2**30:.1f} GiB)"
+        card = self.gpu or "cuda"
+        if self.budget == f"{GPUS[card].memory}B":
+            return f"{self.gpu or 'a generic 24 GB card'}'s memory, {both}"
+        return f"--budget {self.budget}: {both}"
 
     def estimates(self, gpu_here: bool) -> bool:
         """Whether this plan is the fake-tensor estimate rather than a measurement."""
@@ -937,8 +979,13 @@ class PlanConfig:
         if self.export_to is not None and self.export is None:
             out.append("export_to needs --export FRAMEWORK: which framework's file to write")
         only = [f"--{n.replace('_', '-')}" for n in ESTIMATE_ONLY if getattr(self, n)]
+        if self.lora is not None and not self.lora.isdigit():
+            only.append("--lora ADAPTER (the measured plan takes a rank)")
         if only and not (self.estimate or self.device == "cuda"):
-            out.append(f"{', '.join(only)} apply to the estimate: add --device cuda or --estimate")
+            out.append(
+                f"{', '.join(only)} apply to the estimate: add --device cuda or --estimate "
+                "(without them the plan measures on this machine)"
+            )
         if self.lora is not None and self.hf_model is None:
             out.append("lora needs --hf-model PATH: PEFT adapts Hugging Face models")
         if self.seq_len is not None and self.hf_model is None:

@@ -1,25 +1,37 @@
 """`gradaccum plan --device cuda` without a GPU (or with ``--estimate``): the fake-tensor
 estimate of a recipe or a Hugging Face config, in a process of its own.
 
-The trace runs in ``python -m gradaccum.app.estimating CONFIG OUT``, so that an op torch cannot
-fake, or an abort inside torch, ends in one line and never takes the command down. With
-``--micro-batch`` it estimates that size; otherwise the largest micro-batch whose device total
-fits ``--budget`` (a window of two micro-batches peaks as one of any larger number: from the
-second on, every buffer the window holds is there), and the micro-batches per window that make
-``--effective-batch``.
+The trace runs in ``python -m gradaccum.app.estimating``, so that an op torch cannot fake, or
+an abort inside torch, ends in one line and never takes the command down. The request goes
+in on its stdin, the answer comes back on its stdout, progress on its stderr: no file is
+written, so a parent killed outright leaves no folder, and the child, whose stdin then
+closes, ends at once. A trace that runs past ``--trace-limit`` is stopped, naming the layer
+it was at.
+
+With ``--micro-batch`` it estimates that size; otherwise the largest micro-batch whose
+device total fits the budget (a window of two micro-batches peaks as one of any larger
+number: from the second on, every buffer the window holds is there), and the micro-batches
+per window that make ``--effective-batch``. A model of identical repeated blocks (a
+transformer's layers) is first traced with 2 and 3 of them: the allocated bytes of the
+whole model are those two traces' line through the layer count, which guesses the size
+that fits; the whole model is then traced at that size (and its neighbours, until the
+largest that fits is known), so the answer is always a trace of the model asked. Every
+trace is kept in the estimate cache, so a question that differs in budget, micro-batch or
+effective batch alone traces only what it has not seen.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import dataclasses
 import json
 import math
 import subprocess
 import sys
-import tempfile
+import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from gradaccum.app import plan_cache
@@ -27,88 +39,231 @@ from gradaccum.app.config import PlanConfig
 from gradaccum.app.process import say
 from gradaccum.memory import format_bytes, parse_bytes
 
-__all__ = ["estimate_command", "head_loss", "main", "render", "task_of"]
+__all__ = ["config_problems", "estimate_command", "head_loss", "main", "render", "task_of"]
 
 
-# what only says how to print a plan: a change of these is the same estimate
+# what only says how to print a plan, or how long to wait for it: the same estimate
 _NOT_KEYED = ("json", "plot", "replan", "export", "export_to", "meter", "margin", "prefer")
+_NOT_KEYED += ("trace_limit",)
+# what a window's traces do not depend on: a question differing only in these reuses them
+_NOT_TRACED = ("budget", "micro_batch", "effective_batch", "checkpointing")
+_CONFIG_LARGEST = 4 << 20  # bytes: a model's config.json is kilobytes
+# a config's sizes: each an integer >= 1 where given (None: the model's default)
+_SIZES = (
+    "num_hidden_layers", "n_layer", "num_layers", "hidden_size", "n_embd", "d_model",
+    "num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "intermediate_size",
+    "n_inner", "vocab_size", "max_position_embeddings", "n_positions", "n_ctx", "head_dim",
+    "image_size", "patch_size", "num_channels", "num_labels",
+)  # fmt: skip
+_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx")
+_PROGRESS = "progress: "  # the child's stderr lines that are progress, said as they come
+_EVERY = 5.0  # seconds between progress lines within one trace
+_QUIET = 2.0  # seconds into a trace before it is said (a small model's say nothing)
+
+
+def config_problems(cfg: PlanConfig) -> list[str]:
+    """Every problem of ``--hf-model``'s config.json that would otherwise end a trace (or
+    run one for a model that cannot be): a file too large to be a config, one that is not
+    JSON, no ``model_type``, sizes that are not integers >= 1, fewer positions than
+    ``--seq-len``. Read without blocking (a FIFO is refused, never opened for a read that
+    waits) and without transformers."""
+    if cfg.hf_model is None:
+        return []
+    from gradaccum.app.recipes import hf_config_file
+
+    path = hf_config_file(cfg.hf_model)
+    try:
+        text = plan_cache.read_text(path, _CONFIG_LARGEST)
+    except ValueError as err:
+        return [f"--hf-model {path} {err}"]
+    if text is None:
+        return [f"--hf-model {path} does not exist"]
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        return [f"--hf-model {path} is not JSON ({err})"]
+    if not isinstance(data, dict):
+        return [f"--hf-model {path} is not a model configuration (a JSON object)"]
+    out = []
+    if not isinstance(data.get("model_type"), str) or not data.get("model_type"):
+        out.append(f"{path} has no model_type (llama, gpt2, qwen2, ...): it names the model")
+    for name in _SIZES:
+        value = data.get(name)
+        if value is None:
+            continue
+        if type(value) is not int or value < 1:
+            out.append(f"{path}: {name} must be an integer >= 1, got {value!r}")
+    positions = [data[n] for n in _POSITIONS if type(data.get(n)) is int and data[n] >= 1]
+    if positions and cfg.seq_len is not None and cfg.seq_len > min(positions):
+        out.append(
+            f"--seq-len {cfg.seq_len} is longer than the model's {min(positions)} positions "
+            f"({path})"
+        )
+    return out
 
 
 def estimate_command(cfg: PlanConfig) -> dict[str, Any]:
-    """The estimate's result (``Estimate.to_dict()`` and the search): the plan cache's when it
-    holds this estimate (``cached``: its file), else traced in its own process and stored; a
-    ValueError with one line when the trace fails."""
+    """The estimate's result (``Estimate.to_dict()``, the search and, where nothing fits,
+    the alternatives): the plan cache's when it holds this estimate (``cached``: its file),
+    else traced in its own process and stored; a ValueError with one line when the trace
+    fails or the config cannot be traced."""
+    if problems := config_problems(cfg):
+        raise ValueError("; ".join(problems))
     parts = _cache_key(cfg)
     if not cfg.replan and (found := _cached(parts)) is not None:
         return found
-    result = _traced(cfg)
-    plan_cache.store(parts, result)
-    return {**result, "cached": None}
+    traces_key = _cache_key(cfg, traces=True)
+    known = {} if cfg.replan else (_cached(traces_key, quiet=True) or {}).get("traces", {})
+    answer = _traced(cfg, known)
+    if answer.get("traces"):
+        plan_cache.store(traces_key, {"traces": answer["traces"]})
+    if "error" in answer:
+        raise ValueError(answer["error"])
+    plan_cache.store(parts, answer["estimate"])
+    return {**answer["estimate"], "cached": None}
 
 
-def _cache_key(cfg: PlanConfig) -> dict[str, Any]:
+def _cache_key(cfg: PlanConfig, traces: bool = False) -> dict[str, Any]:
     """What the estimate depends on, known before anything is built: the settings, the
-    --hf-model folder's files, gradaccum's source, the versions (transformers' too: its
-    classes are the model), the machine."""
+    --hf-model folder's files (and --lora's adapter config), gradaccum's source, the
+    versions (transformers' too: its classes are the model), the machine. ``traces``: the
+    key of the window traces, which the budget and the batch sizes do not change."""
     import torch
 
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_KEYED}
-    settings = {"kind": "estimate", **settings}
+    left = _NOT_KEYED + (_NOT_TRACED if traces else ())
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in left}
+    settings = {"kind": "estimate traces" if traces else "estimate", **settings}
     if cfg.hf_model is not None:
         import importlib.metadata
 
         settings["transformers"] = importlib.metadata.version("transformers")
-    return plan_cache.signature(torch.device("cpu"), settings, (cfg.hf_model,))
+    lora = cfg.lora if cfg.lora is not None and not cfg.lora.isdigit() else None
+    return plan_cache.signature(torch.device("cpu"), settings, (cfg.hf_model, lora))
 
 
-def _cached(parts: dict[str, Any]) -> dict[str, Any] | None:
-    """The stored estimate for ``parts``, or None; an entry that is not whole (its checksum)
-    or not for these settings is said in one line and estimated over."""
+def _cached(parts: dict[str, Any], quiet: bool = False) -> dict[str, Any] | None:
+    """The stored estimate for ``parts``, or None; an entry that is not whole (its checksum),
+    not for these settings, or not an estimate's record is said in one line and estimated
+    over. Read as the plan cache reads its entries: a regular file only, never a read that
+    blocks, never a file larger than any entry."""
     where = plan_cache.folder()
     path = None if where is None else where / f"{plan_cache.key(parts)}.json"
-    if path is None or not path.is_file():  # a regular file only: never a FIFO's read
+    if path is None:
         return None
     started = time.perf_counter()
     try:
-        entry = json.loads(path.read_text())
-        body = {"key": entry["key"], "plan": entry["plan"]}
+        text = plan_cache.read_text(path)
+        if text is None:
+            return None
+        entry = json.loads(text)
+        if not isinstance(entry, dict):
+            raise ValueError("is not a cache entry")
+        body = {"key": entry.get("key"), "plan": entry.get("plan")}
         if entry.get("sha256") != plan_cache.checksum(body) or body["key"] != parts:
             raise ValueError("does not match its checksum or these settings")
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        say(
-            f"gradaccum: warning: the cached estimate {path} is not one ({err}); estimating over it"
-        )
+        if problems := _record_problems(body["plan"]):
+            raise ValueError("is not an estimate: " + "; ".join(problems))
+    except ValueError as err:
+        say(f"gradaccum: warning: the cached estimate {path} {err}; estimating over it")
         return None
-    took = time.perf_counter() - started
-    say(f"the estimate is the cached one ({path}, read in {took:.2f} s; --replan estimates again)")
+    if not quiet:
+        took = time.perf_counter() - started
+        say(f"the estimate is the cached one ({path}, read in {took:.2f} s; --replan "
+            "estimates again)")  # fmt: skip
     return {**body["plan"], "cached": str(path)}
 
 
-def _traced(cfg: PlanConfig) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="gradaccum-estimate-") as tmp:
-        config, out = Path(tmp, "estimate-request.json"), Path(tmp, "estimate-result.json")
-        config.write_text(json.dumps(dataclasses.asdict(cfg)))
-        done = subprocess.run(
-            [sys.executable, "-m", "gradaccum.app.estimating", str(config), str(out)],
-            capture_output=True,
-            text=True,
-        )
-        if out.exists():
-            result = json.loads(out.read_text())
-            if "error" in result:
-                raise ValueError(result["error"])
-            return result["estimate"]
-    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+def _record_problems(record: Any) -> list[str]:
+    """What is wrong with a stored estimate (or a stored set of traces): its sizes and
+    byte counts must be integers in range, its parts a table of them."""
+    if not isinstance(record, dict):
+        return ["holds no record"]
+    if "traces" in record:
+        traces = record["traces"]
+        if not isinstance(traces, dict):
+            return ["its traces are not a table"]
+        return [p for t in traces.values() for p in _record_problems(t)][:3]
+    out = []
+    for name in ("allocated", "reserved", "total"):
+        value = record.get(name)
+        if type(value) is not int or value < 0:
+            out.append(f"{name} must be a byte count, got {value!r}")
+    size = record.get("micro_batch", record.get("micro_size"))
+    if type(size) is not int or size < 1:
+        out.append(f"micro_batch must be an integer >= 1, got {size!r}")
+    parts = record.get("parts")
+    if not isinstance(parts, dict) or any(type(v) is not int for v in parts.values()):
+        out.append("parts must be a table of byte counts")
+    if not isinstance(record.get("assumptions", []), list):
+        out.append("assumptions must be a list")
+    return out
+
+
+def _traced(cfg: PlanConfig, known: dict[str, Any]) -> dict[str, Any]:
+    """The child's answer: ``{"estimate": ..., "traces": ...}`` or ``{"error": one line,
+    "traces": ...}``. Its progress lines are said as they come; a child past the limit, or
+    one the user stops, is killed before this returns or raises."""
+    request = json.dumps({"config": dataclasses.asdict(cfg), "known": known})
+    child = subprocess.Popen(
+        [sys.executable, "-m", "gradaccum.app.estimating"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    said: list[str] = []  # the child's last lines, progress or not
+
+    def relay() -> None:
+        for line in child.stderr:
+            line = line.rstrip("\n")
+            if line.startswith(_PROGRESS):
+                say(line[len(_PROGRESS) :])
+            said[:] = [*said[-20:], line]
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    answer: list[str] = []
+    collector = threading.Thread(target=lambda: answer.append(child.stdout.read()), daemon=True)
+    collector.start()
+    try:
+        child.stdin.write(request + "\n")
+        child.stdin.flush()  # stdin stays open: the child ends when it closes
+        child.wait(timeout=cfg.trace_limit)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        where = next((s[len(_PROGRESS) :] for s in reversed(said) if s.startswith(_PROGRESS)), "")
+        raise ValueError(
+            f"the memory trace did not finish within --trace-limit {cfg.trace_limit:g} s "
+            f"(stopped{'; ' + where if where else ' before its first layer'}); a larger limit "
+            "waits longer, --micro-batch N traces one size"
+        ) from None
+    except BaseException:  # Ctrl-C, a stop signal: the trace ends with the command
+        child.kill()
+        child.wait()
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            child.stdin.close()
+    collector.join()
+    reader.join(timeout=5)
+    lines = (answer[0] if answer else "").strip().splitlines()
+    if lines:
+        with contextlib.suppress(ValueError):
+            return json.loads(lines[-1])
+    last = next((s for s in reversed(said) if not s.startswith(_PROGRESS)), "no output")
+    code = child.returncode
+    how = f"signal {-code}" if code < 0 else f"exit {code}"
     raise ValueError(f"the memory trace's process ended ({how}) without an estimate: {last}")
 
 
-def render(result: dict[str, Any], budget: int | None) -> list[str]:
-    """The estimate for a person: the summary, what it assumed, the table of parts."""
+def render(result: dict[str, Any], budget: int | None, said: str | None = None) -> list[str]:
+    """The estimate for a person: the summary, what it assumed, the table of parts, and
+    where nothing fits, what would (each change not already made, with its own number)."""
     fits = ""
     if budget is not None:
         word = "fits" if result["total"] <= budget else "does not fit"
-        fits = f"; {word} the budget of {format_bytes(budget)}"
+        fits = f"; {word} the budget ({said or format_bytes(budget)})"
     lines = [
         f"ESTIMATE for {result['gpu']} (traced with fake tensors on this machine, not "
         f"measured): micro-batch {result['micro_batch']} x {result['per_window']} per window"
@@ -116,6 +271,7 @@ def render(result: dict[str, Any], budget: int | None) -> list[str]:
     ]
     if result.get("largest"):
         lines.append(f"largest micro-batch that fits: {result['largest']}")
+    lines += [f"checkpointing: {line}" for line in result.get("checkpointing_said", ())]
     lines += [f"assumed: {a}" for a in result["assumptions"]]
     rows = [("allocated (max_memory_allocated)", result["allocated"])]
     rows += [(f"  {name}", size) for name, size in result["parts"].items()]
@@ -127,6 +283,12 @@ def render(result: dict[str, Any], budget: int | None) -> list[str]:
     ]
     width = max(len(name) for name, _ in rows)
     lines += ["", *(f"{name:<{width}}  {format_bytes(size):>10}" for name, size in rows)]
+    if result.get("alternatives"):
+        lines += ["", "what would change it (micro-batch 1, each change alone):"]
+        for alt in result["alternatives"]:
+            word = "fits" if budget is not None and alt["total"] <= budget else "does not fit"
+            how = "" if alt["traced"] else " (from 2- and 3-block traces)"
+            lines.append(f"  {alt['flag']}: {format_bytes(alt['total'])}, {word}{how}")
     return lines
 
 
@@ -134,96 +296,291 @@ def render(result: dict[str, Any], budget: int | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gradaccum.app.estimating CONFIG OUT``: writes {"estimate": ...} or
-    {"error": one line} to OUT. Not a command: ``estimate_command`` runs it."""
-    ap = argparse.ArgumentParser(prog="python -m gradaccum.app.estimating")
-    ap.add_argument("config")
-    ap.add_argument("out")
-    a = ap.parse_args(argv)
+    """``python -m gradaccum.app.estimating``: reads ``{"config": ..., "known": ...}`` as
+    one line on stdin, writes ``{"estimate": ..., "traces": ...}`` or ``{"error": one line,
+    "traces": ...}`` as one line on stdout, progress on stderr; ends when stdin closes (its
+    parent gone). Not a command: ``estimate_command`` runs it."""
+    argparse.ArgumentParser(prog="python -m gradaccum.app.estimating").parse_args(argv)
+    from gradaccum.app.process import exit_on_end_of_input, quiet_third_parties
+
+    request = json.loads(sys.stdin.readline())
+    exit_on_end_of_input()
+    quiet_third_parties()
     from gradaccum.plan.estimate.trace import TraceError
 
-    cfg = PlanConfig(**json.loads(Path(a.config).read_text()))
+    cfg = PlanConfig(**request["config"])
+    search = _Search(cfg, request.get("known") or {})
     try:
-        result = _estimate(cfg)
+        result = search.run()
     except (TraceError, ValueError, TypeError) as err:
-        Path(a.out).write_text(json.dumps({"error": str(err).splitlines()[0]}))
-        return 2
-    Path(a.out).write_text(json.dumps({"estimate": result}))
+        answer = {"error": str(err).splitlines()[0], "traces": search.traces}
+    except Exception as err:  # noqa: BLE001 (any failure of a trace is one line, named)
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        answer = {
+            "error": f"the memory trace failed in {search.progress.where}: "
+            f"{type(err).__name__}: {first}",
+            "traces": search.traces,
+        }
+    else:
+        answer = {"estimate": result, "traces": search.traces}
+    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.flush()
     return 0
 
 
-def _estimate(cfg: PlanConfig) -> dict[str, Any]:
-    import gradaccum as ga
+class _Progress:
+    """Where the trace is, said on stderr: a line as each trace starts, and every few
+    seconds the module whose forward runs (a checkpointed block's recomputation in
+    backward included)."""
 
-    model, sample, loss_fn, prepare, assumed = _workload(cfg)
-    per_rank = math.ceil(cfg.effective_batch / cfg.world_size)
+    def __init__(self) -> None:
+        self.label, self.where, self.started = "", "building the model", time.monotonic()
+        self.names: dict[int, str] = {}
+        self._last = 0.0
+        import torch
 
-    def at(micro_size: int, windows: int = 2, sync: str = "window") -> ga.Estimate:
-        return ga.estimate(
-            model,
-            _optimizer(cfg.optimizer),
-            sample,
-            loss_fn,
-            micro_size=micro_size,
-            micro_batches=min(windows, 2),
-            gpu=cfg.gpu,
-            precision=cfg.precision,
-            checkpointing=cfg.checkpointing == "on",
-            prepare=prepare,
-            world_size=cfg.world_size,
-            shard=cfg.shard,
+        torch.nn.modules.module.register_module_forward_pre_hook(self._entered)
+
+    def watch(self, model: Any) -> Any:
+        self.names = {
+            id(m): f"{n or 'model'} ({type(m).__name__})" for n, m in model.named_modules()
+        }
+        return model
+
+    def trace(self, label: str) -> None:
+        self.label, self.where, self.started = label, "building the model", time.monotonic()
+        self._last = self.started - _EVERY + _QUIET  # a trace's first line after _QUIET s
+
+    def _entered(self, module: Any, _args: Any) -> None:
+        name = self.names.get(id(module))
+        if name is None:
+            return
+        self.where = name
+        now = time.monotonic()
+        if now - self._last >= _EVERY:
+            self._last = now
+            self._say(f"tracing {self.label}: at {name}, {now - self.started:.0f} s")
+
+    @staticmethod
+    def _say(text: str) -> None:
+        sys.stderr.write(f"{_PROGRESS}{text}\n")
+        sys.stderr.flush()
+
+
+# the changes a refusal weighs, each where it is not already made: (flag, the change, when)
+_RECOMPUTE_COST = (
+    "it recomputes each block's forward in backward: about a third more compute per step"
+)
+
+
+class _Search:
+    """The estimate's questions, each answered by as few traces as it can (see the module's
+    docstring); ``traces`` holds every trace made or reused, for the cache."""
+
+    def __init__(self, cfg: PlanConfig, known: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.traces: dict[str, Any] = dict(known)
+        self.progress = _Progress()
+        self.budget = parse_bytes(cfg.budget)
+        self.per_rank = math.ceil(cfg.effective_batch / cfg.world_size)
+        self.syncs = ("window", "micro") if cfg.shard == "fsdp" else ("window",)
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        modes = {"off": (False,), "on": (True,), "auto": (False, True)}[cfg.checkpointing]
+        work = {ck: _Workload(cfg, ck) for ck in modes}
+        found: dict[bool, tuple[int, dict[str, Any]] | None] = {}
+        for ck in modes:
+            found[ck] = None
+            for sync in self.syncs:
+                if cfg.micro_batch is not None:
+                    est = self.full(work[ck], cfg.micro_batch, sync)
+                    got = (cfg.micro_batch, est) if est["total"] <= self.budget else None
+                else:
+                    got = self.largest(work[ck], sync)
+                if got is not None:
+                    found[ck] = got
+                    break
+        chosen = next((ck for ck in modes if found[ck] is not None), modes[-1])
+        w = work[chosen]
+        if found[chosen] is not None:
+            micro, est = found[chosen]
+        else:
+            micro = cfg.micro_batch or 1
+            est = self.full(w, micro, self.syncs[-1])
+        result = dict(est)
+        result["per_window"] = math.ceil(self.per_rank / micro)
+        result["largest"] = micro if cfg.micro_batch is None and found[chosen] else None
+        result["budget"] = self.budget
+        result["checkpointing"] = chosen
+        result["checkpointing_said"] = self._checkpointing_said(modes, found, chosen)
+        assumed = list(w.assumed)
+        if est.get("sync") == "micro":
+            assumed.append(
+                "gradient sync micro, as the plan would choose: holding the whole unsharded "
+                "gradient between micro-batches (window) does not fit the budget"
+            )
+        if cfg.optimizer in _OPTIMIZER_ASSUMED:
+            assumed.append(f"optimizer: {_OPTIMIZER_ASSUMED[cfg.optimizer]}")
+        if w.layers is not None and cfg.micro_batch is None:
+            assumed.append(
+                f"the size searched with 2- and 3-block traces of its {w.layers} identical "
+                "blocks, then the whole model traced at the sizes that decide"
+            )
+        result["assumptions"] = assumed + list(est["assumptions"])
+        if est["total"] > self.budget:
+            result["alternatives"] = self.alternatives(chosen)
+        return result
+
+    @staticmethod
+    def _checkpointing_said(modes, found, chosen) -> list[str]:
+        if len(modes) < 2:
+            return []
+
+        def said(ck: bool) -> str:
+            got = found[ck]
+            name = "with" if ck else "without"
+            if got is None:
+                return f"{name} it, not even a micro-batch of 1 fits"
+            return f"{name} it, up to micro-batch {got[0]} ({format_bytes(got[1]['total'])})"
+
+        lines = [said(False), said(True)]
+        if found[False] is not None:
+            lines.append("chosen: without (it fits: nothing to recompute)")
+        elif found[True] is not None:
+            lines.append(f"chosen: with; {_RECOMPUTE_COST}")
+        return lines
+
+    # -- the traces ------------------------------------------------------------------------
+
+    def _windows(self, micro: int) -> int:
+        return min(math.ceil(self.per_rank / micro), 2)
+
+    def full(self, w: _Workload, micro: int, sync: str) -> dict[str, Any]:
+        return self._trace(w, micro, sync, None)
+
+    def _trace(self, w: _Workload, micro: int, sync: str, layers: int | None) -> dict[str, Any]:
+        import gradaccum as ga
+
+        windows = self._windows(micro)
+        key = f"{w.key}|{sync}|micro {micro} x {windows}|{layers or 'all'} blocks"
+        if key in self.traces:
+            return self.traces[key]
+        what = f"{layers} of {w.layers} blocks" if layers else "the whole model"
+        self.progress.trace(
+            f"micro-batch {micro} x {windows}, {what}"
+            + (", checkpointed" if w.checkpointing else "")
+        )
+        prepare = w.prepare
+
+        def watched(model):
+            return self.progress.watch(prepare(model) if prepare is not None else model)
+
+        est = ga.estimate(
+            w.build(layers),
+            _optimizer(self.cfg.optimizer),
+            w.sample,
+            w.loss_fn,
+            micro_size=micro,
+            micro_batches=windows,
+            gpu=self.cfg.gpu,
+            precision=self.cfg.precision,
+            checkpointing=w.checkpointing,
+            prepare=watched,
+            world_size=self.cfg.world_size,
+            shard=self.cfg.shard,
             sync=sync,
         )
+        self.traces[key] = est.to_dict()
+        return self.traces[key]
 
-    budget = parse_bytes(cfg.budget)
-    largest = None
-    # under FSDP2 the plan's choice (plan(sync="auto")): "window" where it fits, else "micro"
-    syncs = ("window", "micro") if cfg.shard == "fsdp" else ("window",)
-    if cfg.micro_batch is not None:
-        micro_size = cfg.micro_batch
-        windows = math.ceil(per_rank / micro_size)
-        for sync in syncs:
-            est = at(micro_size, windows, sync)
-            if est.total <= budget:
-                break
-        else:
-            est = at(micro_size, windows) if len(syncs) > 1 else est
-    else:
-        best = None
-        for sync in syncs:
-            # the largest size whose total fits: memory grows with the micro-batch
-            low, high = 1, per_rank
-            while low <= high:
-                mid = (low + high) // 2
-                trial = at(mid, sync=sync)
-                if trial.total <= budget:
-                    low, best = mid + 1, (mid, trial)
+    # -- the search ------------------------------------------------------------------------
+
+    def predictor(self, w: _Workload, sync: str, sizes: tuple[int, ...] | None = None):
+        """The device total as a line through the micro-batch size: from 2- and 3-block
+        traces where the model's blocks are identical (allocated bytes along the layer
+        count, the allocator's reserve over them as the 3-block model's), else from the
+        whole model at 1 and 2."""
+        sizes = sizes or ((1, 2) if self.per_rank >= 2 else (1,))
+
+        def at(micro: int) -> float:
+            if w.layers is None:
+                return self.full(w, micro, sync)["total"]
+            two, three = (self._trace(w, micro, sync, n) for n in (2, 3))
+            more = w.layers - 2
+
+            def along(name: str) -> float:
+                return two[name] + more * (three[name] - two[name])
+
+            outside = along("total") - along("reserved")  # the context, paged state
+            return along("allocated") + (three["reserved"] - three["allocated"]) + outside
+
+        points = [at(m) for m in sizes]
+        slope = points[1] - points[0] if len(points) > 1 else 0.0
+        return lambda m: points[0] + (m - 1) * max(slope, 0.0)
+
+    def largest(self, w: _Workload, sync: str) -> tuple[int, dict[str, Any]] | None:
+        """The largest micro-batch whose whole-model trace fits the budget, and its trace;
+        None where a micro-batch of 1 does not. Each whole-model trace corrects the line's
+        guess by its own error, within the sizes not yet decided."""
+        predict = self.predictor(w, sync)
+        fits, fails, best = 0, self.per_rank + 1, None
+        guess = self._largest_under(predict, 0.0, 1, self.per_rank) or 1
+        while True:
+            est = self.full(w, guess, sync)
+            if est["total"] <= self.budget:
+                fits, best = guess, (guess, est)
+            else:
+                fails = guess
+            if fails - fits <= 1:
+                return best
+            error = est["total"] - predict(guess)
+            after = self._largest_under(predict, error, fits + 1, fails - 1)
+            if after is None:
+                if fits > 0:
+                    return best
+                after = 1  # below every size that failed: to know whether anything fits
+            guess = after
+
+    def _largest_under(self, predict, error: float, low: int, high: int) -> int | None:
+        if low > high or predict(low) + error > self.budget:
+            return None
+        while low < high:
+            mid = (low + high + 1) // 2
+            if predict(mid) + error <= self.budget:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def alternatives(self, checkpointing: bool) -> list[dict[str, Any]]:
+        """Each change not already made, alone, at micro-batch 1: its device total."""
+        cfg, out = self.cfg, []
+        changes: list[tuple[str, dict[str, Any], bool]] = []
+        if not checkpointing:
+            changes.append(("--checkpointing on", {}, True))
+        if cfg.precision == "fp32":
+            changes.append(("--precision bf16", {"precision": "bf16"}, checkpointing))
+        if cfg.hf_model is not None and cfg.lora is None and _Workload.causal(cfg):
+            changes.append(("--lora 16", {"lora": "16"}, checkpointing))
+        if cfg.lora is not None and cfg.quantize is None:
+            changes.append(("--quantize nf4", {"quantize": "nf4"}, checkpointing))
+        if cfg.hf_model is not None and (cfg.seq_len or 128) >= 64 and _Workload.text(cfg):
+            half = (cfg.seq_len or 128) // 2
+            changes.append((f"--seq-len {half}", {"seq_len": half}, checkpointing))
+        from gradaccum.plan.estimate.trace import TraceError
+
+        for flag, change, ck in changes:
+            try:
+                w = _Workload(dataclasses.replace(cfg, **change), ck)
+                if w.layers is None:
+                    total, traced = self.full(w, 1, self.syncs[-1])["total"], True
                 else:
-                    high = mid - 1
-            if best is not None:
-                break
-        if best is None:
-            one = at(1, sync=syncs[-1])
-            raise ValueError(
-                f"even a micro-batch of 1 needs {format_bytes(one.total)} on {cfg.gpu}, over "
-                f"--budget {cfg.budget}; try --checkpointing on, --precision bf16 or --lora"
-            )
-        micro_size, est = best
-        largest = micro_size
-    result = est.to_dict()
-    result["per_window"] = math.ceil(per_rank / micro_size)
-    result["largest"] = largest
-    result["budget"] = budget
-    if est.sync == "micro":
-        assumed = [
-            *assumed,
-            "gradient sync micro, as the plan would choose: holding the whole unsharded "
-            "gradient between micro-batches (window) does not fit the budget",
-        ]
-    if cfg.optimizer in _OPTIMIZER_ASSUMED:
-        assumed = [*assumed, f"optimizer: {_OPTIMIZER_ASSUMED[cfg.optimizer]}"]
-    result["assumptions"] = assumed + result["assumptions"]
-    return result
+                    total, traced = self.predictor(w, self.syncs[-1], sizes=(1,))(1), False
+            except (TraceError, ValueError, TypeError):
+                continue  # a change this model cannot take (no repeated blocks to checkpoint)
+            out.append({"flag": flag, "total": int(total), "traced": traced})
+        return out
 
 
 def _optimizer(name: str):
@@ -288,83 +645,137 @@ def task_of(config: Any, given: str | None) -> str:
     return "causal-lm"
 
 
-def _workload(cfg: PlanConfig):
-    """The model factory, sample, loss and LoRA step for the estimate, and what it assumed."""
-    import torch
+class _Workload:
+    """What one estimate traces: the model factory (``build(layers)``: the whole model, or
+    one of ``layers`` identical blocks where ``self.layers`` says it has that many), the
+    sample, the loss and LoRA step, and what it assumed; ``key`` names it among the traces."""
 
-    from gradaccum.app.recipes import get_recipe, hf_recipe
-
-    if cfg.hf_model is None:
-        recipe = get_recipe(cfg.recipe)
-        assumed = [f"recipe {recipe.name}: its own model and sample shape"]
-        return recipe.build_model, recipe.sample_batch, recipe.loss_fn, None, assumed
-    recipe = hf_recipe(cfg.hf_model)  # refuses remote code and unreadable configs
-    from gradaccum.integrations import hf_models
-
-    config = hf_models.config(cfg.hf_model)  # a folder or its config file
-    task = task_of(config, cfg.task)
-    if cfg.lora is not None and task != "causal-lm":
-        raise ValueError(
-            f"--lora with a {task} head is not modelled (PEFT trains a copy of the head beside "
-            "the adapters); estimate it without --lora, or a causal LM"
+    def __init__(self, cfg: PlanConfig, checkpointing: bool) -> None:
+        self.checkpointing = checkpointing
+        self.key = "|".join(
+            str(x) for x in (cfg.precision, cfg.lora, cfg.quantize, cfg.seq_len, checkpointing)
         )
-    images = task == "image-classification"
-    if images and cfg.seq_len is not None:
-        raise ValueError("--seq-len applies to text models; an image model's size is its config's")
-    length = cfg.seq_len or 128
-    low = cfg.lora is not None and cfg.precision == "bf16"
-    if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
-        config.pad_token_id = 0  # a decoder's head finds each sequence's last token by it
-    if images:
-        side = config.image_size
-        shape = (config.num_channels, *(side if isinstance(side, (list, tuple)) else (side, side)))
-        what = f"{shape[1]}x{shape[2]} images"
-    else:
-        what = f"{length} tokens per sequence"
-    assumed = [
-        f"{config.model_type} {task.replace('-', ' ')} from its config (random init: weights "
-        f"never load), {what}",
-    ]
+        self.layers: int | None = None
+        if cfg.hf_model is None:
+            from gradaccum.app.recipes import get_recipe
 
-    def build() -> torch.nn.Module:
-        if not low:
-            return hf_models.for_task(config, task)
-        # built in bf16 (a conversion after the build would be one more copy)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            return hf_models.for_task(config, task)
-        finally:
-            torch.set_default_dtype(previous)
+            recipe = get_recipe(cfg.recipe)
+            self.assumed = [f"recipe {recipe.name}: its own model and sample shape"]
+            self.model, self.sample, self.loss_fn = (
+                recipe.build_model,
+                recipe.sample_batch,
+                recipe.loss_fn,
+            )
+            self.prepare = None
+            return
+        self._hf(cfg)
 
-    def sample(n: int) -> dict[str, torch.Tensor]:
+    def build(self, layers: int | None = None):
+        return self.model if layers is None else self._reduced(layers)
+
+    @staticmethod
+    def causal(cfg: PlanConfig) -> bool:
+        from gradaccum.integrations import hf_models
+
+        return task_of(hf_models.config(cfg.hf_model), cfg.task) == "causal-lm"
+
+    @staticmethod
+    def text(cfg: PlanConfig) -> bool:
+        from gradaccum.integrations import hf_models
+
+        return task_of(hf_models.config(cfg.hf_model), cfg.task) != "image-classification"
+
+    def _hf(self, cfg: PlanConfig) -> None:
+        import torch
+
+        from gradaccum.app.recipes import hf_recipe
+        from gradaccum.integrations import hf_models
+
+        recipe = hf_recipe(cfg.hf_model)  # refuses remote code and unreadable configs
+        config = hf_models.config(cfg.hf_model)  # a folder or its config file
+        task = task_of(config, cfg.task)
+        if cfg.lora is not None and task != "causal-lm":
+            raise ValueError(
+                f"--lora with a {task} head is not modelled (PEFT trains a copy of the head "
+                "beside the adapters); estimate it without --lora, or a causal LM"
+            )
+        images = task == "image-classification"
+        if images and cfg.seq_len is not None:
+            raise ValueError(
+                "--seq-len applies to text models; an image model's size is its config's"
+            )
+        positions = [getattr(config, n, None) for n in _POSITIONS]
+        positions = [p for p in positions if isinstance(p, int) and p >= 1]
+        length = cfg.seq_len or min([128, *positions])
+        low = cfg.lora is not None and cfg.precision == "bf16"
+        if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
+            config.pad_token_id = 0  # a decoder's head finds each sequence's last token by it
         if images:
-            return {"pixel_values": torch.zeros(n, *shape), "labels": torch.zeros(n).long()}
-        ids = torch.zeros(n, length, dtype=torch.long)
-        one = task == "sequence-classification"
-        return {"input_ids": ids, "labels": torch.zeros(n).long() if one else ids}
+            side = config.image_size
+            shape = (
+                config.num_channels,
+                *(side if isinstance(side, (list, tuple)) else (side, side)),
+            )
+            what = f"{shape[1]}x{shape[2]} images"
+        else:
+            what = f"{length} tokens per sequence"
+        self.assumed = [
+            f"{config.model_type} {task.replace('-', ' ')} from its config (random init: "
+            f"weights never load), {what}",
+        ]
 
-    loss_fn = recipe.loss_fn if task == "causal-lm" else head_loss
-    prepare = None
-    if cfg.lora is not None:
-        from gradaccum.integrations.peft import apply_lora
+        def build(model_config: Any = config):
+            def make() -> torch.nn.Module:
+                if not low:
+                    return hf_models.for_task(model_config, task)
+                # built in bf16 (a conversion after the build would be one more copy)
+                previous = torch.get_default_dtype()
+                torch.set_default_dtype(torch.bfloat16)
+                try:
+                    return hf_models.for_task(model_config, task)
+                finally:
+                    torch.set_default_dtype(previous)
 
-        def prepare(model: torch.nn.Module) -> torch.nn.Module:
-            model = apply_lora(model, r=cfg.lora)
-            if cfg.quantize is not None:
-                from gradaccum.plan.estimate.quantized import quantize
+            return make
 
-                model = quantize(model, cfg.quantize, double_quant=cfg.double_quant)
-            return model
+        def sample(n: int) -> dict[str, torch.Tensor]:
+            if images:
+                return {"pixel_values": torch.zeros(n, *shape), "labels": torch.zeros(n).long()}
+            ids = torch.zeros(n, length, dtype=torch.long)
+            one = task == "sequence-classification"
+            return {"input_ids": ids, "labels": torch.zeros(n).long() if one else ids}
 
+        self.model, self.sample = build(), sample
+        self.loss_fn = recipe.loss_fn if task == "causal-lm" else head_loss
+        self.prepare = self._lora(cfg, low)
+        self._reduced = lambda layers: build(_with_layers(config, layers))
+        self.layers = _identical_blocks(config, self.model)
+
+    def _lora(self, cfg: PlanConfig, low: bool):
+        if cfg.lora is None:
+            return None
+        from gradaccum.integrations import peft
+
+        if cfg.lora.isdigit():
+            rank = int(cfg.lora)
+            adapt = lambda m: peft.apply_lora(m, r=rank)  # noqa: E731
+            what = f"LoRA r={rank} on the default attention projections"
+        else:
+            lora = peft.adapter_config(cfg.lora)
+            adapt = lambda m: peft.apply_adapter_config(m, cfg.lora)  # noqa: E731
+            targets = lora.target_modules
+            targets = targets if isinstance(targets, str) else ",".join(sorted(targets or ()))
+            saved = ",".join(lora.modules_to_save or ()) or "none"
+            what = (
+                f"LoRA from {cfg.lora}: r={lora.r}, alpha={lora.lora_alpha}, dropout "
+                f"{lora.lora_dropout}, on {targets}; modules trained whole: {saved}"
+            )
         base = "bf16" if low else "fp32"
-        assumed.append(
-            f"LoRA r={cfg.lora} on the default attention projections, base frozen in {base}"
-        )
+        self.assumed.append(f"{what}, base frozen in {base}")
         if cfg.quantize is not None:
-            what = "Linear8bitLt" if cfg.quantize == "8bit" else f"Linear4bit {cfg.quantize}"
-            assumed.append(
-                f"base's linear layers but the output embedding as bitsandbytes' {what}"
+            kind = "Linear8bitLt" if cfg.quantize == "8bit" else f"Linear4bit {cfg.quantize}"
+            self.assumed.append(
+                f"base's linear layers but the output embedding as bitsandbytes' {kind}"
                 + (" with double quantization" if cfg.double_quant else "")
                 + ", modelled by their documented layout ("
                 + (
@@ -375,7 +786,53 @@ def _workload(cfg: PlanConfig):
                 + f"; the other parameters stay in {base}: prepare_model_for_kbit_training's "
                 "fp32 cast not applied)"
             )
-    return build, sample, loss_fn, prepare, assumed
+
+        def prepare(model: Any) -> Any:
+            model = adapt(model)
+            if cfg.quantize is not None:
+                from gradaccum.plan.estimate.quantized import quantize
+
+                model = quantize(model, cfg.quantize, double_quant=cfg.double_quant)
+            return model
+
+        return prepare
+
+
+def _with_layers(config: Any, layers: int) -> Any:
+    """``config`` with ``layers`` repeated blocks (its per-layer type list cut to match)."""
+    out = copy.deepcopy(config)
+    out.num_hidden_layers = layers
+    if isinstance(getattr(out, "layer_types", None), list):
+        out.layer_types = out.layer_types[:layers]
+    return out
+
+
+def _identical_blocks(config: Any, build) -> int | None:
+    """How many identical repeated blocks the model has, when it is made of them (each
+    block's parameters of the same names, shapes and dtypes, one per configured layer) and
+    has more than 3; else None (the whole model is traced at every size). Built on the meta
+    device: no memory, no weights."""
+    import torch
+
+    from gradaccum.recompute import repeated_blocks
+
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers <= 3:
+        return None
+    kinds = getattr(config, "layer_types", None)
+    if isinstance(kinds, list) and len(set(map(str, kinds))) > 1:
+        return None
+    try:
+        with torch.device("meta"):
+            model = build()
+    except Exception:  # noqa: BLE001 (a model that cannot be built on meta is traced whole)
+        return None
+    blocks = repeated_blocks(model)
+    shapes = {
+        tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
+        for _, block in blocks
+    }
+    return layers if len(blocks) == layers and len(shapes) == 1 else None
 
 
 def head_loss(model: Any, batch: dict[str, Any]) -> tuple[Any, int]:

@@ -103,7 +103,7 @@ def load(
         return None
     path = where / f"{key(parts)}.json"
     try:
-        text = _read(path)
+        text = read_text(path)
         if text is None:
             return None
         plan, info = _entry(text, parts)
@@ -139,10 +139,12 @@ def store(parts: dict[str, Any], info: dict[str, Any]) -> Path | None:
     return path
 
 
-def _read(path: Path) -> str | None:
-    """The entry's text, None when there is none; ValueError (what is wrong) for anything
-    but a readable regular file of UTF-8 text. The file's type is known before it is opened,
-    and it is opened without blocking: a FIFO never holds the command."""
+def read_text(path: Path, largest: int = _LARGEST) -> str | None:
+    """The file's text, None when there is none; ValueError (what is wrong) for anything
+    but a readable regular file of UTF-8 text of at most ``largest`` bytes. The file's type
+    is known before it is opened, and it is opened without blocking: a FIFO never holds the
+    command. Every file the command reads that another program may have put there (a cache
+    entry, a model's config.json) is read so."""
     try:
         before = os.stat(path)  # a link's target: what would be opened
     except FileNotFoundError:
@@ -161,10 +163,10 @@ def _read(path: Path) -> str | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"is {_kind(st.st_mode)}, not a regular file")
-        if st.st_size > _LARGEST:
-            raise ValueError(f"is {st.st_size} bytes, larger than any plan")
+        if st.st_size > largest:
+            raise ValueError(f"is {st.st_size} bytes, more than the {largest} such a file has")
         with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(_LARGEST + 1)
+            data = f.read(largest + 1)
     except OSError as err:
         raise ValueError(f"cannot be read ({err.strerror or err})") from None
     finally:

@@ -103,7 +103,7 @@ class Planner:
 def recipe_planner(cfg: Any, log) -> tuple[Any, PlanRequest, Planner]:
     """(recipe, request, planner) of `gradaccum plan` (a PlanConfig): everything its plan's
     key needs, known without building the model."""
-    from gradaccum.app.recipes import get_recipe
+    from gradaccum.app.recipes import get_recipe, hf_recipe
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     request = PlanRequest(
@@ -119,16 +119,21 @@ def recipe_planner(cfg: Any, log) -> tuple[Any, PlanRequest, Planner]:
     settings = {
         "command": "plan",  # the window alone: train's plans cover its evaluations too
         "recipe": cfg.recipe,
+        "hf_model": cfg.hf_model,
+        "lora": cfg.lora,
         "seed": cfg.seed,
         **request.to_dict(),
     }
-    return get_recipe(cfg.recipe), request, Planner(device, settings, log=log, replan=cfg.replan)
+    recipe = hf_recipe(cfg.hf_model) if cfg.hf_model else get_recipe(cfg.recipe)
+    planner = Planner(device, settings, (cfg.hf_model,), log=log, replan=cfg.replan)
+    return recipe, request, planner
 
 
 def plan_recipe(cfg: Any, log) -> tuple[Any, Plan]:
-    """(recipe, plan) for `gradaccum plan` (a PlanConfig): a built-in recipe's window alone,
-    from the cache (before the model is built: a hit costs what reading it costs) or
-    measured, on the device training would use (where the verifying process measures too)."""
+    """(recipe, plan) for `gradaccum plan` (a PlanConfig): a built-in recipe's window alone
+    (or ``--hf-model``'s, with ``--lora R``), from the cache (before the model is built: a
+    hit costs what reading it costs) or measured, on the device training would use (where
+    the verifying process measures too)."""
     from gradaccum.app.measure import fresh_process_verifier
 
     recipe, request, planner = recipe_planner(cfg, log)
@@ -136,11 +141,20 @@ def plan_recipe(cfg: Any, log) -> tuple[Any, Plan]:
     if found is not None:
         return recipe, found[0]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lora = {"r": int(cfg.lora)} if cfg.lora is not None else None
     # the fresh process that verifies the new plan imports and builds while this one does
-    with fresh_process_verifier(cfg.recipe, cfg.precision, cfg.seed, cfg.meter) as verify:
+    with fresh_process_verifier(
+        cfg.recipe, cfg.precision, cfg.seed, cfg.meter, hf_model=cfg.hf_model, lora=lora
+    ) as verify:
         torch.manual_seed(cfg.seed)
-        model = recipe.build_model().to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model = recipe.build_model()
+        if lora is not None:
+            from gradaccum.integrations.peft import apply_lora
+
+            model = apply_lora(model, **lora)
+        model = model.to(device)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=1e-3)
         sample = to_device(recipe.sample_batch(8), device)
         log(f"planning {recipe.name}: {recipe.summary}; probing micro-batch sizes 1, 2, 4, 8")
         result = planner.measure(model, optimizer, sample, recipe.loss_fn, request, verify=verify)

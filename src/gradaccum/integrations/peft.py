@@ -2,6 +2,9 @@
 
 - ``apply_lora``: freeze the model and add LoRA adapters (PEFT's ``get_peft_model``), on the
   attention projections that suit the model unless told which layers.
+- ``adapter_config`` and ``apply_adapter_config``: the LoRA a PEFT ``adapter_config.json``
+  describes (its rank, alpha, dropout, target modules, "all-linear" too, and modules to save),
+  as users configure it.
 - ``save_adapter``: the adapters alone, in PEFT's format (``PeftModel.from_pretrained``).
 - ``save_merged``: the adapters merged into a copy of the base weights, a plain Hugging Face
   model (``AutoModelForCausalLM.from_pretrained``); the model being trained keeps them.
@@ -33,7 +36,15 @@ import torch
 
 from gradaccum.validate import int_problem
 
-__all__ = ["apply_lora", "save_adapter", "save_full", "save_merged", "trainable_summary"]
+__all__ = [
+    "adapter_config",
+    "apply_adapter_config",
+    "apply_lora",
+    "save_adapter",
+    "save_full",
+    "save_merged",
+    "trainable_summary",
+]
 
 # Tried in order; the first group whose names are all layers of the model is the default.
 # The attention projections, as the LoRA paper and PEFT's own defaults adapt them.
@@ -90,6 +101,42 @@ def apply_lora(
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def adapter_config(path: str | Path) -> Any:
+    """PEFT's ``LoraConfig`` from an ``adapter_config.json`` (or a folder holding one), for
+    training: ``inference_mode`` off (a saved adapter's config has it on, which would freeze
+    the adapters too). ValueError naming the file for anything that is not a LoRA config."""
+    import json
+
+    from peft import LoraConfig
+
+    file = Path(path)
+    file = file / "adapter_config.json" if file.is_dir() else file
+    try:
+        if file.stat().st_size > 1 << 20:
+            raise ValueError(f"{file} is {file.stat().st_size} bytes, not an adapter config")
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file} is not a readable adapter_config.json ({err})") from None
+    if not isinstance(data, dict) or data.get("peft_type", "LORA") != "LORA":
+        kind = data.get("peft_type") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{file} is not a LoRA adapter config (peft_type {kind!r})")
+    known = set(LoraConfig.__dataclass_fields__)
+    given = {k: v for k, v in data.items() if k in known and k not in ("peft_type",)}
+    given.update(inference_mode=False, task_type=given.get("task_type") or "CAUSAL_LM")
+    try:
+        return LoraConfig(**given)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{file}: {str(err).splitlines()[0]}") from None
+
+
+def apply_adapter_config(model: torch.nn.Module, path: str | Path) -> Any:
+    """``model`` frozen, with the LoRA adapters (and trained copies of the modules to save)
+    that ``adapter_config(path)`` describes: a PEFT model."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, adapter_config(path))
 
 
 def default_targets(model: torch.nn.Module) -> list[str]:

@@ -26,7 +26,7 @@ from gradaccum.validate import int_problem
 if TYPE_CHECKING:
     from gradaccum.plan.result import Plan
 
-__all__ = ["FRAMEWORKS", "Export", "equal_split", "export"]
+__all__ = ["FRAMEWORKS", "BatchShape", "Export", "equal_split", "export"]
 
 FRAMEWORKS = ("transformers", "lightning", "accelerate", "deepspeed")
 
@@ -64,6 +64,20 @@ class Export:
         if self.framework != "deepspeed":
             return self.snippet  # its comments are in it
         return "\n".join([*(f"# {line}" for line in self.comments), self.snippet])
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What an export reads of a plan, for a batch shape that no ``Plan`` holds: the one a
+    memory estimate chose for a GPU that is not here. ``zero_stage`` 3: the model sharded
+    over the ranks (FSDP2's ``fully_shard`` in the estimate, ZeRO stage 3 in DeepSpeed)."""
+
+    effective_batch: int
+    world_size: int
+    micro_size: int
+    precision: str
+    checkpointing: bool
+    zero_stage: int = 0
 
 
 def equal_split(effective_batch: int, world_size: int, micro_size: int) -> tuple[int, int]:
@@ -108,7 +122,7 @@ def _ranks(n: int) -> str:
     return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
-def export(plan: Plan, framework: str) -> Export:
+def export(plan: Plan | BatchShape, framework: str) -> Export:
     """``plan`` as ``framework``'s settings and snippet (see ``Plan.export``)."""
     problems = []
     if framework not in FRAMEWORKS:
@@ -257,5 +271,8 @@ def _deepspeed(plan: Plan, micro_size: int, steps: int):
         config["data_types"] = {"grad_accum_dtype": "fp32"}
         config["zero_optimization"] = {"stage": 1}
         comments.append("fp32 gradient accumulation (grad_accum_dtype) needs ZeRO: stage 1 or up")
+    if getattr(plan, "zero_stage", 0) == 3:
+        config["zero_optimization"] = {"stage": 3}
+        comments.append("the model sharded over the ranks, as estimated: ZeRO stage 3")
     comments += _recompute_comment(plan)
     return config, comments, json.dumps(config, indent=2)

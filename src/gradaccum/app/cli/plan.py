@@ -15,7 +15,9 @@ from gradaccum.app.estimating import estimate_command, render
 from gradaccum.app.planner import plan_recipe
 from gradaccum.app.process import out, say
 from gradaccum.app.report.plots import plan_plot
+from gradaccum.memory import format_bytes
 from gradaccum.plan import Export, Plan
+from gradaccum.plan.exports import BatchShape, export
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -139,10 +141,49 @@ def beside(cfg: PlanConfig, micro_size: int) -> PlanConfig:
 
 
 def estimated(cfg: PlanConfig) -> int:
-    """The fake-tensor estimate for a GPU that is not here (docs/planning.md)."""
+    """The fake-tensor estimate for a GPU that is not here (docs/planning.md): printed, or
+    with --export the framework's file for the size it chose (the estimate to stderr, as
+    for a measured plan); where nothing fits, the estimate at micro-batch 1 and what would
+    fit, then the refusal in one line."""
     result = estimate_command(cfg)
+    fits = result["total"] <= result["budget"]
+    exported = None
+    if cfg.export and fits:
+        shape = BatchShape(
+            effective_batch=cfg.effective_batch,
+            world_size=cfg.world_size,
+            micro_size=result["micro_batch"],
+            precision=cfg.precision,
+            checkpointing=bool(result.get("checkpointing")),
+            zero_stage=3 if cfg.shard == "fsdp" else 0,
+        )
+        exported = export(shape, cfg.export)
+    to_stderr = exported is not None and not cfg.export_to and not cfg.json
+    show = (lambda *lines: say("\n".join(lines))) if to_stderr else out
     if cfg.json:
-        out(json.dumps(result, indent=2))
+        out(
+            json.dumps({**result, **({"export": exported.to_dict()} if exported else {})}, indent=2)
+        )
     else:
-        out(*render(result, result["budget"]))
+        show(*render(result, result["budget"], cfg.budget_said()))
+    if exported is not None:
+        show(*(f"{cfg.export}: {line}" for line in exported.comments))
+        text = framework_file(exported)
+        if cfg.export_to:
+            _write(cfg.export_to, text)
+            show(f"\n{cfg.export} {_WHAT[cfg.export]}: {cfg.export_to}")
+        elif not cfg.json:
+            out(text.rstrip("\n"))
+    if not fits and cfg.micro_batch is None:  # a search that found nothing: a refusal
+        where = (
+            "at micro-batch 1" if cfg.micro_batch is None else f"at micro-batch {cfg.micro_batch}"
+        )
+        fitting = [
+            a["flag"] for a in result.get("alternatives", ()) if a["total"] <= result["budget"]
+        ]
+        hint = f"; what fits: {', '.join(fitting)}" if fitting else ""
+        raise ValueError(
+            f"the estimate {where} is {format_bytes(result['total'])} on {result['gpu']}, over "
+            f"the budget ({cfg.budget_said()}){hint}"
+        )
     return 0

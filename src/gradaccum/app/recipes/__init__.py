@@ -30,6 +30,7 @@ __all__ = [
     "epoch_order",
     "get_recipe",
     "held_out_loss",
+    "hf_config_file",
     "hf_recipe",
 ]
 
@@ -207,6 +208,14 @@ def _digits_evaluate(
 # -- any Hugging Face causal LM from a local directory or config file ---------------------------
 
 
+def hf_config_file(path: Any) -> Any:
+    """The config.json of a Hugging Face model folder, or ``path`` itself when it is a file."""
+    from pathlib import Path
+
+    source = Path(path)
+    return source / "config.json" if source.is_dir() else source
+
+
 def hf_recipe(path: str) -> Recipe:
     """A ``transformers`` causal LM from a local directory (weights, or a config.json only:
     random init) or a config JSON file; never the hub, and never the folder's own code: a
@@ -219,7 +228,7 @@ def hf_recipe(path: str) -> Recipe:
     source = Path(path)
     if not source.exists():
         raise ValueError(f"--hf-model {path}: no such file or directory")
-    config_file = source / "config.json" if source.is_dir() else source
+    config_file = hf_config_file(source)
     if not config_file.is_file():
         raise ValueError(
             f"--hf-model {path}: no config.json in that folder, so it is not a Hugging Face "
