@@ -1,0 +1,274 @@
+"""`gradaccum plan --device cuda --hf-model DIR` as a new user asks it (issue 56): with
+activation checkpointing, "auto", the card's memory as the budget, a refusal that says what
+would fit, an adapter config, an export, and every bad config or trace ending in one line.
+Tiny Llama- and GPT-2-shaped configs the tests write; the trace in its own process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_faults import in_process, one_line
+
+from gradaccum.plan.estimate.devices import GPUS
+
+pytestmark = pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="with a GPU here, --device cuda measures"
+)
+
+
+def llama(folder, **extra):
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "max_position_embeddings": 256,
+        **extra,
+    }
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def gpt2(folder):
+    config = {"model_type": "gpt2", "n_layer": 6, "n_embd": 64, "n_head": 4, "vocab_size": 128,
+              "n_positions": 256}  # fmt: skip
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "cache"))
+
+
+def estimate(*args):
+    done = in_process("plan", "--device", "cuda", *map(str, args), "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("shape", [llama, gpt2])
+def test_checkpointing_on_and_auto_are_estimated_for_cuda(tmp_path, shape):
+    """It ended in 'CheckpointError: A different number of tensors was saved' for every
+    model; auto never tried checkpointing."""
+    model = shape(tmp_path / "model")
+    common = ("--hf-model", model, "--seq-len", 128, "--precision", "bf16", "--effective-batch", 8)
+    plain = estimate(*common, "--micro-batch", 4)
+    on = estimate(*common, "--micro-batch", 4, "--checkpointing", "on")
+    assert on["parts"]["activations"] < plain["parts"]["activations"]
+    assert on["checkpointing"] is True and plain["checkpointing"] is False
+    # auto, with a budget between the two: the largest of each said, the one that fits chosen
+    budget = (plain["total"] + on["total"]) // 2
+    auto = estimate(*common, "--checkpointing", "auto", "--budget", f"{budget}B")
+    said = " ".join(auto["checkpointing_said"])
+    assert "without it, up to micro-batch" in said and "with it, up to micro-batch" in said
+    assert auto["total"] <= budget
+
+
+def test_a_refusal_shows_the_breakdown_and_only_changes_not_made(tmp_path):
+    model = llama(tmp_path / "model", hidden_size=256, intermediate_size=512, vocab_size=4096)
+    done = in_process("plan", "--device", "cuda", "--hf-model", model, "--gpu", "t4",
+                      "--seq-len", 256, "--checkpointing", "on", "--lora", 4, "--budget", "400MB")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    text = done.stdout
+    for row in ("parameters", "gradients", "optimizer state", "activations", "temporaries",
+                "reserved (max_memory_reserved)", "CUDA context", "device total"):  # fmt: skip
+        assert row in text, row
+    offered = [line.split(":")[0].strip() for line in text.splitlines() if line.startswith("  --")]
+    assert "--precision bf16" in offered and "--quantize nf4" in offered
+    assert "--seq-len 128" in offered
+    assert not any(flag.startswith(("--checkpointing", "--lora")) for flag in offered), offered
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("gradaccum: error: the estimate at micro-batch 1 is ")
+    assert "over the budget (--budget 400MB: 0.4 GB (0.4 GiB))" in error
+
+
+def test_the_cards_memory_is_the_budget_unless_one_is_given(tmp_path):
+    model = llama(tmp_path / "model")
+    card = estimate("--hf-model", model, "--gpu", "t4", "--seq-len", 32, "--micro-batch", 1)
+    assert card["budget"] == GPUS["t4"].memory
+    given = estimate("--hf-model", model, "--gpu", "t4", "--seq-len", 32, "--micro-batch", 1,
+                     "--budget", "1GB")  # fmt: skip
+    assert given["budget"] == 10**9
+    text = in_process("plan", "--device", "cuda", "--hf-model", model, "--gpu", "t4",
+                      "--seq-len", 32, "--micro-batch", 1).stdout  # fmt: skip
+    assert "fits the budget (t4's memory, 16.1 GB (15.0 GiB))" in text
+
+
+def test_an_adapter_config_is_estimated_as_users_configure_lora(tmp_path):
+    pytest.importorskip("peft")
+    model = llama(tmp_path / "model")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 8, "lora_alpha": 16, "lora_dropout": 0.05,
+        "target_modules": "all-linear", "modules_to_save": ["embed_tokens"],
+        "inference_mode": True, "task_type": "CAUSAL_LM",
+    }))  # fmt: skip
+    common = ("--hf-model", model, "--seq-len", 32, "--micro-batch", 2)
+    ranked = estimate(*common, "--lora", 8)
+    configured = estimate(*common, "--lora", adapter)
+    said = " ".join(configured["assumptions"])
+    assert "r=8, alpha=16" in said and "all-linear" in said and "embed_tokens" in said
+    # all the linear layers' adapters and a whole embedding train: more state than q/v's
+    assert configured["parts"]["optimizer state"] > 2 * ranked["parts"]["optimizer state"]
+
+
+@pytest.mark.parametrize("framework", ["transformers", "deepspeed"])
+def test_export_from_an_estimate_is_the_frameworks_file(tmp_path, framework):
+    model = llama(tmp_path / "model")
+    file = tmp_path / f"{framework}.json"
+    done = in_process("plan", "--device", "cuda", "--hf-model", model, "--seq-len", 32,
+                      "--effective-batch", 16, "--checkpointing", "on",
+                      "--export", framework, "--export-to", file)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    micro = int(done.stdout.split("micro-batch ")[1].split()[0])
+    if framework == "transformers":
+        from transformers import HfArgumentParser, TrainingArguments
+
+        (args,) = HfArgumentParser(TrainingArguments).parse_json_file(str(file))
+        assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 16
+        assert args.gradient_checkpointing
+        assert args.per_device_train_batch_size <= micro
+    else:
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        parsed = DeepSpeedConfig(json.loads(file.read_text()))
+        assert parsed.train_batch_size == 16
+        assert parsed.train_micro_batch_size_per_gpu * parsed.gradient_accumulation_steps == 16
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be an integer >= 1, got 0"),
+        ({"num_hidden_layers": "2"}, "num_hidden_layers must be an integer >= 1, got '2'"),
+        ({"model_type": None}, "has no model_type"),
+        ({"max_position_embeddings": 64}, "--seq-len 128 is longer than the model's 64"),
+    ],
+)
+def test_a_bad_config_is_refused_in_one_line_before_any_trace(tmp_path, config, needle):
+    model = llama(tmp_path / "model", **config)
+    started = time.perf_counter()
+    done = in_process("plan", "--device", "cuda", "--hf-model", model, "--seq-len", 128)
+    one_line(done, needle)
+    assert time.perf_counter() - started < 30  # refused, not traced (a trace's floor: 2 s)
+
+
+def test_an_oversized_or_unreadable_config_is_refused_unread(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    with open(folder / "config.json", "wb") as f:
+        f.truncate(8 << 20)  # 8 MiB of nothing (sparse): never read whole
+    one_line(in_process("plan", "--device", "cuda", "--hf-model", folder), "8388608 bytes")
+    (folder / "config.json").unlink()
+    os.mkfifo(folder / "config.json")  # a FIFO: a blocking read would wait forever
+    one_line(in_process("plan", "--device", "cuda", "--hf-model", folder), "FIFO")
+
+
+def test_a_trace_past_its_limit_stops_in_one_line_naming_where(tmp_path):
+    model = llama(tmp_path / "model", num_hidden_layers=400, hidden_size=256)
+    done = in_process("plan", "--device", "cuda", "--hf-model", model, "--micro-batch", 1,
+                      "--trace-limit", 4)  # fmt: skip
+    assert done.returncode == 2
+    error = done.stderr.strip().splitlines()[-1]
+    assert "did not finish within --trace-limit 4 s" in error, error
+    assert "Traceback" not in done.stderr
+
+
+def test_the_trace_process_ends_with_its_parent_and_leaves_no_folder(tmp_path):
+    model = llama(tmp_path / "model", num_hidden_layers=400, hidden_size=256)
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "gradaccum", "plan", "--device", "cuda", "--hf-model", model,
+         "--micro-batch", "1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    child = None
+    deadline = time.monotonic() + 60
+    while child is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        child = next(iter(_children(parent.pid)), None)
+    assert child is not None, "the trace process never started"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(child), "the trace process outlived its parent"
+    assert not list(tmp_path.glob("gradaccum-estimate-*"))
+
+
+def _children(pid):
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_damaged_estimate_cache_entries_are_said_and_estimated_over(tmp_path):
+    from gradaccum.app import plan_cache
+
+    model = llama(tmp_path / "model")
+    args = ("plan", "--device", "cuda", "--hf-model", model, "--seq-len", 32, "--micro-batch", 2,
+            "--json")  # fmt: skip
+    first = in_process(*args)
+    assert first.returncode == 0, first.stderr
+    traced = json.loads(first.stdout)
+    (entry,) = [
+        p for p in (tmp_path / "cache").glob("*.json") if '"estimate traces"' not in p.read_text()
+    ]
+    stored = json.loads(entry.read_text())
+    stored["plan"]["total"] = "lots"  # checksum made again: whole, but not an estimate
+    body = {"key": stored["key"], "plan": stored["plan"]}
+    damaged = {
+        "not an estimate": json.dumps({**body, "sha256": plan_cache.checksum(body)}),
+        "a FIFO": None,
+        "a directory": None,
+        "too large": None,
+    }
+    for what, text in damaged.items():
+        if entry.is_dir():
+            entry.rmdir()
+        else:
+            entry.unlink()
+        if what == "a FIFO":
+            os.mkfifo(entry)
+        elif what == "a directory":
+            entry.mkdir()
+        elif what == "too large":
+            with open(entry, "wb") as f:
+                f.truncate(1 << 30)  # sparse: a whole read would take a gigabyte
+        else:
+            entry.write_text(text)
+        again = in_process(*args)
+        assert again.returncode == 0, (what, again.stderr)
+        assert json.loads(again.stdout)["total"] == traced["total"], what
+        assert f"the cached estimate {entry}" in again.stderr, (what, again.stderr)
