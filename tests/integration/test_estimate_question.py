@@ -80,7 +80,8 @@ def test_checkpointing_on_and_auto_are_estimated_for_cuda(tmp_path, shape):
 def test_a_refusal_shows_the_breakdown_and_only_changes_not_made(tmp_path):
     model = llama(tmp_path / "model", hidden_size=256, intermediate_size=512, vocab_size=4096)
     done = in_process("plan", "--device", "cuda", "--hf-model", model, "--gpu", "t4",
-                      "--seq-len", 256, "--checkpointing", "on", "--lora", 4, "--budget", "400MB")  # fmt: skip
+                      "--seq-len", 256, "--checkpointing", "on", "--lora", 4,
+                      "--budget", "400MB")  # fmt: skip
     assert done.returncode == 2, done.stderr
     text = done.stdout
     for row in ("parameters", "gradients", "optimizer state", "activations", "temporaries",

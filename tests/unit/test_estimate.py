@@ -175,3 +175,49 @@ def test_a_quantized_base_is_refused_in_one_line_naming_the_layer():
     message = str(err.value)
     assert "0 is bitsandbytes' Quantized" in message and "quantized.quantize" in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_steady_window_repeated_gives_the_bytes_of_two_traced(precision, checkpointing):
+    """repeat=True traces one window and repeats its events: where the trace of both showed
+    the second window to be the first repeated (steady), the peaks are the same bytes."""
+    from gradaccum.app.recipes import get_recipe
+
+    recipe = get_recipe("gpt")
+    how = dict(micro_size=4, micro_batches=2, gpu="a10g", precision=precision,
+               checkpointing=checkpointing)  # fmt: skip
+    both = ga.estimate(recipe.build_model, adamw, recipe.sample_batch, recipe.loss_fn, **how)
+    once = ga.estimate(
+        recipe.build_model, adamw, recipe.sample_batch, recipe.loss_fn, repeat=True, **how
+    )
+    assert both.steady
+    assert (once.allocated, once.reserved, once.total, once.tensor_peak, once.parts) == (
+        both.allocated, both.reserved, both.total, both.tensor_peak, both.parts
+    )  # fmt: skip
+
+
+def test_a_window_that_is_not_its_predecessor_repeated_is_not_steady():
+    """The first window creates the optimizer's state; a model whose second window makes
+    more (a parameter that starts training at the second step) is not steady."""
+    model = mlp()
+
+    def loss(m, batch):
+        x, y = batch
+        if m[0].weight.grad is not None or getattr(m, "stepped", False):
+            m[2].bias.requires_grad_(True)
+        m.stepped = True
+        return mlp_loss(m, batch)
+
+    def build():
+        m = mlp()
+        m[2].bias.requires_grad_(False)
+        return m
+
+    del model
+    est = ga.estimate(build, torch_sgd_momentum, mlp_sample, loss, micro_size=2, micro_batches=2)
+    assert not est.steady
+
+
+def torch_sgd_momentum(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)

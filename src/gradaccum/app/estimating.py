@@ -472,6 +472,11 @@ class _Search:
             + (", checkpointed" if w.checkpointing else "")
         )
         prepare = w.prepare
+        # the whole model's second window as its first repeated, where a trace of both
+        # windows of this training showed it to be (half the time; the same bytes)
+        repeat = layers is None and any(
+            t.get("steady") for k, t in self.traces.items() if k.startswith(f"{w.key}|{sync}|")
+        )
 
         def watched(model):
             return self.progress.watch(prepare(model) if prepare is not None else model)
@@ -490,8 +495,9 @@ class _Search:
             world_size=self.cfg.world_size,
             shard=self.cfg.shard,
             sync=sync,
+            repeat=repeat,
         )
-        self.traces[key] = est.to_dict()
+        self.traces[key] = {**est.to_dict(), "steady": est.steady and not repeat}
         return self.traces[key]
 
     # -- the search ------------------------------------------------------------------------

@@ -50,6 +50,7 @@ def estimate(
     world_size: int = 1,
     shard: str = "ddp",
     sync: str = "window",
+    repeat: bool = False,
 ) -> Estimate:
     """The peak memory of a window of ``micro_batches`` micro-batches on ``device``, without
     that device, without the model's weights, without compute.
@@ -67,6 +68,9 @@ def estimate(
     micro-batches, one reduce-scatter per window; "micro": one per micro-batch, the sharded
     gradient accumulated); the peak is rank 0's (the largest shards). bitsandbytes' quantized
     layers are refused for ``gradaccum.plan.estimate.quantized.quantize``'s model of them.
+    ``repeat=True`` traces the first window and repeats its events for the second (half
+    the time): right where a trace of both showed the second to be the first repeated
+    (``Estimate.steady``, which every trace of two windows reports); not under FSDP2.
 
     Two windows run through a real ``Accumulator``: the first creates the optimizer's state,
     the second is the steady one; the peak is over both. ``evaluate=True`` adds a forward
@@ -115,6 +119,7 @@ def estimate(
         world_size=world_size,
         shard=shard,
         sync=sync,
+        repeat=repeat,
     )
     if target is None:
         parts = _parts(tally, tally.peak_index, set(), rounded=False)
@@ -148,6 +153,7 @@ def estimate(
         unified=unified,
         seconds=time.perf_counter() - started,
         sync=sync if shard == "fsdp" else None,
+        steady=getattr(tally, "steady", False),  # a sharded trace (fsdp.Events) is not repeated
     )
 
 
@@ -241,7 +247,12 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
             pad = None
-            for _ in range(2):
+            bounds: list[tuple[int, int]] = []
+            for window in range(2):
+                begun = len(tally.events)
+                if window == 1 and how["repeat"] and not sharded and tally.repeat(*bounds[0]):
+                    bounds.append((begun, len(tally.events)))
+                    break
                 batches = [make() for _ in range(micro_batches)]
                 if how["world_size"] > 1:  # the one sample a distributed window keeps to pad
                     pad = map_tensors(batches[-1], lambda t: t[:1].clone())  # noqa: F841
@@ -249,6 +260,9 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
                 for state in opt.state.values():
                     for value in state.values():
                         tally.tag(value, "optimizer state")
+                del batches  # a window's data is freed with it, before the next is made
+                bounds.append((begun, len(tally.events)))
+            tally.steady = tally.same_window(*bounds)
             if how["evaluate"]:
                 module.eval()
                 with torch.no_grad():

@@ -49,6 +49,9 @@ class Estimate:
     seconds: float = 0.0
     sync: str | None = None
     """Under FSDP2 (``shard="fsdp"``): the gradient sync modelled, "window" or "micro"."""
+    steady: bool = False
+    """Whether the second window's events were the first's repeated (``estimate(repeat=
+    True)`` is then right for this training at another size)."""
 
     def fits(self, budget: int) -> bool:
         """Whether the device total stays within ``budget`` bytes."""
@@ -70,6 +73,7 @@ class Estimate:
             "parts": dict(self.parts),
             "assumptions": list(self.assumptions),
             "seconds": round(self.seconds, 3),
+            "steady": self.steady,
             **({"sync": self.sync} if self.sync else {}),
         }
 

@@ -107,6 +107,7 @@ class Tally(TorchDispatchMode):
         self._live: dict[int, tuple[int, int, Any]] = {}  # id(storage) -> serial, bytes, ref
         self._serial = 0
         self.module = "the model's forward"  # whose forward is running, for TraceError
+        self.steady = False  # the second window's events the first's repeated
 
     # -- recording ----------------------------------------------------------------------------
 
@@ -144,6 +145,57 @@ class Tally(TorchDispatchMode):
     def live_at(self, index: int) -> dict[int, int]:
         """serial -> bytes of the storages live after the first ``index`` events."""
         return live_at(self.events, index)
+
+    # -- a window repeated ------------------------------------------------------------------
+
+    def repeated(self, start: int, end: int) -> list[tuple[str, int, int]] | None:
+        """The events ``events[start:end]`` (one window) would make again, in a window that
+        runs the same ops: each allocation and free again, under new serials, less what the
+        window allocated and left alive (optimizer state, accumulation buffers: made once,
+        kept). None where the window freed a storage it did not allocate: a second window
+        would free what the first left, which its events cannot say."""
+        mine = {serial for action, serial, _ in self.events[start:end] if action == "alloc"}
+        if any(a != "alloc" and s not in mine for a, s, _ in self.events[start:end]):
+            return None
+        kept = set(live_at(self.events[start:end], end - start))
+        return [e for e in self.events[start:end] if e[1] not in kept]
+
+    def repeat(self, start: int, end: int) -> bool:
+        """Append ``repeated(start, end)`` as the next window's events (new serials, the same
+        tags and shapes; the live bytes and the peak followed); False, appending nothing,
+        where the window cannot be repeated so."""
+        again = self.repeated(start, end)
+        if again is None:
+            return False
+        renamed: dict[int, int] = {}
+        for action, serial, size in again:
+            if action == "alloc":
+                new = renamed[serial] = self._serial
+                self._serial += 1
+                if serial in self.tags:
+                    self.tags[new] = self.tags[serial]
+                self.shapes[new] = self.shapes.get(serial, ())
+                self.events.append(("alloc", new, size))
+                self.current += size
+                if self.current > self.peak:
+                    self.peak, self.peak_index = self.current, len(self.events)
+            else:
+                self.events.append(("free", renamed[serial], size))
+                self.current -= size
+        return True
+
+    def same_window(self, first: tuple[int, int], second: tuple[int, int]) -> bool:
+        """Whether the events of ``second`` are those of ``first`` repeated (each event's
+        action, bytes and tag, in order): a trace of both windows shows whether a window of
+        this training may be traced once and repeated."""
+        again = self.repeated(*first)
+        if again is None:
+            return False
+
+        def shape(events):
+            return [(a, size, self.tags.get(s)) for a, s, size in events]
+
+        return shape(again) == shape(self.events[second[0] : second[1]])
 
     # -- the ops ------------------------------------------------------------------------------
 
