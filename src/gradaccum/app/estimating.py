@@ -329,42 +329,46 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _Progress:
-    """Where the trace is, said on stderr: a line as each trace starts, and every few
-    seconds the module whose forward runs (a checkpointed block's recomputation in
-    backward included)."""
+    """Where the estimate is, said on stderr every few seconds once a step has taken more
+    than a couple: the model being built, or the trace and the module whose forward runs (a
+    checkpointed block's recomputation in backward included). A small model says nothing."""
 
     def __init__(self) -> None:
-        self.label, self.where, self.started = "", "building the model", time.monotonic()
-        self.names: dict[int, str] = {}
-        self._last = 0.0
         import torch
 
+        self.label, self.where = "the estimate", "starting"
+        self.started = self._last = time.monotonic()
+        self.names: dict[int, str] = {}
         torch.nn.modules.module.register_module_forward_pre_hook(self._entered)
+        threading.Thread(target=self._tick, daemon=True).start()
 
     def watch(self, model: Any) -> Any:
         self.names = {
             id(m): f"{n or 'model'} ({type(m).__name__})" for n, m in model.named_modules()
         }
+        self.where = "the first forward"
         return model
 
-    def trace(self, label: str) -> None:
-        self.label, self.where, self.started = label, "building the model", time.monotonic()
-        self._last = self.started - _EVERY + _QUIET  # a trace's first line after _QUIET s
+    def step(self, label: str, where: str = "building the model") -> None:
+        self.label, self.where = label, where
+        self.started = time.monotonic()
+        self._last = self.started - _EVERY + _QUIET  # its first line after _QUIET s
 
     def _entered(self, module: Any, _args: Any) -> None:
         name = self.names.get(id(module))
-        if name is None:
-            return
-        self.where = name
-        now = time.monotonic()
-        if now - self._last >= _EVERY:
-            self._last = now
-            self._say(f"tracing {self.label}: at {name}, {now - self.started:.0f} s")
+        if name is not None:
+            self.where = name
 
-    @staticmethod
-    def _say(text: str) -> None:
-        sys.stderr.write(f"{_PROGRESS}{text}\n")
-        sys.stderr.flush()
+    def _tick(self) -> None:
+        while True:
+            time.sleep(0.5)
+            now = time.monotonic()
+            if now - self._last >= _EVERY:
+                self._last = now
+                sys.stderr.write(
+                    f"{_PROGRESS}{self.label}: at {self.where}, {now - self.started:.0f} s\n"
+                )
+                sys.stderr.flush()
 
 
 # the changes a refusal weighs, each where it is not already made: (flag, the change, when)
@@ -388,7 +392,8 @@ class _Search:
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         modes = {"off": (False,), "on": (True,), "auto": (False, True)}[cfg.checkpointing]
-        work = {ck: _Workload(cfg, ck) for ck in modes}
+        self.progress.step("reading the model's configuration", "its blocks, on the meta device")
+        work = {ck: _Workload(cfg, ck, self.traces) for ck in modes}
         found: dict[bool, tuple[int, dict[str, Any]] | None] = {}
         for ck in modes:
             found[ck] = None
@@ -428,7 +433,7 @@ class _Search:
                 "blocks, then the whole model traced at the sizes that decide"
             )
         result["assumptions"] = assumed + list(est["assumptions"])
-        if est["total"] > self.budget:
+        if est["total"] > self.budget and cfg.micro_batch is None:  # nothing fits: what would
             result["alternatives"] = self.alternatives(chosen)
         return result
 
@@ -467,8 +472,8 @@ class _Search:
         if key in self.traces:
             return self.traces[key]
         what = f"{layers} of {w.layers} blocks" if layers else "the whole model"
-        self.progress.trace(
-            f"micro-batch {micro} x {windows}, {what}"
+        self.progress.step(
+            f"tracing micro-batch {micro} x {windows}, {what}"
             + (", checkpointed" if w.checkpointing else "")
         )
         prepare = w.prepare
@@ -656,10 +661,16 @@ class _Workload:
     one of ``layers`` identical blocks where ``self.layers`` says it has that many), the
     sample, the loss and LoRA step, and what it assumed; ``key`` names it among the traces."""
 
-    def __init__(self, cfg: PlanConfig, checkpointing: bool) -> None:
+    def __init__(
+        self, cfg: PlanConfig, checkpointing: bool, traced: dict[str, Any] | None = None
+    ) -> None:
         self.checkpointing = checkpointing
         self.key = "|".join(
             str(x) for x in (cfg.precision, cfg.lora, cfg.quantize, cfg.seq_len, checkpointing)
+        )
+        # traces of its 2-block model already made: its blocks were found identical then
+        self.known = any(
+            k.startswith(f"{self.key}|") and k.endswith("|2 blocks") for k in traced or ()
         )
         self.layers: int | None = None
         if cfg.hf_model is None:
@@ -755,7 +766,9 @@ class _Workload:
         self.loss_fn = recipe.loss_fn if task == "causal-lm" else head_loss
         self.prepare = self._lora(cfg, low)
         self._reduced = lambda layers: build(_with_layers(config, layers))
-        self.layers = _identical_blocks(config, self.model)
+        self.layers = (
+            config.num_hidden_layers if self.known else _identical_blocks(config, self.model)
+        )
 
     def _lora(self, cfg: PlanConfig, low: bool):
         if cfg.lora is None:
