@@ -349,7 +349,7 @@ class _Progress:
         self.where = "the first forward"
         return model
 
-    def step(self, label: str, where: str = "building the model") -> None:
+    def step(self, label: str, where: str | None = "building the model") -> None:
         self.label, self.where = label, where
         self.started = time.monotonic()
         self._last = self.started - _EVERY + _QUIET  # its first line after _QUIET s
@@ -365,9 +365,8 @@ class _Progress:
             now = time.monotonic()
             if now - self._last >= _EVERY:
                 self._last = now
-                sys.stderr.write(
-                    f"{_PROGRESS}{self.label}: at {self.where}, {now - self.started:.0f} s\n"
-                )
+                at = f": at {self.where}" if self.where else ""
+                sys.stderr.write(f"{_PROGRESS}{self.label}{at}, {now - self.started:.0f} s\n")
                 sys.stderr.flush()
 
 
@@ -392,7 +391,7 @@ class _Search:
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         modes = {"off": (False,), "on": (True,), "auto": (False, True)}[cfg.checkpointing]
-        self.progress.step("reading the model's configuration", "its blocks, on the meta device")
+        self.progress.step("comparing the model's blocks (built on the meta device)", None)
         work = {ck: _Workload(cfg, ck, self.traces) for ck in modes}
         found: dict[bool, tuple[int, dict[str, Any]] | None] = {}
         for ck in modes:
