@@ -273,3 +273,39 @@ def test_damaged_estimate_cache_entries_are_said_and_estimated_over(tmp_path):
         assert again.returncode == 0, (what, again.stderr)
         assert json.loads(again.stdout)["total"] == traced["total"], what
         assert f"the cached estimate {entry}" in again.stderr, (what, again.stderr)
+
+
+def test_the_longest_sequence_that_fits_is_one_command(tmp_path):
+    model = llama(tmp_path / "model", max_position_embeddings=512)
+    fixed = ("--hf-model", model, "--micro-batch", 1, "--effective-batch", 4)
+    short, long = (estimate(*fixed, "--seq-len", n)["total"] for n in (128, 512))
+    budget = (short + long) // 2
+    found = estimate(*fixed, "--longest", "--budget", f"{budget}B")
+    length = found["longest"]
+    assert 128 <= length < 512 and length % 8 == 0
+    # the length said fits, the next one the search could say does not
+    assert estimate(*fixed, "--seq-len", length, "--budget", f"{budget}B")["total"] <= budget
+    assert estimate(*fixed, "--seq-len", length + 8, "--budget", f"{budget}B")["total"] > budget
+
+
+@pytest.mark.slow  # a measured plan with its fresh process: about 30 s
+def test_plan_hf_model_without_the_estimate_measures_on_this_machine(tmp_path):
+    pytest.importorskip("peft")
+    model = llama(tmp_path / "model")
+    done = in_process("plan", "--hf-model", model, "--lora", 2, "--effective-batch", 8,
+                      "--budget", "2GB", "--prefer", "largest", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    planned = json.loads(done.stdout)
+    assert "estimate" not in planned and planned["effective_batch"] == 8
+    assert planned["probes"] and planned["micro_size"] >= 1
+
+
+def test_the_largest_micro_batch_is_decided_by_whole_model_traces(tmp_path):
+    """The 2- and 3-block line only guesses: the size said fits and the next does not, each
+    as the whole model traces it at that size."""
+    model = llama(tmp_path / "model")
+    fixed = ("--hf-model", model, "--seq-len", 64, "--effective-batch", 16)
+    totals = {m: estimate(*fixed, "--micro-batch", m)["total"] for m in (3, 4)}
+    for budget in (totals[3], totals[4] - 1):
+        found = estimate(*fixed, "--budget", f"{budget}B")
+        assert found["largest"] == 3, (budget, found["largest"], totals)

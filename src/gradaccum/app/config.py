@@ -948,6 +948,11 @@ class PlanConfig:
     double_quant: bool = Opt(
         False, "with --quantize nf4 or fp4: double quantization (bnb_4bit_use_double_quant)"
     )()
+    longest: bool = Opt(
+        False,
+        "with --hf-model, estimate the longest --seq-len whose window fits the budget at "
+        "--micro-batch (default 1), up to the model's positions",
+    )()
     trace_limit: float = Opt(
         300.0,
         "seconds the estimate's trace may take before it stops with the layer it was at",
@@ -1003,6 +1008,13 @@ class PlanConfig:
             out.append("quantize needs --lora R: a quantized base trains adapters only")
         if self.double_quant and self.quantize not in ("nf4", "fp4"):
             out.append("double_quant needs --quantize nf4 or fp4")
+        if self.longest:
+            if self.hf_model is None or not (self.estimate or self.device == "cuda"):
+                out.append("longest needs --hf-model PATH and --device cuda: it is the estimate's")
+            if self.seq_len is not None:
+                out.append("longest searches --seq-len: give one or the other")
+            if self.checkpointing == "auto":
+                out.append("longest with --checkpointing auto: choose on or off")
         return out
 
 

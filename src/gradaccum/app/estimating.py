@@ -271,6 +271,14 @@ def render(result: dict[str, Any], budget: int | None, said: str | None = None) 
     ]
     if result.get("largest"):
         lines.append(f"largest micro-batch that fits: {result['largest']}")
+    if "longest" in result:
+        longest = result["longest"]
+        lines.append(
+            f"longest sequence that fits at micro-batch {result['micro_batch']}: {longest} "
+            f"tokens (of the model's {result['positions']} positions)"
+            if longest
+            else f"no sequence fits at micro-batch {result['micro_batch']}"
+        )
     lines += [f"checkpointing: {line}" for line in result.get("checkpointing_said", ())]
     lines += [f"assumed: {a}" for a in result["assumptions"]]
     rows = [("allocated (max_memory_allocated)", result["allocated"])]
@@ -392,6 +400,8 @@ class _Search:
         cfg = self.cfg
         modes = {"off": (False,), "on": (True,), "auto": (False, True)}[cfg.checkpointing]
         self.progress.step("comparing the model's blocks (built on the meta device)", None)
+        if cfg.longest:
+            return self.longest_sequence(_Workload(cfg, modes[0], self.traces))
         work = {ck: _Workload(cfg, ck, self.traces) for ck in modes}
         found: dict[bool, tuple[int, dict[str, Any]] | None] = {}
         for ck in modes:
@@ -436,6 +446,67 @@ class _Search:
             result["alternatives"] = self.alternatives(chosen)
         return result
 
+    def longest_sequence(self, asked: _Workload) -> dict[str, Any]:
+        """The longest sequence (a multiple of 8, up to the model's positions) whose window
+        fits the budget at ``--micro-batch`` (1 by default): searched as the micro-batch is
+        (the 2- and 3-block line where the blocks are identical), decided by whole-model
+        traces."""
+        cfg, micro, sync = self.cfg, self.cfg.micro_batch or 1, self.syncs[0]
+        if asked.positions is None:
+            raise ValueError("--longest needs the model's positions (max_position_embeddings)")
+        step = 8 if asked.positions >= 64 else 1
+        work: dict[int, _Workload] = {}
+
+        def at(length: int, whole: bool) -> float:
+            if length not in work:
+                change = dataclasses.replace(cfg, seq_len=length, longest=False)
+                work[length] = _Workload(change, asked.checkpointing, self.traces)
+            w = work[length]
+            if whole or w.layers is None:
+                return self.full(w, micro, sync)["total"]
+            return self.predictor(w, sync, sizes=(micro,))(micro)
+
+        def longest(low: int, high: int, error: float) -> int | None:
+            """The longest length in [low, high] (steps) the line, moved by ``error``, fits."""
+            if low > high or at(low * step, False) + error > self.budget:
+                return None
+            while low < high:
+                mid = (low + high + 1) // 2
+                if at(mid * step, False) + error <= self.budget:
+                    low = mid
+                else:
+                    high = mid - 1
+            return low
+
+        # as the micro-batch is searched: the line guesses, whole-model traces decide, each
+        # moving the line by its own error within the lengths not yet decided
+        fits, fails, error = 0, asked.positions // step + 1, 0.0
+        guess = longest(1, fails - 1, error) or 1
+        while True:
+            whole = at(guess * step, True)
+            if whole <= self.budget:
+                fits = guess
+            else:
+                fails = guess
+            if fails - fits <= 1:
+                break
+            error = whole - at(guess * step, False)
+            after = longest(fits + 1, fails - 1, error)
+            guess = after if after is not None else fits + 1  # traced, to know it
+        length = max(fits, 1) * step
+        est = self.full(work[length], micro, sync)
+        result = dict(est)
+        result.update(
+            per_window=math.ceil(self.per_rank / micro),
+            largest=None,
+            budget=self.budget,
+            checkpointing=asked.checkpointing,
+            longest=length if est["total"] <= self.budget else None,
+            positions=asked.positions,
+        )
+        result["assumptions"] = work[length].assumed + list(est["assumptions"])
+        return result
+
     @staticmethod
     def _checkpointing_said(modes, found, chosen) -> list[str]:
         if len(modes) < 2:
@@ -472,7 +543,9 @@ class _Search:
             return self.traces[key]
         what = f"{layers} of {w.layers} blocks" if layers else "the whole model"
         self.progress.step(
-            f"tracing micro-batch {micro} x {windows}, {what}"
+            f"tracing micro-batch {micro} x {windows}"
+            + (f" of {w.length} tokens" if self.cfg.longest and w.length else "")
+            + f", {what}"
             + (", checkpointed" if w.checkpointing else "")
         )
         prepare = w.prepare
@@ -532,7 +605,8 @@ class _Search:
     def largest(self, w: _Workload, sync: str) -> tuple[int, dict[str, Any]] | None:
         """The largest micro-batch whose whole-model trace fits the budget, and its trace;
         None where a micro-batch of 1 does not. Each whole-model trace corrects the line's
-        guess by its own error, within the sizes not yet decided."""
+        guess by its own error, within the sizes not yet decided; the answer is decided by
+        traces alone: it fits, and the next size (unless it is the whole batch) does not."""
         predict = self.predictor(w, sync)
         fits, fails, best = 0, self.per_rank + 1, None
         guess = self._largest_under(predict, 0.0, 1, self.per_rank) or 1
@@ -546,11 +620,8 @@ class _Search:
                 return best
             error = est["total"] - predict(guess)
             after = self._largest_under(predict, error, fits + 1, fails - 1)
-            if after is None:
-                if fits > 0:
-                    return best
-                after = 1  # below every size that failed: to know whether anything fits
-            guess = after
+            # nothing above what fits is guessed to: the next size is traced to know it
+            guess = after if after is not None else fits + 1
 
     def _largest_under(self, predict, error: float, low: int, high: int) -> int | None:
         if low > high or predict(low) + error > self.budget:
@@ -672,6 +743,8 @@ class _Workload:
             k.startswith(f"{self.key}|") and k.endswith("|2 blocks") for k in traced or ()
         )
         self.layers: int | None = None
+        self.positions: int | None = None
+        self.length: int | None = None  # tokens per sequence, a text model's
         if cfg.hf_model is None:
             from gradaccum.app.recipes import get_recipe
 
@@ -722,6 +795,8 @@ class _Workload:
             )
         positions = [getattr(config, n, None) for n in _POSITIONS]
         positions = [p for p in positions if isinstance(p, int) and p >= 1]
+        self.positions = min(positions) if positions else None
+        self.length = None if images else (cfg.seq_len or min([128, *positions]))
         length = cfg.seq_len or min([128, *positions])
         low = cfg.lora is not None and cfg.precision == "bf16"
         if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:

@@ -174,7 +174,7 @@ def estimated(cfg: PlanConfig) -> int:
             show(f"\n{cfg.export} {_WHAT[cfg.export]}: {cfg.export_to}")
         elif not cfg.json:
             out(text.rstrip("\n"))
-    if not fits and cfg.micro_batch is None:  # a search that found nothing: a refusal
+    if not fits and (cfg.micro_batch is None or cfg.longest):  # a search found nothing
         where = (
             "at micro-batch 1" if cfg.micro_batch is None else f"at micro-batch {cfg.micro_batch}"
         )
