@@ -178,3 +178,25 @@ def test_a_checkpointed_window_is_traced_for_cuda_and_saves_activations(kind, ho
         checkpointed.parts,
         plain.parts,
     )
+
+
+def eager(kind):
+    """The model with transformers' eager attention (the matrix kept for backward)."""
+    config = hf_model(kind)().config
+
+    def make():
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+    return make
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_cpu_trace_of_eager_attention_matches_a_real_runs_peak(kind):
+    def sample(n):
+        return lm_sample(n, length=48)
+
+    est = ga.estimate(
+        eager(kind), adamw, sample, lm_loss, micro_size=2, micro_batches=2, device="cpu"
+    )
+    real = measured(eager(kind), sample, lm_loss, 2, 2)
+    assert abs(est.allocated - real) <= 0.02 * real, (est.allocated, real)

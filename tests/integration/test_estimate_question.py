@@ -309,3 +309,20 @@ def test_the_largest_micro_batch_is_decided_by_whole_model_traces(tmp_path):
     for budget in (totals[3], totals[4] - 1):
         found = estimate(*fixed, "--budget", f"{budget}B")
         assert found["largest"] == 3, (budget, found["largest"], totals)
+
+
+def test_eager_attention_keeps_the_attention_matrix_in_the_estimate(tmp_path):
+    """A run with eager attention (every Hugging Face model before SDPA, many custom ones
+    still) keeps each layer's seq x seq attention probabilities for backward; the estimate
+    took the SDPA path always and said nothing."""
+    model = llama(tmp_path / "model", max_position_embeddings=1024)
+    fixed = ("--hf-model", model, "--seq-len", 1024, "--micro-batch", 2, "--precision", "bf16")
+    sdpa = estimate(*fixed, "--attn-implementation", "sdpa")
+    eager = estimate(*fixed, "--attn-implementation", "eager")
+    default = estimate(*fixed)
+    # 6 layers x 2 sequences x 4 heads x 1024^2 probabilities, in fp32 and bf16 at least
+    matrices = 6 * 2 * 4 * 1024 * 1024 * 2
+    assert eager["parts"]["activations"] - sdpa["parts"]["activations"] >= matrices
+    assert default["total"] == sdpa["total"]
+    assert "attention: sdpa, what transformers picks" in " ".join(default["assumptions"])
+    assert "attention: eager (--attn-implementation)" in " ".join(eager["assumptions"])

@@ -327,7 +327,7 @@ ESTIMATE_TASKS = (
     "token-classification",
     "image-classification",
 )
-ESTIMATE_ONLY = ("task", "seq_len", "micro_batch", "quantize")
+ESTIMATE_ONLY = ("task", "seq_len", "micro_batch", "quantize", "attn_implementation")
 QUANTIZED = ("8bit", "nf4", "fp4")
 
 
@@ -948,6 +948,13 @@ class PlanConfig:
     double_quant: bool = Opt(
         False, "with --quantize nf4 or fp4: double quantization (bnb_4bit_use_double_quant)"
     )()
+    attn_implementation: str | None = Opt(
+        None,
+        "--hf-model's attention as Hugging Face names it: eager (the attention matrix kept "
+        "for backward), sdpa, or flash_attention_2 (modelled as CUDA's flash kernel; bf16 or "
+        "fp16) (default: what transformers picks for the model)",
+        choices=("eager", "sdpa", "flash_attention_2"),
+    )()
     longest: bool = Opt(
         False,
         "with --hf-model, estimate the longest --seq-len whose window fits the budget at "
@@ -1008,6 +1015,11 @@ class PlanConfig:
             out.append("quantize needs --lora R: a quantized base trains adapters only")
         if self.double_quant and self.quantize not in ("nf4", "fp4"):
             out.append("double_quant needs --quantize nf4 or fp4")
+        if self.attn_implementation is not None:
+            if self.hf_model is None:
+                out.append("attn_implementation applies to --hf-model; a recipe has its own")
+            if self.attn_implementation == "flash_attention_2" and self.precision == "fp32":
+                out.append("attn_implementation flash_attention_2 needs --precision bf16 or fp16")
         if self.longest:
             if self.hf_model is None or not (self.estimate or self.device == "cuda"):
                 out.append("longest needs --hf-model PATH and --device cuda: it is the estimate's")

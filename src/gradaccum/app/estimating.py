@@ -736,7 +736,9 @@ class _Workload:
     ) -> None:
         self.checkpointing = checkpointing
         self.key = "|".join(
-            str(x) for x in (cfg.precision, cfg.lora, cfg.quantize, cfg.seq_len, checkpointing)
+            str(x)
+            for x in (cfg.precision, cfg.lora, cfg.quantize, cfg.seq_len, checkpointing)
+            + (cfg.attn_implementation,)
         )
         # traces of its 2-block model already made: its blocks were found identical then
         self.known = any(
@@ -815,15 +817,20 @@ class _Workload:
             f"weights never load), {what}",
         ]
 
+        # flash_attention_2 needs its package, which no CPU has: built with SDPA, whose
+        # call the trace runs as CUDA's flash kernel (the same output and log-sum-exp kept)
+        flash = cfg.attn_implementation == "flash_attention_2"
+        attention = "sdpa" if flash else cfg.attn_implementation
+
         def build(model_config: Any = config):
             def make() -> torch.nn.Module:
                 if not low:
-                    return hf_models.for_task(model_config, task)
+                    return hf_models.for_task(model_config, task, attention)
                 # built in bf16 (a conversion after the build would be one more copy)
                 previous = torch.get_default_dtype()
                 torch.set_default_dtype(torch.bfloat16)
                 try:
-                    return hf_models.for_task(model_config, task)
+                    return hf_models.for_task(model_config, task, attention)
                 finally:
                     torch.set_default_dtype(previous)
 
@@ -837,6 +844,20 @@ class _Workload:
             return {"input_ids": ids, "labels": torch.zeros(n).long() if one else ids}
 
         self.model, self.sample = build(), sample
+        self.flash = flash
+        chosen = _attention_of(config, task, attention)
+        if flash:
+            self.assumed.append(
+                "attention: flash_attention_2 (--attn-implementation), modelled as CUDA's "
+                "flash kernel under SDPA: the output and its log-sum-exp kept, never the matrix"
+            )
+        elif cfg.attn_implementation:
+            self.assumed.append(f"attention: {chosen} (--attn-implementation)")
+        else:
+            self.assumed.append(
+                f"attention: {chosen}, what transformers picks for this model (--attn-"
+                "implementation eager if the run keeps the attention matrix)"
+            )
         self.loss_fn = recipe.loss_fn if task == "causal-lm" else head_loss
         self.prepare = self._lora(cfg, low)
         self._reduced = lambda layers: build(_with_layers(config, layers))
@@ -889,6 +910,25 @@ class _Workload:
             return model
 
         return prepare
+
+
+def _attention_of(config: Any, task: str, asked: str | None) -> str:
+    """The attention implementation transformers gives this model (``asked``, or its own
+    choice), read off the model built on the meta device."""
+    import torch
+
+    from gradaccum.integrations import hf_models
+
+    if asked is not None:
+        return asked
+    layers = getattr(config, "num_hidden_layers", None)
+    small = _with_layers(config, 2) if isinstance(layers, int) and layers > 2 else config
+    try:
+        with torch.device("meta"):
+            model = hf_models.for_task(copy.deepcopy(small), task)
+    except Exception:  # noqa: BLE001 (said as unknown rather than failing the estimate)
+        return "transformers' default"
+    return str(getattr(model.config, "_attn_implementation", None) or "transformers' default")
 
 
 def _with_layers(config: Any, layers: int) -> Any:

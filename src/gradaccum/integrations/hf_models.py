@@ -43,11 +43,12 @@ def causal_lm(model_config: Any = None, folder: str | Path | None = None) -> Any
     return auto.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
 
 
-def for_task(model_config: Any, task: str) -> Any:
+def for_task(model_config: Any, task: str, attn_implementation: str | None = None) -> Any:
     """A model with ``task``'s head (a key of ``TASKS``), freshly initialised from
-    ``model_config``."""
+    ``model_config``; ``attn_implementation`` as transformers names it (None: its choice)."""
     auto = getattr(transformers, TASKS[task])
-    return auto.from_config(model_config, trust_remote_code=False)
+    how = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return auto.from_config(model_config, trust_remote_code=False, **how)
 
 
 def adafactor(params: Any, **kwargs: Any) -> Any:
