@@ -153,14 +153,16 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
     return map_tensors(batch, lambda t: t.to(device))
 
 
-def join_batches(batches: list[Any], fills: dict[str, Any]) -> Any:
+def join_batches(batches: list[Any], fills: dict[Any, Any]) -> Any:
     """Micro-batches as one batch: tensors joined on dim 0, padded on dim 1 to the longest
-    (``fills``: each key's pad value, 0 otherwise)."""
+    (``fills``: each key's pad value, or each position's in a tuple or list; 0 otherwise)."""
     first = batches[0]
     if isinstance(first, torch.Tensor):
-        return _join([b for b in batches], 0)
+        return _join([b for b in batches], fills.get(0, 0))
     if isinstance(first, (tuple, list)):
-        return type(first)(_join([b[i] for b in batches], 0) for i in range(len(first)))
+        return type(first)(
+            _join([b[i] for b in batches], fills.get(i, 0)) for i in range(len(first))
+        )
     return {
         k: _join([b[k] for b in batches], fills.get(k, 0)) if isinstance(v, torch.Tensor) else v
         for k, v in first.items()

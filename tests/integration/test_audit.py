@@ -262,3 +262,58 @@ def test_the_command_audits_a_lightning_trainer_from_a_file(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "FAIL; micro-batches are weighted equally" in proc.stdout
     assert "\n  fix: add gradaccum's callback, Trainer(callbacks=[ExactAccumulation" in proc.stdout
+
+
+PLAIN_LOOP_FILE = """
+import torch
+import torch.nn.functional as F
+
+
+class LM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.rnn = torch.nn.Embedding(40, 12), torch.nn.GRU(12, 12, batch_first=True)
+        self.head = torch.nn.Linear(12, 40)
+
+    def forward(self, ids):
+        return self.head(self.rnn(self.embed(ids))[0])
+
+
+def batches():
+    g, out = torch.Generator().manual_seed(1), []
+    for n, longest in ((3, 9), (2, 17), (4, 5)):
+        ids = torch.randint(1, 40, (n, longest), generator=g)
+        ids[0, longest // 2 :] = 0  # one padded sequence per micro-batch
+        labels = ids.roll(-1, 1)
+        labels[:, -1] = -100
+        labels[labels == 0] = -100
+        out.append((ids, labels))
+    return out
+
+
+def loss(model, batch):
+    ids, labels = batch
+    return F.cross_entropy(model(ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def step(model, micro_batches):
+    for mb in micro_batches:
+        (loss(model, mb) / len(micro_batches)).backward()
+
+
+def make_loop():
+    torch.manual_seed(0)
+    return {{"step": step, "loss": loss, "model": LM(), "micro_batches": batches()}}
+"""
+
+
+def test_the_command_audits_a_plain_loop_and_points_at_its_loss_line(tmp_path):
+    from test_faults import in_process
+
+    (tmp_path / "loop.py").write_text(PLAIN_LOOP_FILE.format())
+    done = in_process("audit", tmp_path / "loop.py:make_loop")
+    assert done.returncode == 1, done.stderr
+    first, *rest = done.stdout.splitlines()
+    assert first.endswith("FAIL; micro-batches are weighted equally whatever their item counts")
+    fix = next(line for line in rest if line.startswith("  fix: "))
+    assert f"{tmp_path / 'loop.py'}:35: (loss(model, mb) / len(micro_batches)).backward()" in fix

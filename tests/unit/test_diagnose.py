@@ -195,3 +195,131 @@ def test_a_real_difference_fails_against_the_floor_and_names_its_module():
     report = _deep_check(coupled=True)
     assert not report.passed and report.max_error > 100 * report.rounding
     assert [(n, k) for n, k, _ in report.culprits] == [("mix", "BatchMixer")]
+
+
+# The user's case (issue 58): a small recurrent LM trained with a plain loop, micro-batches
+# padded to their own lengths, labels -100 on the padding, written the way people write it.
+class RecurrentLM(torch.nn.Module):
+    def __init__(self, vocab=50, width=16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.rnn = torch.nn.GRU(width, width, batch_first=True)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        return self.head(self.rnn(self.embed(ids))[0])
+
+
+def padded_micro_batches(seed=0, sizes=(3, 2, 4, 3), vocab=50):
+    """Micro-batches of token sequences of random lengths, each padded to its own longest
+    (ids with 0, labels with -100): what a collate function per micro-batch makes."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in sizes:
+        lengths = torch.randint(3, 24, (n,), generator=g)
+        longest = int(lengths.max())
+        ids = torch.randint(1, vocab, (n, longest), generator=g)
+        pad = torch.arange(longest)[None, :] >= lengths[:, None]
+        ids[pad] = 0
+        labels = ids.roll(-1, 1)
+        labels[:, -1] = -100
+        labels[pad.roll(-1, 1) | pad] = -100
+        out.append((ids, labels))
+    return out
+
+
+def mean_loss(model, batch):  # the user's loss: cross-entropy, mean over the labelled tokens
+    ids, labels = batch
+    return F.cross_entropy(model(ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def naive_step(model, micro_batches):  # mean per micro-batch, divided by N
+    for mb in micro_batches:
+        (mean_loss(model, mb) / len(micro_batches)).backward()
+
+
+def fixed_step(model, micro_batches):  # summed, divided once by the window's token count
+    tokens = sum(int((labels != -100).sum()) for _, labels in micro_batches)
+    for ids, labels in micro_batches:
+        logits = model(ids).flatten(0, 1)
+        loss_sum = F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum")
+        (loss_sum / tokens).backward()
+
+
+def float64_truth(micro_batches, step):
+    """An independent computation: the step's gradient and the true large batch's (every
+    labelled token once, summed and divided by their count), in float64, without joining."""
+    model = RecurrentLM().double()
+    torch.manual_seed(0)
+    model.load_state_dict({k: v.double() for k, v in _seeded_model().state_dict().items()})
+    step(model, micro_batches)
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    fixed_step(model, micro_batches)
+    want = torch.cat([p.grad.flatten() for p in model.parameters()])
+    return float((got - want).norm() / want.norm())
+
+
+def _seeded_model():
+    torch.manual_seed(0)
+    return RecurrentLM()
+
+
+def test_the_audit_of_a_plain_loop_with_padded_labels_is_right_as_the_loop_is_written():
+    micro_batches = padded_micro_batches()
+    model = _seeded_model()
+    naive = ga.audit(step=naive_step, loss=mean_loss, model=model, micro_batches=micro_batches)
+    truth = float64_truth(micro_batches, naive_step)
+    assert truth > 0.01  # the naive loop is really off
+    assert not naive.passed and naive.kind == "equal_weights"
+    assert abs(naive.relative_error - truth) <= 0.05 * truth, (naive.relative_error, truth)
+    assert "test_diagnose.py:" in naive.fix and "backward()" in naive.fix  # the user's line
+    fixed = ga.audit(step=fixed_step, loss=mean_loss, model=model, micro_batches=micro_batches)
+    assert fixed.passed, fixed.summary
+
+
+def test_a_loop_written_with_the_accumulator_is_audited_as_it_runs():
+    micro_batches = padded_micro_batches()
+    model = _seeded_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    acc = ga.Accumulator(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+
+    def token_sum(model, batch):
+        ids, labels = batch
+        logits = model(ids).flatten(0, 1)
+        return ga.token_cross_entropy(logits, labels.flatten())
+
+    def manual(model, mbs):  # manual mode, its window closed: the optimizer steps there
+        for i, mb in enumerate(mbs):
+            with acc.micro_batch(last=i == len(mbs) - 1):
+                acc.backward(*token_sum(model, mb))
+        acc.end_window()
+
+    def stepped(model, mbs):
+        acc2.step(mbs, token_sum)
+
+    acc2 = ga.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in (manual, stepped):
+        result = ga.audit(step=step, loss=mean_loss, model=model, micro_batches=micro_batches)
+        assert result.passed, (step.__name__, result.summary)
+    # stopped at the optimizer's step: nothing moved
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_plain_loop_whose_batches_cannot_be_joined_is_refused_in_one_line():
+    micro_batches = padded_micro_batches()
+    model = _seeded_model()
+
+    def whole_sequence_loss(model, batch):  # every position counts: no padding is invisible
+        ids, labels = batch
+        return model(ids).square().mean()
+
+    with pytest.raises(ValueError, match=r"give pad=\{key or position: value\}") as err:
+        ga.audit(
+            step=naive_step, loss=whole_sequence_loss, model=model, micro_batches=micro_batches
+        )
+    assert "\n" not in str(err.value)
+    # told how, it audits
+    result = ga.audit(step=naive_step, loss=mean_loss, model=model,
+                      micro_batches=micro_batches, pad={0: 0, 1: -100})  # fmt: skip
+    assert result.kind == "equal_weights"

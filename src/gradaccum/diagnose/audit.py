@@ -17,8 +17,17 @@ where it returns gradaccum's ``exact_output``). The trainer has then run (and st
 fit: build a new one to train.
 
 ``ga.audit(step=..., loss=..., model=..., micro_batches=...)`` does the same for a plain
-loop: ``step(model, micro_batches)`` accumulates the window's gradient as the user's loop
-does (without stepping), ``loss(model, batch)`` is the large batch's mean loss.
+loop: ``step(model, micro_batches)`` runs the window as the user's loop does, and the
+gradient compared is the one its optimizer is handed (a loop that steps is stopped at its
+``optimizer.step()``, before anything changes: a ``ga.Accumulator``'s ``step()`` or
+``end_window()`` included), or the one it leaves in ``.grad`` when it does not step;
+``loss(model, batch)`` is the large batch's mean loss. The large batch is the micro-batches
+joined: as they are where their shapes agree, else padded on dim 1 to the longest by
+PyTorch's conventions (an integer labels tensor with cross-entropy's ignore index -100, a
+mask and the rest with 0), a padding the audit first checks changes no micro-batch's own
+loss; where none does, it refuses in one line and asks for ``pad=`` (each key's or
+position's pad value) or ``join=`` (a function joining the micro-batches), never giving a
+verdict on a batch it could not build.
 
 The result names the likely cause in words and, for each cause it knows, the fix in one
 line (the class or argument to use, and where the docs say more): a gradient N times the
@@ -38,6 +47,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +142,8 @@ def audit(
     model: nn.Module | None = None,
     micro_batches: list[Any] | None = None,
     tolerance: float = TOLERANCE,
+    pad: dict[Any, Any] | None = None,
+    join: Callable[[list[Any]], Any] | None = None,
 ) -> AuditResult:
     """Audit ``trainer`` (a ``transformers.Trainer`` or subclass; a Lightning ``Trainer``
     with its ``module`` and ``data``, a DataLoader or a LightningDataModule), or a plain
@@ -168,17 +181,183 @@ def audit(
     if missing:
         raise TypeError(f"audit of a plain loop needs {', '.join(missing)}")
     micro_batches = list(micro_batches)
+    joined = join or joiner(model, loss, micro_batches, pad)
 
     def window() -> None:
-        step(model, micro_batches)
+        with handed(model):
+            step(model, micro_batches)
 
     def big() -> torch.Tensor:
-        return loss(model, join_batches(micro_batches, {}))
+        return loss(model, joined(micro_batches))
 
     def equal() -> torch.Tensor:
         return sum(loss(model, mb) for mb in micro_batches) / len(micro_batches)
 
-    return compare(AuditWindow(model, window, big, equal, len(micro_batches)), tolerance)
+    fixes = {k: f"{v}{_where(step)}" for k, v in FIXES.items() if k != "unknown"}
+    return compare(AuditWindow(model, window, big, equal, len(micro_batches), fixes), tolerance)
+
+
+class _Handed(Exception):  # noqa: N818 - not an error: the gradient handed to the optimizer
+    pass
+
+
+@contextlib.contextmanager
+def handed(model: nn.Module) -> Iterator[None]:
+    """Run a user's window up to its optimizer's step, if it takes one: at the step the
+    gradient handed over is in ``.grad`` and the window stops there, nothing stepped."""
+    params = list(model.parameters())
+    mine = {id(p) for p in params}
+    seen: list[torch.Tensor | None] = []
+
+    def stop(optimizer, args, kwargs):
+        if any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+            seen.extend(None if p.grad is None else p.grad.detach().clone() for p in params)
+            raise _Handed  # what handles it (an Accumulator clears its window) runs after
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    hook = register_optimizer_step_pre_hook(stop)
+    try:
+        yield
+    except _Handed:
+        for p, grad in zip(params, seen, strict=True):
+            p.grad = grad
+    finally:
+        hook.remove()
+
+
+_LABELS = ("labels", "label", "targets", "target", "y")
+_MASKS = ("attention_mask", "mask", "padding_mask")
+
+
+def joiner(
+    model: nn.Module, loss: Callable[[nn.Module, Any], torch.Tensor], batches: list[Any],
+    pad: dict[Any, Any] | None = None,
+) -> Callable[[list[Any]], Any]:  # fmt: skip
+    """How to join a plain loop's micro-batches into its large batch (see the module's
+    docstring): ``pad`` as given, else as they are where no tensor needs padding, else the
+    first padding by PyTorch's conventions that leaves every micro-batch's own loss as it
+    is; ValueError in one line where none does."""
+    if pad is not None:
+        return lambda mbs: join_batches(mbs, pad)
+    ragged = _ragged(batches)
+    if not ragged:
+        return lambda mbs: join_batches(mbs, {})
+    first = batches[0]
+    choices = []
+    for key in ragged:
+        tensor = first[key]
+        named = str(key).lower()
+        if tensor.is_floating_point() or tensor.dtype == torch.bool or named in _MASKS:
+            choices.append([0])
+        elif named in _LABELS:
+            choices.append([-100, 0])
+        elif any(named.startswith(k) for k in ("input", "ids", "x")):
+            choices.append([0, -100])
+        else:  # an unnamed integer tensor (a tuple's): labels or inputs, tried both ways
+            choices.append([-100, 0] if key == len(first) - 1 else [0, -100])
+    longest = _longest(batches, ragged)
+    for values in itertools.islice(itertools.product(*choices), 16):
+        fills = dict(zip(ragged, values, strict=True))
+        if _neutral(model, loss, batches, fills, longest):
+            return lambda mbs, fills=fills: join_batches(mbs, fills)
+    lengths = sorted({int(b[ragged[0]].shape[1]) for b in batches})
+    raise ValueError(
+        f"the micro-batches have different lengths ({', '.join(map(str, lengths))} on dim 1 "
+        f"of {ragged[0]!r}) and no padding the audit knows leaves each one's own loss as it "
+        "is: give pad={key or position: value} (-100 for labels) or join=f(micro_batches) "
+        "returning the large batch"
+    )
+
+
+def _fields(batch: Any) -> dict[Any, torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return {0: batch}
+    items = enumerate(batch) if isinstance(batch, (tuple, list)) else batch.items()
+    return {k: v for k, v in items if isinstance(v, torch.Tensor)}
+
+
+def _ragged(batches: list[Any]) -> list[Any]:
+    """The keys (or positions) whose tensors differ in length on dim 1 across micro-batches."""
+    fields = [_fields(b) for b in batches]
+    out = []
+    for key, tensor in fields[0].items():
+        if tensor.dim() >= 2 and len({f[key].shape[1] for f in fields if key in f}) > 1:
+            out.append(key)
+    return out
+
+
+def _longest(batches: list[Any], ragged: list[Any]) -> int:
+    return max(int(_fields(b)[k].shape[1]) for b in batches for k in ragged)
+
+
+def _neutral(model, loss, batches, fills, longest) -> bool:
+    """Whether padding each micro-batch to ``longest`` with ``fills`` leaves its loss as it
+    was (dropout off, no gradient): the padding is then invisible to the loss."""
+    ragged = list(fills)
+    with torch.no_grad(), _no_dropout(model):
+        for batch in batches:
+            if int(_fields(batch)[ragged[0]].shape[1]) == longest:
+                continue
+            padded = join_batches([batch, _stub(batch, ragged, longest)], fills)
+            padded = _first_rows(padded, _rows(batch))
+            try:
+                a, b = loss(model, batch), loss(model, padded)
+            except (IndexError, RuntimeError, ValueError):  # a pad value the model refuses
+                return False
+            if not torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-7):
+                return False
+    return True
+
+
+def _rows(batch: Any) -> int:
+    return int(next(iter(_fields(batch).values())).shape[0])
+
+
+def _stub(batch: Any, ragged: list[Any], longest: int) -> Any:
+    """A one-row micro-batch of ``batch``'s kind whose ragged tensors are ``longest`` long:
+    joined after ``batch``, it pads ``batch`` to that length."""
+
+    def one(key: Any, t: torch.Tensor) -> torch.Tensor:
+        row = t[:1]
+        if key in ragged:
+            row = row.new_zeros((1, longest, *t.shape[2:]))
+        return row
+
+    if isinstance(batch, torch.Tensor):
+        return one(0, batch)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(
+            one(i, v) if isinstance(v, torch.Tensor) else v for i, v in enumerate(batch)
+        )
+    return {k: one(k, v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _first_rows(batch: Any, rows: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[:rows]
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(v[:rows] if isinstance(v, torch.Tensor) else v for v in batch)
+    return {k: v[:rows] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _where(step: Callable[..., Any]) -> str:
+    """Where the user's loop runs its backward: `` (your loop: FILE:LINE `that line`)``, or
+    nothing where its source cannot be read."""
+    try:
+        lines, first = inspect.getsourcelines(step)
+        file = inspect.getsourcefile(step)
+    except (OSError, TypeError):
+        return ""
+    for offset, line in enumerate(lines):
+        if ".backward(" in line:
+            return (
+                f"; your loop's backward: {file}:{first + offset}: {line.strip()}; write "
+                "instead: (loss_sum / window_items).backward(), loss_sum the micro-batch's "
+                "loss with reduction='sum' and window_items the items the whole window's "
+                "loss counts (labels that are not -100)"
+            )
+    return ""
 
 
 def compare(case: AuditWindow, tolerance: float = TOLERANCE) -> AuditResult:

@@ -18,7 +18,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Build your trainer with FUNCTION from FILE (a function of no arguments "
         "returning a transformers.Trainer or a subclass, TRL's included, configured as you "
         "train; or a Lightning Trainer with its module and data, as the tuple (trainer, "
-        "module, dataloader)), run one accumulated window its way and the same samples as "
+        "module, dataloader); or a plain loop, as a dict with step (step(model, "
+        "micro_batches) runs your window), loss (loss(model, batch): the mean loss), model "
+        "and micro_batches), run one accumulated window its way and the same samples as "
         "one batch, and "
         "report the relative error, the ratio to the large batch's gradient and the likely "
         "cause. No optimizer steps; the weights are left as they were. Exit status 1 when "
@@ -42,6 +44,14 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(trainer, tuple) and len(trainer) == 3:  # Lightning's three parts
             trainer, module, data = trainer
             result = audit(trainer, module=module, data=data, tolerance=args.tolerance)
+        elif isinstance(trainer, dict):  # a plain loop: step, loss, model, micro_batches
+            wanted = {"step", "loss", "model", "micro_batches", "pad", "join"}
+            if odd := sorted(set(trainer) - wanted):
+                raise ValueError(
+                    f"{args.target}() returned a dict with {', '.join(map(repr, odd))}: a plain "
+                    "loop's audit takes step, loss, model and micro_batches (pad, join)"
+                )
+            result = audit(**trainer, tolerance=args.tolerance)
         else:
             result = audit(trainer, tolerance=args.tolerance)
     except TypeError as err:  # not a trainer the audit knows
