@@ -521,3 +521,24 @@ def test_resume_reapplies_the_runs_activation_checkpointing(tmp_path):
             assert built.checkpointing and checkpointing_enabled(built.model), source
         finally:
             built.folder.release()
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        ({"n_layer": "2"}, "n_layer must be an integer >= 1, got '2'"),
+        ({"text_config": {"hidden_size": 8}}, "(its nested sections: text_config)"),
+        ({"model_type": "no-such-model"}, "transformers cannot make a causal LM of"),
+    ],
+)
+@pytest.mark.parametrize("command", ["train", "check"])
+def test_a_config_transformers_cannot_use_is_one_line_naming_the_key(tmp_path, command, config,
+                                                                      needle):  # fmt: skip
+    """A string where a number goes, or a nested section the model does not take: a 46-53
+    line traceback from transformers before (StrictDataclassFieldValidationError,
+    AttributeError)."""
+    base = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64,
+            "n_positions": 64}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({**base, **config}))
+    args = ("--steps", 1, "--out", tmp_path / "run") if command == "train" else ()
+    one_line(in_process(command, "--hf-model", tmp_path, *args), needle)

@@ -47,14 +47,6 @@ _NOT_KEYED = ("json", "plot", "replan", "export", "export_to", "meter", "margin"
 _NOT_KEYED += ("trace_limit",)
 # what a window's traces do not depend on: a question differing only in these reuses them
 _NOT_TRACED = ("budget", "micro_batch", "effective_batch", "checkpointing")
-_CONFIG_LARGEST = 4 << 20  # bytes: a model's config.json is kilobytes
-# a config's sizes: each an integer >= 1 where given (None: the model's default)
-_SIZES = (
-    "num_hidden_layers", "n_layer", "num_layers", "hidden_size", "n_embd", "d_model",
-    "num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "intermediate_size",
-    "n_inner", "vocab_size", "max_position_embeddings", "n_positions", "n_ctx", "head_dim",
-    "image_size", "patch_size", "num_channels", "num_labels",
-)  # fmt: skip
 _POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx")
 _PROGRESS = "progress: "  # the child's stderr lines that are progress, said as they come
 _EVERY = 5.0  # seconds between progress lines within one trace
@@ -63,36 +55,17 @@ _QUIET = 2.0  # seconds into a trace before it is said (a small model's say noth
 
 def config_problems(cfg: PlanConfig) -> list[str]:
     """Every problem of ``--hf-model``'s config.json that would otherwise end a trace (or
-    run one for a model that cannot be): a file too large to be a config, one that is not
-    JSON, no ``model_type``, sizes that are not integers >= 1, fewer positions than
-    ``--seq-len``. Read without blocking (a FIFO is refused, never opened for a read that
-    waits) and without transformers."""
+    run one for a model that cannot be): the checks every command makes
+    (``recipes.hf_config_problems``), and fewer positions than ``--seq-len``. Read without
+    transformers."""
     if cfg.hf_model is None:
         return []
-    from gradaccum.app.recipes import hf_config_file
+    from gradaccum.app.recipes import hf_config_file, hf_config_problems
 
     path = hf_config_file(cfg.hf_model)
-    try:
-        text = plan_cache.read_text(path, _CONFIG_LARGEST)
-    except ValueError as err:
-        return [f"--hf-model {path} {err}"]
-    if text is None:
-        return [f"--hf-model {path} does not exist"]
-    try:
-        data = json.loads(text)
-    except ValueError as err:
-        return [f"--hf-model {path} is not JSON ({err})"]
-    if not isinstance(data, dict):
-        return [f"--hf-model {path} is not a model configuration (a JSON object)"]
-    out = []
-    if not isinstance(data.get("model_type"), str) or not data.get("model_type"):
-        out.append(f"{path} has no model_type (llama, gpt2, qwen2, ...): it names the model")
-    for name in _SIZES:
-        value = data.get(name)
-        if value is None:
-            continue
-        if type(value) is not int or value < 1:
-            out.append(f"{path}: {name} must be an integer >= 1, got {value!r}")
+    data, out = hf_config_problems(path)
+    if data is None:
+        return [f"--hf-model {problem}" for problem in out]
     positions = [data[n] for n in _POSITIONS if type(data.get(n)) is int and data[n] >= 1]
     if positions and cfg.seq_len is not None and cfg.seq_len > min(positions):
         out.append(
@@ -782,7 +755,7 @@ class _Workload:
         from gradaccum.app.recipes import hf_recipe
         from gradaccum.integrations import hf_models
 
-        recipe = hf_recipe(cfg.hf_model)  # refuses remote code and unreadable configs
+        recipe = hf_recipe(cfg.hf_model, build_check=False)  # refuses remote code
         config = hf_models.config(cfg.hf_model)  # a folder or its config file
         task = task_of(config, cfg.task)
         if cfg.lora is not None and task != "causal-lm":

@@ -30,7 +30,9 @@ __all__ = [
     "epoch_order",
     "get_recipe",
     "held_out_loss",
+    "HF_SIZES",
     "hf_config_file",
+    "hf_config_problems",
     "hf_recipe",
 ]
 
@@ -208,6 +210,46 @@ def _digits_evaluate(
 # -- any Hugging Face causal LM from a local directory or config file ---------------------------
 
 
+_CONFIG_LARGEST = 4 << 20  # bytes: a model's config.json is kilobytes
+# a config's sizes: each an integer >= 1 where given (None: the model's default)
+HF_SIZES = (
+    "num_hidden_layers", "n_layer", "num_layers", "hidden_size", "n_embd", "d_model",
+    "num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "intermediate_size",
+    "n_inner", "vocab_size", "max_position_embeddings", "n_positions", "n_ctx", "head_dim",
+    "image_size", "patch_size", "num_channels", "num_labels",
+)  # fmt: skip
+
+
+def hf_config_problems(config_file: Any) -> tuple[dict[str, Any] | None, list[str]]:
+    """A model's config.json read as every command reads it, and every problem that would
+    otherwise end deep inside transformers: a file too large to be a config (never read
+    whole), one that is not a regular file (a FIFO is never opened for a read that waits),
+    not JSON, without ``model_type``, with sizes that are not integers >= 1, each named.
+    Returns (the JSON object or None, the problems)."""
+    from gradaccum.app.plan_cache import read_text
+
+    try:
+        text = read_text(config_file, _CONFIG_LARGEST)
+    except ValueError as err:
+        return None, [f"{config_file} {err}"]
+    if text is None:
+        return None, [f"{config_file} does not exist"]
+    try:
+        data = json.loads(text.removeprefix("\ufeff"))
+    except ValueError as err:
+        return None, [f"{config_file} is not a model configuration JSON ({err})"]
+    if not isinstance(data, dict):
+        return None, [f"{config_file} is not a model configuration (a JSON object)"]
+    out = []
+    if not isinstance(data.get("model_type"), str) or not data.get("model_type"):
+        out.append(f"{config_file} has no model_type (llama, gpt2, qwen2, ...): it names the model")
+    for name in HF_SIZES:
+        value = data.get(name)
+        if value is not None and (type(value) is not int or value < 1):
+            out.append(f"{config_file}: {name} must be an integer >= 1, got {value!r}")
+    return data, out
+
+
 def hf_config_file(path: Any) -> Any:
     """The config.json of a Hugging Face model folder, or ``path`` itself when it is a file."""
     from pathlib import Path
@@ -216,13 +258,15 @@ def hf_config_file(path: Any) -> Any:
     return source / "config.json" if source.is_dir() else source
 
 
-def hf_recipe(path: str) -> Recipe:
+def hf_recipe(path: str, build_check: bool = True) -> Recipe:
     """A ``transformers`` causal LM from a local directory (weights, or a config.json only:
     random init) or a config JSON file; never the hub, and never the folder's own code: a
     config.json or tokenizer_config.json with ``auto_map`` is refused before transformers
     reads anything, and every load passes ``trust_remote_code=False``. Data: the stdlib
     corpus, tokenized with the directory's tokenizer when it has one, else bytes modulo the
-    vocabulary."""
+    vocabulary. ``build_check``: a causal LM is built from the config on the meta device
+    first, so that what transformers cannot build is one line now, not a traceback later
+    (the memory estimate, which builds the config's own head, checks its own)."""
     from pathlib import Path
 
     source = Path(path)
@@ -234,13 +278,9 @@ def hf_recipe(path: str) -> Recipe:
             f"--hf-model {path}: no config.json in that folder, so it is not a Hugging Face "
             "model folder (models are read from local files only, never the hub)"
         )
-    try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        reason = err.msg if isinstance(err, json.JSONDecodeError) else type(err).__name__
-        raise ValueError(
-            f"--hf-model {path}: {config_file} is not a model configuration JSON ({reason})"
-        ) from None
+    raw, problems = hf_config_problems(config_file)
+    if problems:
+        raise ValueError(f"--hf-model {path}: " + "; ".join(problems))
     _refuse_custom_code(path, config_file, raw)
     tokenizer_config = source / "tokenizer_config.json"
     if source.is_dir() and tokenizer_config.is_file():
@@ -252,12 +292,21 @@ def hf_recipe(path: str) -> Recipe:
         from gradaccum.integrations import hf_models
     except ImportError as err:
         raise ValueError("--hf-model needs transformers: pip install 'gradaccum[hf]'") from err
-    try:
+    try:  # transformers' own checks, and a model built from it on the meta device (no memory)
         config = hf_models.config(config_file)
-    except (OSError, ValueError) as err:
+        if build_check:
+            with torch.device("meta"):
+                hf_models.causal_lm(config)
+    except Exception as err:  # noqa: BLE001 (whatever transformers raises: one line)
+        reason = (str(err).strip().splitlines() or [""])[0][:200]
+        detail = " ".join(line.strip() for line in str(err).strip().splitlines()[1:2])[:200]
+        usual = ("rope_scaling", "quantization_config", "id2label", "label2id", "rope_parameters",
+                 "task_specific_params")  # fmt: skip
+        nested = [k for k, v in raw.items() if isinstance(v, dict) and k not in usual]
+        hint = f" (its nested sections: {', '.join(nested)})" if nested else ""
         raise ValueError(
-            f"--hf-model {path}: {config_file} is not a model configuration JSON "
-            f"({type(err).__name__})"
+            f"--hf-model {path}: transformers cannot make a causal LM of {config_file}: "
+            f"{type(err).__name__}: {reason}{' ' + detail if detail else ''}{hint}"
         ) from None
     has_weights = source.is_dir() and any(
         (source / n).exists() for n in ("model.safetensors", "pytorch_model.bin")
