@@ -180,6 +180,53 @@ def test_a_link_out_of_the_data_folder_is_refused_and_one_inside_it_is_read(tmp_
         read_records(data)
 
 
+def _within(seconds, fn, *args):
+    """fn(*args) in a thread: what it raised, or a failure where it has not returned in
+    ``seconds`` (a read that blocks forever must fail the test, not hang it)."""
+    import threading
+
+    caught = []
+
+    def run():
+        try:
+            fn(*args)
+        except BaseException as err:  # noqa: BLE001
+            caught.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn.__name__} still running after {seconds} s"
+    return caught[0] if caught else None
+
+
+def test_a_fifo_given_as_data_is_refused_not_read(tmp_path):
+    """Given a FIFO, the read blocked in open() forever with no output (issue 58)."""
+    import os
+
+    fifo = tmp_path / "stream.txt"
+    os.mkfifo(fifo)
+    err = _within(10, read_records, fifo)
+    assert isinstance(err, DataError) and "is a FIFO (named pipe), not a file" in str(err)
+
+
+def test_symbolic_link_loops_are_named_as_loops(tmp_path):
+    """A loop inside the folder was RuntimeError: Symlink loop (a traceback); --data itself a
+    loop said 'no such file' (issue 58)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("alpha\n")
+    (data / "loop.txt").symlink_to(data / "loop.txt")
+    with pytest.raises(DataError, match=r"loop.txt is a symbolic link loop"):
+        read_records(data)
+    with pytest.raises(DataError, match=r"--data .*loop.txt: is a symbolic link loop"):
+        read_records(data / "loop.txt")
+    (data / "loop.txt").unlink()
+    (data / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    with pytest.raises(DataError, match=r"gone.txt is a symbolic link to .*nowhere.txt, which"):
+        read_records(data)
+
+
 @pytest.mark.parametrize("vocab, dtype", [(256, torch.uint8), (30_000, torch.int16)])
 def test_the_cache_holds_ids_in_the_narrowest_type_and_reads_back_exactly(tmp_path, vocab, dtype):
     data = tmp_path / "d.jsonl"

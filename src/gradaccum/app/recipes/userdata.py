@@ -20,10 +20,12 @@ back instead of tokenizing again.
 from __future__ import annotations
 
 import codecs
+import errno
 import hashlib
 import json
 import math
 import os
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -75,22 +77,62 @@ def byte_encoder(max_len: int) -> Encoder:
 
 def _files(path: Path) -> list[Path]:
     if not path.exists():
+        if path.is_symlink():
+            raise DataError(f"--data {path}: {_broken_link(path)}")
         raise DataError(f"--data {path}: no such file or directory")
     if path.is_dir():
         root, entries = path.resolve(), list(path.rglob("*"))  # one walk of the folder
         for entry in entries:
-            if entry.is_symlink() and not entry.resolve().is_relative_to(root):
+            if not entry.is_symlink():
+                continue
+            try:
+                target = entry.resolve(strict=True)
+            except (OSError, RuntimeError):
+                raise DataError(f"--data {path}: {entry} {_broken_link(entry)}") from None
+            if not target.is_relative_to(root):
                 raise DataError(
-                    f"--data {path}: {entry} is a link to {entry.resolve()}, outside the "
+                    f"--data {path}: {entry} is a link to {target}, outside the "
                     "folder; copy what it names into the folder, or give it as --data itself"
                 )
         files = sorted(p for p in entries if p.is_file() and p.suffix in SUFFIXES)
         if not files:
             raise DataError(f"--data {path}: the folder holds no .txt or .jsonl file")
         return files
+    if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block its read forever
+        raise DataError(
+            f"--data {path}: {_kind(path)}, not a file: give a .txt or .jsonl file or a "
+            "folder of them (save a stream to a file first)"
+        )
     if path.suffix not in SUFFIXES:
         raise DataError(f"--data {path}: expected a .txt or .jsonl file or a folder of them")
     return [path]
+
+
+def _broken_link(link: Path) -> str:
+    """What is wrong with a symbolic link that does not lead to a file."""
+    try:
+        link.resolve(strict=True)
+    except RuntimeError:  # Python's own word for a loop (3.11: "Symlink loop")
+        return "is a symbolic link loop (it leads back to itself); remove or repoint it"
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "is a symbolic link loop (it leads back to itself); remove or repoint it"
+        return f"is a symbolic link to {os.readlink(link)}, which does not exist"
+    return "is a symbolic link that cannot be followed"
+
+
+def _kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    kinds = (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    for test, name in kinds:
+        if test(mode):
+            return f"is {name}"
+    return "is not a regular file"
 
 
 CHUNK = 1 << 20  # files are checked and hashed a MiB at a time, never read whole for it
