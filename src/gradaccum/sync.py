@@ -64,6 +64,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum.batching import map_tensors
+from gradaccum.checkpoint import loadable
 from gradaccum.window import total_norm
 
 # FSDP2's module class, imported only once something else has imported FSDP: importing it
@@ -381,7 +382,9 @@ class Sync:
         return self.inner.state_dict(), optimizer.state_dict()
 
     def load_state_dicts(self, optimizer: torch.optim.Optimizer, model: Any, state: Any) -> None:
-        """Restore what ``state_dicts`` gave."""
+        """Restore what ``state_dicts`` gave; what would not load is refused first, before
+        anything changes (torch's module load copies what matches before it raises)."""
+        loadable(self.inner, optimizer, model, state)
         self.inner.load_state_dict(model)
         optimizer.load_state_dict(state)
 

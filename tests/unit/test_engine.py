@@ -304,3 +304,30 @@ def test_accumulated_gradient_is_the_raw_sum_on_every_path(path, precision):
     errors = [max_rel_err(got, want) for got, want in zip(seen, expected, strict=True)]
     print(f"{path} {precision}: accumulated_gradient() against the summed gradients {errors}")
     assert max(errors) <= 1e-5
+
+
+def test_load_state_dict_refuses_another_optimizer_layout_before_changing_anything():
+    """It raised only after the model's weights were overwritten (issue 58), against its
+    docstring's 'before changing anything'."""
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    two_groups = torch.optim.SGD(
+        [{"params": source[0].parameters()}, {"params": source[1].parameters(), "lr": 0.1}],
+        lr=0.01,
+    )
+    saved = ga.Accumulator(source, two_groups).state_dict()
+    torch.manual_seed(1)
+    target = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    acc = ga.Accumulator(target, torch.optim.SGD(target.parameters(), lr=0.01))
+    with pytest.raises(
+        ValueError, match=r"parameter groups hold \[4\] parameters, the checkpoint's \[2, 2\]"
+    ):
+        acc.load_state_dict(saved)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    # a model of other shapes: named, nothing changed either
+    saved["model"]["1.weight"] = torch.zeros(3, 4)
+    saved["optimizer"] = acc.optimizer.state_dict()
+    with pytest.raises(ValueError, match=r"1.weight is \(3, 4\), the model's \(2, 4\)"):
+        acc.load_state_dict(saved)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
