@@ -542,3 +542,25 @@ def test_a_config_transformers_cannot_use_is_one_line_naming_the_key(tmp_path, c
     (tmp_path / "config.json").write_text(json.dumps({**base, **config}))
     args = ("--steps", 1, "--out", tmp_path / "run") if command == "train" else ()
     one_line(in_process(command, "--hf-model", tmp_path, *args), needle)
+
+
+def test_a_checkpoint_of_a_newer_format_says_which_gradaccum_reads_it(tmp_path):
+    """It was answered with 'move it away to resume the run from step 0', which throws the
+    training away (issue 58)."""
+    import torch
+
+    from gradaccum.app.checkpoints import DIGEST, WRITTEN_BY
+    from gradaccum.checkpoint import state_digest
+
+    run = tmp_path / "run"
+    done = in_process("train", *DIGITS, "--steps", 1, "--out", run)
+    assert done.returncode == 0, done.stderr
+    saved = torch.load(run / "checkpoint.pt", weights_only=True)
+    saved.pop(DIGEST)
+    saved.update({"format": "gradaccum.run/2", WRITTEN_BY: "0.9.0"})
+    torch.save({**saved, DIGEST: state_digest(saved)}, run / "checkpoint.pt")
+    before = (run / "checkpoint.pt").read_bytes()
+    refused = in_process("train", "--resume", run, "--steps", 2)
+    one_line(refused, "written by gradaccum 0.9.0", "resume with gradaccum 0.9.0 or newer")
+    assert "move it away" not in refused.stderr
+    assert (run / "checkpoint.pt").read_bytes() == before  # nothing lost

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from gradaccum.app import launch, planning
-from gradaccum.app.checkpoints import PROCESSES, Checkpoints
+from gradaccum.app.checkpoints import PROCESSES, Checkpoints, NewerCheckpoint
 from gradaccum.app.config import RESUMABLE, TrainConfig
 from gradaccum.app.folder import BASELINE, CHECKPOINT, CONFIG, RESUMES, RunFolder
 from gradaccum.app.guard import IncidentGuard
@@ -277,6 +277,8 @@ def _resume_from(kind: RunKind, folder: RunFolder, device: torch.device, log):
         saved, problem = None, None
         try:
             saved = kind.load_saved(folder, device, file)
+        except NewerCheckpoint:
+            raise  # whole, only too new: nothing to fall back from or to move away
         except ValueError as err:
             problem = str(err)
         if file is None and saved is None and problem is None:

@@ -32,10 +32,26 @@ DIGEST = "sha256"  # a checkpoint's checksum, over everything else in it
 PROCESSES = "processes"
 
 
+WRITTEN_BY = "written_by"  # the gradaccum version that wrote a checkpoint
+
+
+class NewerCheckpoint(ValueError):
+    """A checkpoint of a format this gradaccum does not read: written by a newer one. Not
+    damage: nothing to fall back from, and the run is whole."""
+
+
 def sealed(state: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint as written: its format, and the checksum of everything in it."""
-    whole = {"format": CHECKPOINT_FORMAT, **state}
+    """A checkpoint as written: its format, the version that wrote it, and the checksum of
+    everything in it."""
+    from gradaccum import __version__
+
+    whole = {"format": CHECKPOINT_FORMAT, WRITTEN_BY: __version__, **state}
     return {**whole, DIGEST: state_digest(whole)}
+
+
+def _format_number(format: Any) -> int | None:
+    name, _, number = str(format).rpartition("/")
+    return int(number) if name == "gradaccum.run" and number.isdigit() else None
 
 
 def read_sealed(file: Path, device: torch.device) -> dict[str, Any]:
@@ -53,6 +69,18 @@ def read_sealed(file: Path, device: torch.device) -> dict[str, Any]:
             "is truncated, damaged or not a checkpoint"
         ) from None
     if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT:
+        theirs = _format_number(saved.get("format")) if isinstance(saved, dict) else None
+        if theirs is not None and theirs > _format_number(CHECKPOINT_FORMAT):
+            from gradaccum import __version__
+
+            by = saved.get(WRITTEN_BY)
+            raise NewerCheckpoint(
+                f"{file} is a checkpoint of format {saved['format']}, written by "
+                f"{'gradaccum ' + str(by) if by else 'a newer gradaccum'}; this gradaccum "
+                f"({__version__}) reads {CHECKPOINT_FORMAT}: resume with "
+                f"{'gradaccum ' + str(by) if by else 'the gradaccum that wrote it'} or newer "
+                "(the run is whole: nothing to move away)"
+            )
         raise ValueError(f"{file} is not a gradaccum run checkpoint")
     recorded = saved.pop(DIGEST, None)
     if recorded is not None and state_digest(saved) != recorded:
