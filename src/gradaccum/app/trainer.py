@@ -76,7 +76,10 @@ class Trainer:
         )  # fmt: skip
         stopped = self.checkpointer.stopped
         every = cfg.output.eval_every
-        self.evaluator = Evaluator(run.kind, run.data, run.model, run.eval_size, every)
+        self.evaluator = Evaluator(
+            run.kind, run.data, run.model, run.eval_size, every,
+            stopped=lambda: bool(self.stops.requested),
+        )  # fmt: skip
         self.exporter = Exporter(cfg, run.folder, run.model, run.kind, log, stopped)
         self.sink = MetricsSink(
             run.folder, p, run.recipe.item, log, writes=run.main,
@@ -245,7 +248,8 @@ class Trainer:
         0; the other ranks take part in a collective evaluation and return their rank)."""
         run = self.run
         lines = run.folder.metrics() if run.main else []  # read once, for both
-        last_eval = self.evaluator.final(lines[-1] if lines else None)
+        signal = run.progress.stopped_by == "signal"  # the resume evaluates, not the stop
+        last_eval = self.evaluator.final(lines[-1] if lines else None, signal=signal) or {}
         if not run.main:
             return {"rank": run.kind.rank}
         return report(run, self.log, seconds, lines, last_eval, table=table)
