@@ -564,3 +564,22 @@ def test_a_checkpoint_of_a_newer_format_says_which_gradaccum_reads_it(tmp_path):
     one_line(refused, "written by gradaccum 0.9.0", "resume with gradaccum 0.9.0 or newer")
     assert "move it away" not in refused.stderr
     assert (run / "checkpoint.pt").read_bytes() == before  # nothing lost
+
+
+def test_a_hand_edited_config_json_is_said_and_recorded_on_resume(tmp_path):
+    """It was used with no message and no record (lr 0.5: loss 3.5 -> 15.8; issue 58)."""
+    run = tmp_path / "run"
+    done = in_process("train", *DIGITS, "--steps", 1, "--out", run)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((run / "config.json").read_text())
+    old_lr = config["lr"]
+    (run / "config.json").write_text(json.dumps({**config, "lr": 0.5}))
+    resumed = in_process("train", "--resume", run, "--steps", 2)
+    assert resumed.returncode == 0, resumed.stderr
+    said = resumed.stdout + resumed.stderr
+    assert (
+        f"config.json was edited since the checkpoint of step 1 was written: lr {old_lr!r} -> 0.5"
+        in said
+    )
+    (line,) = [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()]
+    assert line["edited"] == {"lr": [old_lr, 0.5]}

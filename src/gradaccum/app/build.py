@@ -5,6 +5,7 @@ model, data, optimizer and window runner (each as the kind of run makes it), the
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
@@ -195,7 +196,9 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log, cached=None) ->
     then = saved.get(PROCESSES) if saved is not None else None
     _check_processes(then, cfg, kind, folder.path)
     if main and resuming:
-        _record_resume(folder, saved_cfg, cfg, saved["step"] if saved else 0, then, kind, log)
+        trained = saved.get("config") if saved else None
+        _record_resume(folder, saved_cfg, cfg, saved["step"] if saved else 0, then, kind, log,
+                       trained)  # fmt: skip
     elif main:
         folder.write_json(CONFIG, cfg.flat())  # first: a crash is resumable
     if main and loaded is not None:
@@ -431,12 +434,27 @@ def _record_resume(
     then: int | None,
     kind: RunKind,
     log,
+    trained: dict[str, Any] | None = None,
 ) -> None:
     """config.json becomes what the run now trains with; resumes.jsonl says what changed
-    (another process count too, said in one line: ``_check_processes`` allowed it)."""
+    (another process count too, said in one line: ``_check_processes`` allowed it), and
+    what config.json says that the checkpoint's session did not train with (``trained``: a
+    hand edit of the file, said in one line and recorded as ``edited``)."""
     mine = cfg.flat()
     changed = {k: [saved.get(k), mine[k]] for k in RESUMABLE if saved.get(k) != mine[k]}
     line: dict[str, Any] = {"step": start, "changed": changed}
+    edited = {
+        k: [trained[k], v]
+        for k, v in json.loads(json.dumps(saved, default=str)).items()
+        if trained is not None and k in trained and trained[k] != v
+    }
+    if edited:
+        line["edited"] = edited
+        said = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in edited.items())
+        log(
+            f"config.json was edited since the checkpoint of step {start} was written: "
+            f"{said}; the run trains with the edit (recorded in {RESUMES})"
+        )
     if then is not None and then != kind.world:
         line[PROCESSES] = [then, kind.world]
         log(

@@ -10,6 +10,7 @@ checkpoint's body and its reading, one place for the format every version since 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -151,6 +152,9 @@ class Run:
             "last_incident": p.last_incident,
             "elapsed": p.elapsed,
             "targets": self.targets.observed,
+            # what this session trained with, as config.json says it: a resume finds a hand
+            # edit of config.json against it
+            "config": json.loads(json.dumps(self.cfg.flat(), default=str)),
         }
 
     def restore(self, saved: dict[str, Any], *, rollback: bool = False) -> None:
