@@ -95,7 +95,10 @@ def test_the_printed_summary_counts_with_thousands_separators(trained):
     summary = json.loads((trained / "summary.json").read_text())
     summary["items"], summary["samples"] = 1_219_200, 9_600  # a demo's counts
     rows = dict(line.split("  ", 1) for line in summary_table(summary).splitlines() if "  " in line)
-    assert rows["items seen"].strip() == "1,219,200" and rows["samples seen"].strip() == "9,600"
+    # the recipe's own item names the count (issue 58: "items seen" where the items were
+    # bytes); digits' items are images
+    assert rows["images seen"].strip() == "1,219,200" and rows["samples seen"].strip() == "9,600"
+    assert "items seen" not in rows
     assert rows["optimizer steps"].strip() == "4"
 
 
@@ -296,7 +299,7 @@ def test_every_number_a_run_writes_is_in_the_one_metrics_table(run):
     """metrics.jsonl's keys are the table's STEP names (and the recipe's eval_* ones), and
     summary.json holds every SUMMARY name: a number the table does not know is a test failure,
     so a new metric is added to the table, which the summary, report and TensorBoard read."""
-    from gradaccum.app.report.metrics import STEP, SUMMARY
+    from gradaccum.app.report.metrics import STEP, SUMMARY, item_label
 
     step_names = {m.name for m in STEP}
     for line in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()):
@@ -304,7 +307,7 @@ def test_every_number_a_run_writes_is_in_the_one_metrics_table(run):
     summary = json.loads((run / "summary.json").read_text())
     assert {m.name for m in SUMMARY} <= set(summary)
     labels = {r[0] for r in Page(render(run)).rows}
-    assert {m.label for m in SUMMARY if m.page} <= labels
+    assert {item_label(m.name, m.label, summary) for m in SUMMARY if m.page} <= labels
 
 
 def test_cli_report(run, tmp_path, capsys):
@@ -643,3 +646,17 @@ def test_the_page_leaves_out_the_trade_off_the_console_leaves_out(run):
     (run / "summary.json").write_text(json.dumps(summary))
     page = render(run)
     assert "trade-off" not in page and said not in page
+
+
+def test_a_resume_says_how_the_session_before_it_ended(run):
+    """After a stop on SIGINT the Resumes row said 'what changed: nothing' (issue 58)."""
+    from gradaccum.app.build import previous_stop
+    from gradaccum.app.folder import RunFolder
+
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "stopped_by": "signal"}))
+    after = previous_stop(RunFolder(run))
+    assert after == "a stop signal (checkpointed)"
+    (run / "resumes.jsonl").write_text(json.dumps({"step": 4, "changed": {}, "after": after}))
+    page = Page(render(run))
+    assert ["4", "after: a stop signal (checkpointed)\nno setting"] in page.rows, page.rows

@@ -17,7 +17,7 @@ import torch
 from gradaccum.app import launch, planning
 from gradaccum.app.checkpoints import PROCESSES, Checkpoints, NewerCheckpoint
 from gradaccum.app.config import RESUMABLE, TrainConfig
-from gradaccum.app.folder import BASELINE, CHECKPOINT, CONFIG, RESUMES, RunFolder
+from gradaccum.app.folder import BASELINE, CHECKPOINT, CONFIG, RESUMES, SUMMARY, RunFolder
 from gradaccum.app.guard import IncidentGuard
 from gradaccum.app.kinds import RunKind
 from gradaccum.app.recipes import Recipe, get_recipe, hf_recipe
@@ -422,6 +422,26 @@ def _check_processes(then: int | None, cfg: TrainConfig, kind: RunKind, path: Pa
         )
 
 
+def previous_stop(folder: RunFolder) -> str | None:
+    """How the session before a resume ended, in a few words: its summary.json's stop, or,
+    with no summary written since its checkpoint, that it ended without one (a crash, a
+    kill). None for a run that has no record of either."""
+    summary, checkpoint = folder.path / SUMMARY, folder.path / CHECKPOINT
+    if not summary.is_file():
+        return "ended without a summary (killed or crashed)" if checkpoint.is_file() else None
+    if checkpoint.is_file() and checkpoint.stat().st_mtime_ns > summary.stat().st_mtime_ns:
+        return "ended without a summary (killed or crashed)"
+    try:
+        stopped = json.loads(summary.read_text()).get("stopped_by")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return {
+        "signal": "a stop signal (checkpointed)",
+        "length": "its length",
+        "guard": "the incident guard",
+    }.get(stopped, str(stopped).replace("_", " ") if stopped else "its end")
+
+
 def _processes(n: int) -> str:
     return f"{n} process{'es' if n != 1 else ''}"
 
@@ -443,6 +463,9 @@ def _record_resume(
     mine = cfg.flat()
     changed = {k: [saved.get(k), mine[k]] for k in RESUMABLE if saved.get(k) != mine[k]}
     line: dict[str, Any] = {"step": start, "changed": changed}
+    before = previous_stop(folder)
+    if before is not None:  # why the session before this one ended
+        line["after"] = before
     edited = {
         k: [trained[k], v]
         for k, v in json.loads(json.dumps(saved, default=str)).items()

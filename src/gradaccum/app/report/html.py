@@ -36,7 +36,7 @@ from gradaccum.app.folder import (
     RunFolder,
 )
 from gradaccum.app.folder import SUMMARY as SUMMARY_JSON
-from gradaccum.app.report.metrics import SUMMARY
+from gradaccum.app.report.metrics import SUMMARY, item_label
 from gradaccum.memory import format_bytes
 from gradaccum.plan import Fit, Plan
 from gradaccum.plan.result import TIMING_HEAD, format_seconds, line_error
@@ -604,7 +604,7 @@ SUMMARY_ROWS = {
     for m in SUMMARY
     if m.page
 }
-SHOWN_ELSEWHERE = {"targets", "stopped_by"}
+SHOWN_ELSEWHERE = {"targets", "stopped_by", "item"}
 
 
 def _summary(summary: dict[str, Any] | None, metrics: list[dict[str, Any]]) -> str:
@@ -618,6 +618,7 @@ def _summary(summary: dict[str, Any] | None, metrics: list[dict[str, Any]]) -> s
     rows: list[list[Cell]] = []
     held_out = [k for k in summary if k.startswith("held_out_")]
     for key, (label, fmt, cls) in SUMMARY_ROWS.items():
+        label = item_label(key, label, summary)
         if key in summary:
             try:
                 value = fmt(summary[key])
@@ -751,10 +752,12 @@ def _resumes(resumes: list[dict[str, Any]]) -> str:
                 else f"{k}: {_raw(v)}"
                 for k, v in changed.items()
             )
-            text = text or "nothing"
+            text = text or "no setting"
         else:
             text = _raw(changed)
-        extra = {k: v for k, v in r.items() if k not in ("step", "changed")}
+        if r.get("after"):
+            text = f"after: {r['after']}\n{text}"
+        extra = {k: v for k, v in r.items() if k not in ("step", "changed", "after")}
         if extra:
             text += "\n" + "\n".join(f"{k}: {_raw(v)}" for k, v in extra.items())
         rows.append([_num(r.get("step")), (text, "lines mono")])

@@ -10,8 +10,9 @@ Units: "" (a plain number), "bytes", "seconds", "samples", "items", "changes" (a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["STEP", "SUMMARY", "Metric"]
+__all__ = ["STEP", "SUMMARY", "Metric", "item_label"]
 
 
 @dataclass(frozen=True)
@@ -67,3 +68,13 @@ SUMMARY = (
     # the console says the advice alone; the page says what the console says
     Metric("noise_tradeoff", "the effective batch's trade-off", "text", printed=False, page=False),
 )
+
+
+def item_label(name: str, label: str, summary: dict[str, Any]) -> str:
+    """A summary row's label, with the run's own item where the row counts items: "bytes
+    seen" for the byte-level GPT, "tokens seen", "images seen" (``summary["item"]``, the
+    recipe's); the generic label for a run that did not record its item."""
+    item = summary.get("item")
+    if name == "items" and isinstance(item, str) and item:
+        return f"{item}s seen"
+    return label

@@ -9,7 +9,7 @@ import torch
 from gradaccum.app.folder import BASELINE, INCIDENTS, TENSORBOARD
 from gradaccum.app.folder import SUMMARY as SUMMARY_JSON
 from gradaccum.app.report import plots
-from gradaccum.app.report.metrics import SUMMARY
+from gradaccum.app.report.metrics import SUMMARY, item_label
 from gradaccum.app.run import Run
 from gradaccum.engine import Accumulator
 from gradaccum.memory import format_bytes
@@ -32,6 +32,7 @@ def report(
     if progress.step == progress.start and progress.stopped_by == "length":
         log(f"{out} already trained {progress.length()}; nothing to do")
     summary = _summarize(lines, acc, last_eval, seconds, run.device)
+    summary["item"] = run.recipe.item  # what "items" counts: bytes, tokens, images
     incidents = run.folder.lines(INCIDENTS)
     schedule = run.schedule
     reading = None if acc.noise is None else acc.noise.reading()
@@ -152,7 +153,7 @@ def summary_table(s: dict[str, Any]) -> str:
             ]
             rows += baseline_rows(s.get("baseline"))
             continue
-        rows.append((m.label, fmt(s[m.name], m.unit)))
+        rows.append((item_label(m.name, m.label, s), fmt(s[m.name], m.unit)))
     rows += [
         ("stopped by", _STOPPED[s["stopped_by"]]),
         *[
