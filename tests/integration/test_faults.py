@@ -583,3 +583,14 @@ def test_a_hand_edited_config_json_is_said_and_recorded_on_resume(tmp_path):
     )
     (line,) = [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()]
     assert line["edited"] == {"lr": [old_lr, 0.5]}
+
+
+@pytest.mark.parametrize("file", ["config.json", "tokenizer_config.json"])
+def test_a_json_file_with_a_byte_order_mark_is_named(tmp_path, file):
+    """A tokenizer_config.json saved with a BOM was named nowhere (issue 58)."""
+    config = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64,
+              "n_positions": 64}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / file).write_bytes(b"\xef\xbb\xbf" + json.dumps(config if file == "config.json"
+                                  else {"model_max_length": 64}).encode())  # fmt: skip
+    one_line(in_process("check", "--hf-model", tmp_path), f"{file} starts with a byte-order mark")

@@ -211,6 +211,10 @@ def _digits_evaluate(
 
 
 _CONFIG_LARGEST = 4 << 20  # bytes: a model's config.json is kilobytes
+_BOM = (
+    "{file} starts with a byte-order mark (BOM, as some Windows editors save UTF-8), which "
+    "transformers' JSON reader refuses: save it as UTF-8 without a BOM"
+)
 # a config's sizes: each an integer >= 1 where given (None: the model's default)
 HF_SIZES = (
     "num_hidden_layers", "n_layer", "num_layers", "hidden_size", "n_embd", "d_model",
@@ -234,8 +238,10 @@ def hf_config_problems(config_file: Any) -> tuple[dict[str, Any] | None, list[st
         return None, [f"{config_file} {err}"]
     if text is None:
         return None, [f"{config_file} does not exist"]
+    if text.startswith("\ufeff"):
+        return None, [_BOM.format(file=config_file)]
     try:
-        data = json.loads(text.removeprefix("\ufeff"))
+        data = json.loads(text)
     except ValueError as err:
         return None, [f"{config_file} is not a model configuration JSON ({err})"]
     if not isinstance(data, dict):
@@ -284,6 +290,9 @@ def hf_recipe(path: str, build_check: bool = True) -> Recipe:
     _refuse_custom_code(path, config_file, raw)
     tokenizer_config = source / "tokenizer_config.json"
     if source.is_dir() and tokenizer_config.is_file():
+        with tokenizer_config.open("rb") as f:
+            if f.read(3) == b"\xef\xbb\xbf":
+                raise ValueError(f"--hf-model {path}: " + _BOM.format(file=tokenizer_config))
         try:
             _refuse_custom_code(path, tokenizer_config, json.loads(tokenizer_config.read_text()))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
