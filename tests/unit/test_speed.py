@@ -219,7 +219,9 @@ def test_no_round_runs_past_the_budget():
     """A budget shorter than one round of windows: the short windows only, then the largest,
     untimed, within the budget's order of time."""
     model, optimizer, x = setup()
-    window = real_window(model, optimizer, x)
+    # timed by the work (a real window's wall clock under load moved the budget: issue 58's
+    # 'assert 8 == 32' under a loaded make test)
+    window = work_clock(real_window(model, optimizer, x))
     one = window(window_sizes(PER_RANK, 32))
     result = race(window, [32, 16, 8], PER_RANK, one * 0.5)
     assert result.chosen == 32 and "time planning allows" in result.why
