@@ -165,6 +165,11 @@ def _main(argv: list[str] | None) -> int:
         except ValueError as err:  # bad input: one clear line, no traceback
             if debug:
                 raise
+            if interrupted and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+                # a stop that landed inside an import (sklearn's, the digits recipe's data)
+                # leaves it half made, and the recipe's refusal of the missing package
+                # follows: the stop was the user's, said as such
+                return _stopped(interrupted[0])
             from gradaccum.app.planning import as_flags  # the library's words as flags
 
             _for_the_job(f"gradaccum: error: {as_flags(str(err))}")
