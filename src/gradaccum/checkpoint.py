@@ -190,41 +190,6 @@ def check_state(
         raise ValueError(f"checkpoint has unknown accumulator fields {sorted(unknown)}")
 
 
-def loadable(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Any, state: Any):
-    """Refuse, before anything is loaded, a model state dict or an optimizer state dict that
-    their own ``load_state_dict`` would refuse part way (torch's module load copies every
-    tensor that matches before it raises for the rest): every problem in one ValueError."""
-    problems = []
-    mine = model.state_dict()
-    if not isinstance(saved, Mapping):
-        raise ValueError(f"checkpoint's model state is a {type(saved).__name__}, not a state dict")
-    missing = [k for k in mine if k not in saved]
-    unexpected = [k for k in saved if k not in mine]
-    if missing:
-        problems.append(f"the model's {', '.join(missing[:3])} not in it ({len(missing)} in all)")
-    if unexpected:
-        problems.append(f"{', '.join(unexpected[:3])} not in the model ({len(unexpected)} in all)")
-    shapes = [
-        f"{k} is {tuple(saved[k].shape)}, the model's {tuple(t.shape)}"
-        for k, t in mine.items()
-        if isinstance(saved.get(k), torch.Tensor) and saved[k].shape != t.shape
-    ]
-    if shapes:
-        more = f" ({len(shapes)} tensors in all)" if len(shapes) > 3 else ""
-        problems.append("; ".join(shapes[:3]) + more)
-    groups = state.get("param_groups") if isinstance(state, Mapping) else None
-    if groups is not None:
-        have = [len(g["params"]) for g in optimizer.param_groups]
-        got = [len(g.get("params", ())) for g in groups]
-        if have != got:
-            problems.append(
-                f"the optimizer's parameter groups hold {have} parameters, the checkpoint's "
-                f"{got} (another optimizer setup)"
-            )
-    if problems:
-        raise ValueError("checkpoint does not fit this model and optimizer: " + "; ".join(problems))
-
-
 @contextlib.contextmanager
 def preserved_rng() -> Iterator[None]:
     """Every generator ``rng_state`` knows (CUDA's too, when initialized) is as it was when

@@ -56,7 +56,7 @@ import contextvars
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -64,7 +64,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum.batching import map_tensors
-from gradaccum.checkpoint import loadable
 from gradaccum.window import total_norm
 
 # FSDP2's module class, imported only once something else has imported FSDP: importing it
@@ -384,9 +383,44 @@ class Sync:
     def load_state_dicts(self, optimizer: torch.optim.Optimizer, model: Any, state: Any) -> None:
         """Restore what ``state_dicts`` gave; what would not load is refused first, before
         anything changes (torch's module load copies what matches before it raises)."""
-        loadable(self.inner, optimizer, model, state)
+        _loadable(self.inner, optimizer, model, state)
         self.inner.load_state_dict(model)
         optimizer.load_state_dict(state)
+
+
+def _loadable(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Any, state: Any):
+    """Refuse, before anything is loaded, a model state dict or an optimizer state dict that
+    their own ``load_state_dict`` would refuse part way (torch's module load copies every
+    tensor that matches before it raises for the rest): every problem in one ValueError."""
+    problems = []
+    mine = model.state_dict()
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"checkpoint's model state is a {type(saved).__name__}, not a state dict")
+    missing = [k for k in mine if k not in saved]
+    unexpected = [k for k in saved if k not in mine]
+    if missing:
+        problems.append(f"the model's {', '.join(missing[:3])} not in it ({len(missing)} in all)")
+    if unexpected:
+        problems.append(f"{', '.join(unexpected[:3])} not in the model ({len(unexpected)} in all)")
+    shapes = [
+        f"{k} is {tuple(saved[k].shape)}, the model's {tuple(t.shape)}"
+        for k, t in mine.items()
+        if isinstance(saved.get(k), torch.Tensor) and saved[k].shape != t.shape
+    ]
+    if shapes:
+        more = f" ({len(shapes)} tensors in all)" if len(shapes) > 3 else ""
+        problems.append("; ".join(shapes[:3]) + more)
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    if groups is not None:
+        have = [len(g["params"]) for g in optimizer.param_groups]
+        got = [len(g.get("params", ())) for g in groups]
+        if have != got:
+            problems.append(
+                f"the optimizer's parameter groups hold {have} parameters, the checkpoint's "
+                f"{got} (another optimizer setup)"
+            )
+    if problems:
+        raise ValueError("checkpoint does not fit this model and optimizer: " + "; ".join(problems))
 
 
 class _Collective(Sync):
