@@ -170,6 +170,9 @@ def _main(argv: list[str] | None) -> int:
                 # leaves it half made, and the recipe's refusal of the missing package
                 # follows: the stop was the user's, said as such
                 return _stopped(interrupted[0])
+            # the command ends with this line: a stop signal from here (torchrun's SIGTERM
+            # once another rank refused first) is noted, not raised through it as a traceback
+            ending()
             from gradaccum.app.planning import as_flags  # the library's words as flags
 
             _for_the_job(f"gradaccum: error: {as_flags(str(err))}")
