@@ -7,6 +7,7 @@ on one rank stops all of them).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shlex
@@ -58,6 +59,17 @@ def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
+
+
+def together_then_leave() -> None:
+    """Every rank waits here for the others (rank 0 having said the job's line first), so
+    that no rank exits before rank 0 has spoken: torchrun stops the whole job as soon as one
+    rank exits with a failure, which cut off rank 0's 'continue with' line after a stop
+    signal that reached one rank alone. A peer already gone ends the wait."""
+    if _alone():
+        return
+    with contextlib.suppress(Exception):  # a peer gone: nothing to wait for
+        any_rank(False)
 
 
 def _alone() -> bool:

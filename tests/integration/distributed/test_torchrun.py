@@ -112,3 +112,47 @@ def test_sigterm_under_torchrun_stops_every_rank_at_one_checkpointed_window(tmp_
     helpers.run([*torchrun(), "-m", "gradaccum", "train", "--resume", "run"], tmp_path, timeout=240)
     logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert logged == list(range(1, 201))
+
+
+def _rank_pid(parent: int, rank: str) -> int | None:
+    """The pid of the job's process whose RANK is ``rank``, among ``parent``'s descendants."""
+    import os
+
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if env.get(b"RANK") == rank.encode() and b"gradaccum" in cmd and int(entry) != parent:
+            return int(entry)
+    return None
+
+
+@pytest.mark.slow  # a torchrun job trained until it is stopped: the slow tier
+def test_sigterm_to_one_rank_says_the_continue_line_once_for_the_job(tmp_path):
+    """A SIGTERM to rank 1 alone stopped the job at a checkpoint that resumes bit for bit,
+    but rank 1 exited first, torchrun stopped rank 0 before it spoke, and no 'continue with'
+    line was said (issue 58)."""
+    args = ["train", "--recipe", "digits", "--steps", "200", "--effective-batch", "64",
+            "--micro-batch", "16", "--eval-every", "500", "--checkpoint-every", "500"]  # fmt: skip
+    proc = subprocess.Popen(
+        [*torchrun(), "-m", "gradaccum", *args, "--out", "run"],
+        cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and not (
+        metrics.exists() and metrics.read_text().count("\n") >= 4
+    ):
+        time.sleep(0.05)
+    rank1 = _rank_pid(proc.pid, "1")
+    assert rank1 is not None, "rank 1 not found"
+    os.kill(rank1, signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert err.count("checkpoint saved; continue with:") == 1, err[-3000:]
+    assert "stopped by SIGTERM at step" in err

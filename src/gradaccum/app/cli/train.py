@@ -10,7 +10,7 @@ from gradaccum.app import Interrupted, TrainConfig, train
 from gradaccum.app.cli import options
 from gradaccum.app.config import resolve_train
 from gradaccum.app.folder import INCIDENTS, RunFolder
-from gradaccum.app.launch import is_main, resume_command, shutdown
+from gradaccum.app.launch import is_main, resume_command, shutdown, together_then_leave
 from gradaccum.app.process import say
 
 
@@ -56,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
                 say(guard_stop(Path(summary["run_folder"])))
             return 1
     except Interrupted as stop:
-        if is_main():  # every rank stops; one says so
+        if is_main():  # every rank stops; one says so, and the others wait until it has
             say(f"\n{stop}")
+        together_then_leave()
         return 128 + stop.signum
     finally:
         shutdown()  # leave a torchrun job's process group cleanly (no-op otherwise)
