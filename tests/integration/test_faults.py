@@ -594,3 +594,19 @@ def test_a_json_file_with_a_byte_order_mark_is_named(tmp_path, file):
     (tmp_path / file).write_bytes(b"\xef\xbb\xbf" + json.dumps(config if file == "config.json"
                                   else {"model_max_length": 64}).encode())  # fmt: skip
     one_line(in_process("check", "--hf-model", tmp_path), f"{file} starts with a byte-order mark")
+
+
+def test_a_resume_after_a_stop_without_held_out_numbers_evaluates_at_once(tmp_path):
+    """A stop signal abandons the evaluation in progress and the stop evaluates nothing;
+    the resume gives the held-out numbers at its first window instead (issue 58)."""
+    run = tmp_path / "run"
+    args = (*DIGITS, "--eval-every", 100, "--out", run)
+    assert in_process("train", *args, "--steps", 2).returncode == 0
+    metrics = run / "metrics.jsonl"
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    lines[-1] = {k: v for k, v in lines[-1].items() if not k.startswith("eval_")}  # as a stop
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert in_process("train", "--resume", run, "--steps", 5).returncode == 0
+    evaluated = {x["step"]: any(k.startswith("eval_") for k in x) for x in
+                 (json.loads(y) for y in metrics.read_text().splitlines())}  # fmt: skip
+    assert evaluated == {1: False, 2: False, 3: True, 4: False, 5: True}

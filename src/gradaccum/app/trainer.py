@@ -95,6 +95,7 @@ class Trainer:
         self.targets = TargetWatch(run.targets, judges=run.main)
         self.memory: TrainingMemory | None = None
         self.began, self.items = 0.0, 0
+        self.owed = False  # a held-out evaluation the resume gives at its first window
         # the folder holds the run (config.json) by now: a file more in it refuses nothing
         self.third_party = run.folder.path / THIRD_PARTY if run.main else None
 
@@ -144,6 +145,7 @@ class Trainer:
                 self.checkpointer.save(p.start)  # something to roll back to from the start
             self.memory = TrainingMemory(run.model, run.device, carried=run.carried)
             self.sink.open(p.start)
+            self.owed = self.evaluation_owed()
             self.began, self.items, before = time.perf_counter(), 0, p.elapsed
             try:
                 while not p.done() and self.window(before):
@@ -179,7 +181,8 @@ class Trainer:
         memory.window_done()
         end = p.done()
         limit = run.targets.limit_reached(p.elapsed, memory.peak())
-        if self.evaluator.due(step, end=end, limit=limit):
+        if self.evaluator.due(step, end=end, limit=limit) or (self.owed and self.evaluator.active):
+            self.owed = False
             with memory.phase("evaluation"):
                 line.update({f"eval_{k}": v for k, v in self.evaluator.evaluate().items()})
         line["peak_memory"] = memory.peak()  # the run's: windows, evaluations, checkpoints
@@ -199,6 +202,18 @@ class Trainer:
             p.stopped_by = hit
             self.log(f"stopping at step {step}: {run.targets.said(hit)}")
         return not hit
+
+    def evaluation_owed(self) -> bool:
+        """Whether the resumed run's first window evaluates: the session before it stopped
+        on a signal without its held-out numbers (its evaluation abandoned, or none at the
+        stop), so the resume gives them at once. Rank 0's reading, on every rank."""
+        run = self.run
+        owed = False
+        if run.main and run.progress.start > 0:
+            lines = run.folder.metrics()
+            last = lines[-1] if lines else {}
+            owed = bool(last) and not any(k.startswith("eval_") for k in last)
+        return bool(run.kind.agree(owed))
 
     def advance(self, result: Any, samples: int) -> int:
         """The schedule moved past the window just trained; its step."""
