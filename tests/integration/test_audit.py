@@ -316,4 +316,9 @@ def test_the_command_audits_a_plain_loop_and_points_at_its_loss_line(tmp_path):
     first, *rest = done.stdout.splitlines()
     assert first.endswith("FAIL; micro-batches are weighted equally whatever their item counts")
     fix = next(line for line in rest if line.startswith("  fix: "))
-    assert f"{tmp_path / 'loop.py'}:35: (loss(model, mb) / len(micro_batches)).backward()" in fix
+    assert fix.endswith(f"your loop's backward, {tmp_path / 'loop.py'}:35:")
+    diff = rest[rest.index(fix) + 1 :]
+    loop = tmp_path / "loop.py"
+    assert diff[:3] == [f"    --- {loop}", f"    +++ {loop}", "    @@ -35 +35 @@"]
+    assert diff[3] == "    -        (loss(model, mb) / len(micro_batches)).backward()"
+    assert diff[4].startswith("    +        (loss_sum / window_items).backward()  # loss_sum: ")

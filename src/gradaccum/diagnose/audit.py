@@ -103,7 +103,11 @@ class AuditResult:
         why = self.cause.removeprefix(f"{headline}: ") if self.headline else ""
         lines = [f"{head}: FAIL; {headline}"]
         lines += [f"  why: {why}"] if why else []
-        lines += [compared] + ([f"  fix: {self.fix}"] if self.fix else [])
+        if self.fix:
+            first, *rest = self.fix.split("\n")
+            lines += [compared, f"  fix: {first}", *(f"    {line}" for line in rest)]
+        else:
+            lines += [compared]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -342,8 +346,9 @@ def _first_rows(batch: Any, rows: int) -> Any:
 
 
 def _where(step: Callable[..., Any]) -> str:
-    """Where the user's loop runs its backward: `` (your loop: FILE:LINE `that line`)``, or
-    nothing where its source cannot be read."""
+    """Where the user's loop runs its backward and what to write there, as a diff of that
+    line (``--- FILE`` / ``+++ FILE`` / ``@@ -LINE +LINE @@`` / ``-`` its line / ``+`` the
+    line to write), after the fix's words; nothing where its source cannot be read."""
     try:
         lines, first = inspect.getsourcelines(step)
         file = inspect.getsourcefile(step)
@@ -351,11 +356,15 @@ def _where(step: Callable[..., Any]) -> str:
         return ""
     for offset, line in enumerate(lines):
         if ".backward(" in line:
+            number, text = first + offset, line.rstrip("\n")
+            indent = text[: len(text) - len(text.lstrip())]
             return (
-                f"; your loop's backward: {file}:{first + offset}: {line.strip()}; write "
-                "instead: (loss_sum / window_items).backward(), loss_sum the micro-batch's "
-                "loss with reduction='sum' and window_items the items the whole window's "
-                "loss counts (labels that are not -100)"
+                f"; your loop's backward, {file}:{number}:\n"
+                f"--- {file}\n+++ {file}\n@@ -{number} +{number} @@\n"
+                f"-{text}\n"
+                f"+{indent}(loss_sum / window_items).backward()  # loss_sum: this micro-batch's "
+                "loss with reduction='sum'; window_items: the items the whole window's loss "
+                "counts (labels that are not -100), counted before its first backward"
             )
     return ""
 
