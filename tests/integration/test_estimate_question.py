@@ -162,10 +162,9 @@ def test_export_from_an_estimate_is_the_frameworks_file(tmp_path, framework):
 )
 def test_a_bad_config_is_refused_in_one_line_before_any_trace(tmp_path, config, needle):
     model = llama(tmp_path / "model", **config)
-    started = time.perf_counter()
     done = in_process("plan", "--device", "cuda", "--hf-model", model, "--seq-len", 128)
     one_line(done, needle)
-    assert time.perf_counter() - started < 30  # refused, not traced (a trace's floor: 2 s)
+    assert not (tmp_path / "cache").exists()  # refused before any trace (each is cached)
 
 
 def test_an_oversized_or_unreadable_config_is_refused_unread(tmp_path):
