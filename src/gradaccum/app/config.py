@@ -968,10 +968,18 @@ class PlanConfig:
     )()
 
     def __post_init__(self) -> None:
-        card = self.gpu or ("cuda" if self.estimate or self.device == "cuda" else None)
-        if card in GPUS and isinstance(self.budget, RecipeDefault):
-            self.budget = f"{GPUS[card].memory}B"  # the card's memory, when none is given
+        # no --budget: the estimate's card's memory (decided in ``estimates``, which knows
+        # whether the estimate is what runs: a measured plan keeps the recipe's budget)
+        self.card_budget = isinstance(self.budget, RecipeDefault)
         _resolve_recipe_defaults([self], self.recipe, self.hf_model)
+
+    def estimates(self, gpu_here: bool) -> bool:
+        """Whether this plan is the fake-tensor estimate rather than a measurement; for an
+        estimate without --budget, the card's memory becomes the budget."""
+        estimating = self.estimate or (self.device == "cuda" and not gpu_here)
+        if estimating and not gpu_here and getattr(self, "card_budget", False):
+            self.budget = f"{GPUS[self.gpu or 'cuda'].memory}B"  # the answer is the estimate
+        return estimating
 
     def budget_said(self) -> str:
         """Where the budget came from, in both units: the card's memory or --budget."""
@@ -982,9 +990,6 @@ class PlanConfig:
             return f"{self.gpu or 'a generic 24 GB card'}'s memory, {both}"
         return f"--budget {self.budget}: {both}"
 
-    def estimates(self, gpu_here: bool) -> bool:
-        """Whether this plan is the fake-tensor estimate rather than a measurement."""
-        return self.estimate or (self.device == "cuda" and not gpu_here)
 
     def problems(self) -> list[str]:
         out = _field_problems(self)
