@@ -990,7 +990,6 @@ class PlanConfig:
             return f"{self.gpu or 'a generic 24 GB card'}'s memory, {both}"
         return f"--budget {self.budget}: {both}"
 
-
     def problems(self) -> list[str]:
         out = _field_problems(self)
         if self.export_to is not None and self.export is None:
