@@ -416,7 +416,7 @@ class _Search:
             )
         result["assumptions"] = assumed + list(est["assumptions"])
         if est["total"] > self.budget and cfg.micro_batch is None:  # nothing fits: what would
-            result["alternatives"] = self.alternatives(chosen)
+            result["alternatives"] = self.alternatives(w)
         return result
 
     def longest_sequence(self, asked: _Workload) -> dict[str, Any]:
@@ -439,33 +439,10 @@ class _Search:
                 return self.full(w, micro, sync)["total"]
             return self.predictor(w, sync, sizes=(micro,))(micro)
 
-        def longest(low: int, high: int, error: float) -> int | None:
-            """The longest length in [low, high] (steps) the line, moved by ``error``, fits."""
-            if low > high or at(low * step, False) + error > self.budget:
-                return None
-            while low < high:
-                mid = (low + high + 1) // 2
-                if at(mid * step, False) + error <= self.budget:
-                    low = mid
-                else:
-                    high = mid - 1
-            return low
-
-        # as the micro-batch is searched: the line guesses, whole-model traces decide, each
-        # moving the line by its own error within the lengths not yet decided
-        fits, fails, error = 0, asked.positions // step + 1, 0.0
-        guess = longest(1, fails - 1, error) or 1
-        while True:
-            whole = at(guess * step, True)
-            if whole <= self.budget:
-                fits = guess
-            else:
-                fails = guess
-            if fails - fits <= 1:
-                break
-            error = whole - at(guess * step, False)
-            after = longest(fits + 1, fails - 1, error)
-            guess = after if after is not None else fits + 1  # traced, to know it
+        # as the micro-batch is searched, in steps of ``step`` tokens
+        fits = self._decide(
+            lambda n: at(n * step, False), lambda n: at(n * step, True), asked.positions // step
+        )
         length = max(fits, 1) * step
         est = self.full(work[length], micro, sync)
         result = dict(est)
@@ -580,19 +557,27 @@ class _Search:
         None where a micro-batch of 1 does not. Each whole-model trace corrects the line's
         guess by its own error, within the sizes not yet decided; the answer is decided by
         traces alone: it fits, and the next size (unless it is the whole batch) does not."""
-        predict = self.predictor(w, sync)
-        fits, fails, best = 0, self.per_rank + 1, None
-        guess = self._largest_under(predict, 0.0, 1, self.per_rank) or 1
+        fits = self._decide(
+            self.predictor(w, sync), lambda m: self.full(w, m, sync)["total"], self.per_rank
+        )
+        return (fits, self.full(w, fits, sync)) if fits else None
+
+    def _decide(self, predict, whole, top: int) -> int:
+        """The largest n in 1..``top`` whose ``whole(n)`` (a whole-model trace's total, each
+        kept) fits the budget, 0 where none does: ``predict(n)`` guesses, each whole trace
+        moves the guess by its own error within the sizes not yet decided, and the answer is
+        decided by whole traces alone (n fits, n + 1 does not unless n is ``top``)."""
+        fits, fails = 0, top + 1
+        guess = self._largest_under(predict, 0.0, 1, top) or 1
         while True:
-            est = self.full(w, guess, sync)
-            if est["total"] <= self.budget:
-                fits, best = guess, (guess, est)
+            total = whole(guess)
+            if total <= self.budget:
+                fits = guess
             else:
                 fails = guess
             if fails - fits <= 1:
-                return best
-            error = est["total"] - predict(guess)
-            after = self._largest_under(predict, error, fits + 1, fails - 1)
+                return fits
+            after = self._largest_under(predict, total - predict(guess), fits + 1, fails - 1)
             # nothing above what fits is guessed to: the next size is traced to know it
             guess = after if after is not None else fits + 1
 
@@ -607,20 +592,21 @@ class _Search:
                 high = mid - 1
         return low
 
-    def alternatives(self, checkpointing: bool) -> list[dict[str, Any]]:
-        """Each change not already made, alone, at micro-batch 1: its device total."""
-        cfg, out = self.cfg, []
+    def alternatives(self, asked: _Workload) -> list[dict[str, Any]]:
+        """Each change not already made to ``asked``, alone, at micro-batch 1: its device
+        total."""
+        cfg, out, checkpointing = self.cfg, [], asked.checkpointing
         changes: list[tuple[str, dict[str, Any], bool]] = []
         if not checkpointing:
             changes.append(("--checkpointing on", {}, True))
         if cfg.precision == "fp32":
             changes.append(("--precision bf16", {"precision": "bf16"}, checkpointing))
-        if cfg.hf_model is not None and cfg.lora is None and _Workload.causal(cfg):
+        if cfg.hf_model is not None and cfg.lora is None and asked.task == "causal-lm":
             changes.append(("--lora 16", {"lora": "16"}, checkpointing))
         if cfg.lora is not None and cfg.quantize is None:
             changes.append(("--quantize nf4", {"quantize": "nf4"}, checkpointing))
-        if cfg.hf_model is not None and (cfg.seq_len or 128) >= 64 and _Workload.text(cfg):
-            half = (cfg.seq_len or 128) // 2
+        if asked.length is not None and asked.length >= 64:
+            half = asked.length // 2
             changes.append((f"--seq-len {half}", {"seq_len": half}, checkpointing))
         from gradaccum.plan.estimate.trace import TraceError
 
@@ -718,6 +704,7 @@ class _Workload:
             k.startswith(f"{self.key}|") and k.endswith("|2 blocks") for k in traced or ()
         )
         self.layers: int | None = None
+        self.task: str | None = None  # --hf-model's head (None: a recipe)
         self.positions: int | None = None
         self.length: int | None = None  # tokens per sequence, a text model's
         if cfg.hf_model is None:
@@ -737,18 +724,6 @@ class _Workload:
     def build(self, layers: int | None = None):
         return self.model if layers is None else self._reduced(layers)
 
-    @staticmethod
-    def causal(cfg: PlanConfig) -> bool:
-        from gradaccum.integrations import hf_models
-
-        return task_of(hf_models.config(cfg.hf_model), cfg.task) == "causal-lm"
-
-    @staticmethod
-    def text(cfg: PlanConfig) -> bool:
-        from gradaccum.integrations import hf_models
-
-        return task_of(hf_models.config(cfg.hf_model), cfg.task) != "image-classification"
-
     def _hf(self, cfg: PlanConfig) -> None:
         import torch
 
@@ -757,7 +732,7 @@ class _Workload:
 
         recipe = hf_recipe(cfg.hf_model, build_check=False)  # refuses remote code
         config = hf_models.config(cfg.hf_model)  # a folder or its config file
-        task = task_of(config, cfg.task)
+        task = self.task = task_of(config, cfg.task)
         if cfg.lora is not None and task != "causal-lm":
             raise ValueError(
                 f"--lora with a {task} head is not modelled (PEFT trains a copy of the head "

@@ -31,9 +31,11 @@ class Evaluator:
         # a stop signal abandons an evaluation in progress, where one process evaluates
         # alone (processes that evaluate together must end it together)
         self.stopped = stopped if not getattr(kind, "together", False) else lambda: False
+        self.owed = False  # one evaluation owed at the next step (a resume after a stop)
 
     def due(self, step: int, *, end: bool, limit: bool) -> bool:
-        return self.active and (step % self.every == 0 or end or limit)
+        owed, self.owed = self.owed, False
+        return self.active and (owed or step % self.every == 0 or end or limit)
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics, by the recipe's names (loss, accuracy, ...); none where a

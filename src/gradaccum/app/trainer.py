@@ -95,7 +95,6 @@ class Trainer:
         self.targets = TargetWatch(run.targets, judges=run.main)
         self.memory: TrainingMemory | None = None
         self.began, self.items = 0.0, 0
-        self.owed = False  # a held-out evaluation the resume gives at its first window
         # the folder holds the run (config.json) by now: a file more in it refuses nothing
         self.third_party = run.folder.path / THIRD_PARTY if run.main else None
 
@@ -145,7 +144,7 @@ class Trainer:
                 self.checkpointer.save(p.start)  # something to roll back to from the start
             self.memory = TrainingMemory(run.model, run.device, carried=run.carried)
             self.sink.open(p.start)
-            self.owed = self.evaluation_owed()
+            self.evaluator.owed = self.evaluation_owed()
             self.began, self.items, before = time.perf_counter(), 0, p.elapsed
             try:
                 while not p.done() and self.window(before):
@@ -181,8 +180,7 @@ class Trainer:
         memory.window_done()
         end = p.done()
         limit = run.targets.limit_reached(p.elapsed, memory.peak())
-        if self.evaluator.due(step, end=end, limit=limit) or (self.owed and self.evaluator.active):
-            self.owed = False
+        if self.evaluator.due(step, end=end, limit=limit):
             with memory.phase("evaluation"):
                 line.update({f"eval_{k}": v for k, v in self.evaluator.evaluate().items()})
         line["peak_memory"] = memory.peak()  # the run's: windows, evaluations, checkpoints

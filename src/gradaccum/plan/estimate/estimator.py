@@ -251,7 +251,7 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
             for window in range(2):
                 begun = len(tally.events)
                 if window == 1 and how["repeat"] and not sharded and tally.repeat(*bounds[0]):
-                    bounds.append((begun, len(tally.events)))
+                    tally.steady = True  # repeated: the same window by construction
                     break
                 batches = [make() for _ in range(micro_batches)]
                 if how["world_size"] > 1:  # the one sample a distributed window keeps to pad
@@ -262,7 +262,8 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
                         tally.tag(value, "optimizer state")
                 del batches  # a window's data is freed with it, before the next is made
                 bounds.append((begun, len(tally.events)))
-            tally.steady = tally.same_window(*bounds)
+            else:  # both windows traced: whether the second was the first repeated
+                tally.steady = tally.same_window(*bounds)
             if how["evaluate"]:
                 module.eval()
                 with torch.no_grad():
