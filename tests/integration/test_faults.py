@@ -226,7 +226,7 @@ def test_resume_keeps_the_plan_and_records_only_what_it_applies(tmp_path):
     assert (run / "plan.json").read_text() == planned
     assert json.loads((run / "config.json").read_text())["steps"] == 6
     record = [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()]
-    assert record == [{"step": 4, "changed": {"steps": [4, 6]}}]
+    assert record == [{"step": 4, "changed": {"steps": [4, 6]}, "after": "its length"}]
     one_line(cli("train", "--resume", run, "--micro-batch", 4), "would change micro_batch")
     one_line(cli("train", "--resume", run, "--steps", 3), "already trained 6 steps")
     assert json.loads((run / "config.json").read_text())["steps"] == 6  # refusals wrote nothing

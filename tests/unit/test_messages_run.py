@@ -146,7 +146,9 @@ def test_a_failed_checkpoint_write_under_torchrun_says_the_launch_it_needs(tmp_p
 
 def saved_processes(run: Path, processes: int | None) -> None:
     """The checkpoint as a run trained by ``processes`` processes leaves it (None: as
-    gradaccum wrote it before the count was recorded)."""
+    gradaccum wrote it before the count was recorded); its time stays the session's, so
+    the folder still reads as a session that ended at its length."""
+    stamp = (run / CHECKPOINT).stat()
 
     def change(state: dict) -> None:
         state.pop("processes")
@@ -154,6 +156,7 @@ def saved_processes(run: Path, processes: int | None) -> None:
             state["processes"] = processes
 
     rewrite_checkpoint(run / CHECKPOINT, change)
+    os.utime(run / CHECKPOINT, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
 
 
 @pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
@@ -167,7 +170,7 @@ def test_a_resume_on_another_process_count_that_keeps_the_batch_is_said_and_reco
     [line] = [x for x in said if "not bit for bit" in x]
     assert "not bit for bit: 2 processes then, 1 now" in line, line
     assert json.loads((run / "resumes.jsonl").read_text()) == {
-        "step": 3, "changed": {"steps": [3, 6]}, "processes": [2, 1],
+        "step": 3, "changed": {"steps": [3, 6]}, "after": "its length", "processes": [2, 1],
     }  # fmt: skip
     assert torch.load(run / CHECKPOINT, weights_only=True)["processes"] == 1
 
@@ -198,7 +201,7 @@ def test_a_run_folder_from_before_the_count_was_recorded_resumes_as_before(tmp_p
     Trainer(build_run(digits_config(run, steps=6, resume=str(run)), log=said.append), quiet).fit()
     assert not [x for x in said if "bit for bit" in x]
     assert json.loads((run / "resumes.jsonl").read_text()) == {
-        "step": 3, "changed": {"steps": [3, 6]},
+        "step": 3, "changed": {"steps": [3, 6]}, "after": "its length",
     }  # fmt: skip
 
 
