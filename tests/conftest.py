@@ -5,6 +5,7 @@ subprocesses, torchrun). Spawned worker processes inherit this sys.path."""
 import atexit
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +26,10 @@ os.environ["XDG_CACHE_HOME"] = os.environ["GRADACCUM_TESTS_CACHE"]
 # Plans are measured afresh in every test (the tests of the plan cache give it a folder):
 # a plan another test left would change what a test that plans sees.
 os.environ["GRADACCUM_PLAN_CACHE"] = "off"
+# Started under nohup, every process would inherit SIGHUP ignored, and the command rightly
+# leaves an ignored signal alone: the tests of the stop signals expect a terminal's default
+# (the respect of nohup has tests of its own, which ignore it themselves).
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def pytest_collection_modifyitems(items):
