@@ -32,6 +32,8 @@ QUESTIONS = [
                                                "--budget", "40GB"]),
     ("  the same, --micro-batch 2 (neighbour)", ["--lora", "16", "--checkpointing", "on",
                                                  "--micro-batch", "2"]),
+    ("  the same, --seq-len 1024 (neighbour)", ["--lora", "16", "--checkpointing", "on",
+                                                "--seq-len", "1024"]),
     ("LoRA r16, checkpointing auto", ["--lora", "16", "--checkpointing", "auto"]),
     ("QLoRA nf4 r16, checkpointing on", ["--lora", "16", "--quantize", "nf4",
                                          "--checkpointing", "on"]),

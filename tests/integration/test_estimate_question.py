@@ -325,3 +325,55 @@ def test_eager_attention_keeps_the_attention_matrix_in_the_estimate(tmp_path):
     assert default["total"] == sdpa["total"]
     assert "attention: sdpa, what transformers picks" in " ".join(default["assumptions"])
     assert "attention: eager (--attn-implementation)" in " ".join(eager["assumptions"])
+
+
+def test_a_neighbouring_question_is_read_off_the_traces_without_a_trace(tmp_path, monkeypatch):
+    """Another budget or micro-batch after a question: read off the whole model's traces at
+    2 and 3 (no trace process: a limit no trace could meet is never reached), and what a
+    fresh trace at that size alone gives."""
+    model = llama(tmp_path / "model")
+    fixed = ("--hf-model", model, "--seq-len", 64, "--effective-batch", 16, "--precision", "bf16",
+             "--checkpointing", "on")  # fmt: skip
+
+    def fresh(micro: int) -> dict:  # that size traced alone, in an empty cache
+        monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / f"fresh{micro}"))
+        try:
+            return estimate(*fixed, "--micro-batch", micro)
+        finally:
+            monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "cache"))
+
+    traced = {m: fresh(m) for m in (5, 6)}
+    first = estimate(*fixed, "--budget", f"{traced[5]['total']}B")
+    assert first["largest"] == 5 and first["total"] == traced[5]["total"], first
+    assert any("read off the whole model's traces at 2 and 3" in a for a in first["assumptions"])
+    for extra in (("--micro-batch", 6), ("--budget", f"{traced[6]['total']}B")):
+        read = estimate(*fixed, *extra, "--trace-limit", "0.01")
+        micro = read["micro_batch"]
+        assert micro >= 6, (extra, micro)
+        want = traced.get(micro) or fresh(micro)
+        for field in ("allocated", "reserved", "total", "parts"):
+            assert read[field] == want[field], (extra, micro, field)
+
+
+def test_the_side_by_side_traces_end_with_their_parent(tmp_path):
+    """The whole model's traces at 1, 2 and 3 run side by side, each in a process forked from
+    the trace process: a SIGKILL of the command ends them all."""
+    model = llama(tmp_path / "model", num_hidden_layers=400, hidden_size=256)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "gradaccum", "plan", "--device", "cuda", "--hf-model", model,
+         "--effective-batch", "16", "--seq-len", "32"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    forked: list[int] = []
+    deadline = time.monotonic() + 120  # a hang guard: the 2-block trace comes first
+    while len(forked) < 2 and time.monotonic() < deadline and parent.poll() is None:
+        time.sleep(0.2)
+        forked = [g for c in _children(parent.pid) for g in _children(c)]
+    assert len(forked) >= 2, "the traces never ran side by side"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 30  # a hang guard: they end with the trace process
+    while any(map(_alive, forked)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(_alive, forked)), "a side-by-side trace outlived the command"

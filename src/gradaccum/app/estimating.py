@@ -11,13 +11,18 @@ it was at.
 With ``--micro-batch`` it estimates that size; otherwise the largest micro-batch whose
 device total fits the budget (a window of two micro-batches peaks as one of any larger
 number: from the second on, every buffer the window holds is there), and the micro-batches
-per window that make ``--effective-batch``. A model of identical repeated blocks (a
-transformer's layers) is first traced with 2 and 3 of them: the allocated bytes of the
-whole model are those two traces' line through the layer count, which guesses the size
-that fits; the whole model is then traced at that size (and its neighbours, until the
-largest that fits is known), so the answer is always a trace of the model asked. Every
-trace is kept in the estimate cache, so a question that differs in budget, micro-batch or
-effective batch alone traces only what it has not seen.
+per window that make ``--effective-batch``. The whole model is traced at sizes 1, 2 and 3
+side by side (processes forked from this one), and every size from 2 up is read off the
+traces at 2 and 3 (``gradaccum.plan.estimate.stream``: the same allocations at both, each
+constant or in proportion to the size), so the answer is a trace of the model asked or
+what that trace would give. Where the two do not show the other sizes, a model of identical
+repeated blocks (a transformer's layers) is first traced with 2 and 3 of them: the
+allocated bytes of the whole model are those two traces' line through the layer count,
+which guesses the size that fits; the whole model is then traced at that size (and its
+neighbours, until the largest that fits is known). Every trace is kept in the estimate
+cache, so a question that differs in budget, micro-batch or effective batch alone traces
+only what it has not seen, and one that needs no trace at all is answered without the
+trace process (``_Search(trace=False)`` in the command).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -87,7 +93,17 @@ def estimate_command(cfg: PlanConfig) -> dict[str, Any]:
         return found
     traces_key = _cache_key(cfg, traces=True)
     known = {} if cfg.replan else (_cached(traces_key, quiet=True) or {}).get("traces", {})
-    answer = _traced(cfg, known)
+    answer = None
+    if known:  # an earlier question's traces may answer this one: then no process, no trace
+        search = _Search(cfg, known, trace=False)
+        try:
+            answer = {"estimate": search.run(), "traces": search.traces}
+        except (ValueError, TypeError) as err:  # as the process would say it
+            answer = {"error": str(err).splitlines()[0], "traces": search.traces}
+        except _Untraced:
+            pass
+    if answer is None:
+        answer = _traced(cfg, known)
     if answer.get("traces"):
         plan_cache.store(traces_key, {"traces": answer["traces"]})
     if "error" in answer:
@@ -155,7 +171,18 @@ def _record_problems(record: Any) -> list[str]:
         traces = record["traces"]
         if not isinstance(traces, dict):
             return ["its traces are not a table"]
-        return [p for t in traces.values() for p in _record_problems(t)][:3]
+        out = []
+        for key, t in traces.items():
+            if key.endswith("|workload"):
+                if not isinstance(t, dict) or set(t) != set(_DESCRIBED):
+                    out.append(f"{key} is not a workload's record")
+                elif not isinstance(t["assumed"], list) or not all(
+                    x is None or type(x) is int for x in (t["layers"], t["positions"], t["length"])
+                ):
+                    out.append(f"{key} is not a workload's record")
+            else:
+                out += _record_problems(t)
+        return out[:3]
     out = []
     for name in ("allocated", "reserved", "total"):
         value = record.get(name)
@@ -169,6 +196,13 @@ def _record_problems(record: Any) -> list[str]:
         out.append("parts must be a table of byte counts")
     if not isinstance(record.get("assumptions", []), list):
         out.append("assumptions must be a list")
+    if record.get("stream") is not None:
+        from gradaccum.plan.estimate.stream import Stream
+
+        try:
+            Stream.from_dict(record["stream"])
+        except ValueError as err:
+            out.append(str(err))
     return out
 
 
@@ -312,16 +346,19 @@ def main(argv: list[str] | None = None) -> int:
 class _Progress:
     """Where the estimate is, said on stderr every few seconds once a step has taken more
     than a couple: the model being built, or the trace and the module whose forward runs (a
-    checkpointed block's recomputation in backward included). A small model says nothing."""
+    checkpointed block's recomputation in backward included). A small model says nothing,
+    and neither does a search that traces nothing (``active=False``)."""
 
-    def __init__(self) -> None:
-        import torch
-
+    def __init__(self, active: bool = True) -> None:
         self.label, self.where = "the estimate", "starting"
         self.started = self._last = time.monotonic()
         self.names: dict[int, str] = {}
-        torch.nn.modules.module.register_module_forward_pre_hook(self._entered)
-        threading.Thread(target=self._tick, daemon=True).start()
+        self.writing = threading.Lock()  # held while a line is written (and over a fork)
+        if active:
+            import torch
+
+            torch.nn.modules.module.register_module_forward_pre_hook(self._entered)
+            threading.Thread(target=self._tick, daemon=True).start()
 
     def watch(self, model: Any) -> Any:
         self.names = {
@@ -347,8 +384,28 @@ class _Progress:
             if now - self._last >= _EVERY:
                 self._last = now
                 at = f": at {self.where}" if self.where else ""
-                sys.stderr.write(f"{_PROGRESS}{self.label}{at}, {now - self.started:.0f} s\n")
-                sys.stderr.flush()
+                with self.writing:
+                    sys.stderr.write(f"{_PROGRESS}{self.label}{at}, {now - self.started:.0f} s\n")
+                    sys.stderr.flush()
+
+
+def _can_fork() -> bool:
+    return hasattr(os, "fork") and sys.platform.startswith("linux")
+
+
+def _die_with_parent() -> None:
+    """This process killed when its parent ends (Linux's PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent ended before the call: end now
+            os._exit(1)
+
+
+class _Untraced(Exception):
+    """A trace the search needs and may not make (``_Search(trace=False)``)."""
 
 
 # the changes a refusal weighs, each where it is not already made: (flag, the change, when)
@@ -361,10 +418,11 @@ class _Search:
     """The estimate's questions, each answered by as few traces as it can (see the module's
     docstring); ``traces`` holds every trace made or reused, for the cache."""
 
-    def __init__(self, cfg: PlanConfig, known: dict[str, Any]) -> None:
+    def __init__(self, cfg: PlanConfig, known: dict[str, Any], trace: bool = True) -> None:
         self.cfg = cfg
         self.traces: dict[str, Any] = dict(known)
-        self.progress = _Progress()
+        self.tracing = trace  # False: answer from ``known`` alone, or raise _Untraced
+        self.progress = _Progress(active=trace)
         self.budget = parse_bytes(cfg.budget)
         self.per_rank = math.ceil(cfg.effective_batch / cfg.world_size)
         self.syncs = ("window", "micro") if cfg.shard == "fsdp" else ("window",)
@@ -375,7 +433,7 @@ class _Search:
         self.progress.step("comparing the model's blocks (built on the meta device)", None)
         if cfg.longest:
             return self.longest_sequence(_Workload(cfg, modes[0], self.traces))
-        work = {ck: _Workload(cfg, ck, self.traces) for ck in modes}
+        work = {ck: _Workload(cfg, ck, self.traces, self.tracing) for ck in modes}
         found: dict[bool, tuple[int, dict[str, Any]] | None] = {}
         for ck in modes:
             found[ck] = None
@@ -395,7 +453,7 @@ class _Search:
         else:
             micro = cfg.micro_batch or 1
             est = self.full(w, micro, self.syncs[-1])
-        result = dict(est)
+        result = {k: v for k, v in est.items() if k != "stream"}
         result["per_window"] = math.ceil(self.per_rank / micro)
         result["largest"] = micro if cfg.micro_batch is None and found[chosen] else None
         result["budget"] = self.budget
@@ -409,7 +467,14 @@ class _Search:
             )
         if cfg.optimizer in _OPTIMIZER_ASSUMED:
             assumed.append(f"optimizer: {_OPTIMIZER_ASSUMED[cfg.optimizer]}")
-        if w.layers is not None and cfg.micro_batch is None:
+        pair = self._pair(w, est.get("sync") or "window", est["per_window"])
+        if cfg.micro_batch is None and pair is not None:
+            assumed.append(
+                f"sizes from 2 up read off the whole model's traces at {pair[0]['micro_batch']}"
+                f" and {pair[1]['micro_batch']} (the same allocations at both, each of the "
+                "same bytes or in proportion to the micro-batch), replayed, not traced"
+            )
+        elif w.layers is not None and cfg.micro_batch is None:
             assumed.append(
                 f"the size searched with 2- and 3-block traces of its {w.layers} identical "
                 "blocks, then the whole model traced at the sizes that decide"
@@ -433,7 +498,7 @@ class _Search:
         def at(length: int, whole: bool) -> float:
             if length not in work:
                 change = dataclasses.replace(cfg, seq_len=length, longest=False)
-                work[length] = _Workload(change, asked.checkpointing, self.traces)
+                work[length] = _Workload(change, asked.checkpointing, self.traces, self.tracing)
             w = work[length]
             if whole or w.layers is None:
                 return self.full(w, micro, sync)["total"]
@@ -445,7 +510,7 @@ class _Search:
         )
         length = max(fits, 1) * step
         est = self.full(work[length], micro, sync)
-        result = dict(est)
+        result = {k: v for k, v in est.items() if k != "stream"}
         result.update(
             per_window=math.ceil(self.per_rank / micro),
             largest=None,
@@ -482,15 +547,96 @@ class _Search:
         return min(math.ceil(self.per_rank / micro), 2)
 
     def full(self, w: _Workload, micro: int, sync: str) -> dict[str, Any]:
+        """The whole model's window at ``micro``: traced, or read off two traces of it at
+        other sizes (``gradaccum.plan.estimate.stream``)."""
+        key = self._key(w, micro, sync, None)
+        if key not in self.traces and micro >= 2:
+            pair = self._pair(w, sync, self._windows(micro))
+            if pair is not None:
+                from gradaccum.plan.estimate.estimator import at_size
+                from gradaccum.plan.estimate.result import Estimate
+
+                a, b = (Estimate.from_dict(t) for t in pair)
+                read = at_size(a, b, micro)
+                if read is not None:
+                    self.traces[key] = {**read.to_dict(), "stream": None, "read": True}
         return self._trace(w, micro, sync, None)
+
+    def _at_once(self, w: _Workload, sync: str, sizes: tuple[int, ...]) -> None:
+        """The whole model traced at each of ``sizes`` not yet traced, in processes of their
+        own running side by side (forked from this one, with everything it has imported and
+        built; each killed with it): the trace is one core's work. Where the machine has one
+        core, or cannot fork, or a process fails, the traces are left to be made one by one."""
+        todo = [m for m in sizes if self._key(w, m, sync, None) not in self.traces]
+        if len(todo) < 2 or (os.cpu_count() or 1) < 2 or not self.tracing or not _can_fork():
+            return
+        w = w.ready()
+        windows = {self._windows(m) for m in todo}
+        self.progress.step(
+            f"tracing micro-batches {', '.join(map(str, todo))} x {'/'.join(map(str, windows))}"
+            f", the whole model{', checkpointed' if w.checkpointing else ''}, side by side",
+            None,
+        )
+        children = []
+        with self.progress.writing:
+            for micro in todo:
+                read, write = os.pipe()
+                pid = os.fork()
+                if pid == 0:  # the child: one trace, its record written back, then gone
+                    os.close(read)
+                    _die_with_parent()
+                    code = 0
+                    try:
+                        record = self._trace(w, micro, sync, None)
+                        data = json.dumps({"key": self._key(w, micro, sync, None), "trace": record})
+                        with os.fdopen(write, "w") as out:
+                            out.write(data)
+                    except BaseException:  # noqa: BLE001 (the parent traces it itself, and says why)
+                        code = 1
+                    os._exit(code)
+                os.close(write)
+                children.append((pid, read))
+        for pid, read in children:
+            with os.fdopen(read) as got:
+                text = got.read()
+            os.waitpid(pid, 0)
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                answer = json.loads(text)
+                self.traces[answer["key"]] = answer["trace"]
+
+    def _key(self, w: _Workload, micro: int, sync: str, layers: int | None) -> str:
+        return f"{w.key}|{sync}|micro {micro} x {self._windows(micro)}|{layers or 'all'} blocks"
+
+    def _pair(self, w: _Workload, sync: str, windows: int) -> tuple[dict, dict] | None:
+        """Two whole-model traces of ``w``'s window of ``windows`` micro-batches at sizes of
+        2 or more, each with its allocation sequence, that show the other sizes: what they
+        are read off."""
+        from gradaccum.plan.estimate.stream import Stream
+
+        kept = [
+            t
+            for k, t in self.traces.items()
+            if k.startswith(f"{w.key}|{sync}|micro ")
+            and k.endswith(f" x {windows}|all blocks")
+            and t.get("stream")
+            and t["micro_batch"] >= 2
+        ]
+        kept.sort(key=lambda t: t["micro_batch"])
+        if len(kept) < 2:
+            return None
+        a, b = (Stream.from_dict(t["stream"]) for t in kept[:2])
+        return (kept[0], kept[1]) if a.grows(b) is not None else None
 
     def _trace(self, w: _Workload, micro: int, sync: str, layers: int | None) -> dict[str, Any]:
         import gradaccum as ga
 
         windows = self._windows(micro)
-        key = f"{w.key}|{sync}|micro {micro} x {windows}|{layers or 'all'} blocks"
+        key = self._key(w, micro, sync, layers)
         if key in self.traces:
             return self.traces[key]
+        if not self.tracing:
+            raise _Untraced(key)
+        w = w.ready()
         what = f"{layers} of {w.layers} blocks" if layers else "the whole model"
         self.progress.step(
             f"tracing micro-batch {micro} x {windows}"
@@ -523,6 +669,7 @@ class _Search:
             shard=self.cfg.shard,
             sync=sync,
             repeat=repeat,
+            keep=layers is None and micro >= 2,
         )
         self.traces[key] = {**est.to_dict(), "steady": est.steady and not repeat}
         return self.traces[key]
@@ -557,10 +704,33 @@ class _Search:
         None where a micro-batch of 1 does not. Each whole-model trace corrects the line's
         guess by its own error, within the sizes not yet decided; the answer is decided by
         traces alone: it fits, and the next size (unless it is the whole batch) does not."""
-        fits = self._decide(
-            self.predictor(w, sync), lambda m: self.full(w, m, sync)["total"], self.per_rank
-        )
+        whole = lambda m: self.full(w, m, sync)["total"]  # noqa: E731
+        predict = self._reader(w, sync) or self.predictor(w, sync)
+        fits = self._decide(predict, whole, self.per_rank)
         return (fits, self.full(w, fits, sync)) if fits else None
+
+    def _reader(self, w: _Workload, sync: str):
+        """The device total at each size read off the whole model's traces at 2 and 3 (made
+        here where they are not yet), size 1 guessed on their line; None where the batch
+        is too small for them, or where the two do not show the other sizes."""
+        if self.per_rank <= 3:
+            return None
+        if w.layers is not None:  # both windows of the 2-block model: whether the whole
+            self._trace(w, 2, sync, 2)  # model's second window may be its first repeated
+        self._at_once(w, sync, (1, 2, 3))  # 1 is laid out otherwise: traced, never read
+        for micro in (2, 3):
+            self.full(w, micro, sync)
+        pair = self._pair(w, sync, 2)
+        if pair is None:
+            return None
+        two, three = (t["total"] for t in pair)
+
+        def at(micro: int) -> float:
+            if micro >= 2:
+                return self.full(w, micro, sync)["total"]
+            return two - max(three - two, 0)
+
+        return at
 
     def _decide(self, predict, whole, top: int) -> int:
         """The largest n in 1..``top`` whose ``whole(n)`` (a whole-model trace's total, each
@@ -612,7 +782,7 @@ class _Search:
 
         for flag, change, ck in changes:
             try:
-                w = _Workload(dataclasses.replace(cfg, **change), ck)
+                w = _Workload(dataclasses.replace(cfg, **change), ck, self.traces, self.tracing)
                 if w.layers is None:
                     total, traced = self.full(w, 1, self.syncs[-1])["total"], True
                 else:
@@ -685,13 +855,21 @@ def task_of(config: Any, given: str | None) -> str:
     return "causal-lm"
 
 
+# what a workload's record keeps, so that a search that traces nothing need not build it
+_DESCRIBED = ("layers", "task", "positions", "length", "assumed")
+
+
 class _Workload:
     """What one estimate traces: the model factory (``build(layers)``: the whole model, or
     one of ``layers`` identical blocks where ``self.layers`` says it has that many), the
     sample, the loss and LoRA step, and what it assumed; ``key`` names it among the traces."""
 
     def __init__(
-        self, cfg: PlanConfig, checkpointing: bool, traced: dict[str, Any] | None = None
+        self,
+        cfg: PlanConfig,
+        checkpointing: bool,
+        traced: dict[str, Any] | None = None,
+        build: bool = True,
     ) -> None:
         self.checkpointing = checkpointing
         self.key = "|".join(
@@ -707,6 +885,7 @@ class _Workload:
         self.task: str | None = None  # --hf-model's head (None: a recipe)
         self.positions: int | None = None
         self.length: int | None = None  # tokens per sequence, a text model's
+        self._cfg, self._pending = cfg, False
         if cfg.hf_model is None:
             from gradaccum.app.recipes import get_recipe
 
@@ -719,12 +898,32 @@ class _Workload:
             )
             self.prepare = None
             return
+        # what an earlier search found of it (its blocks, head, lengths and assumptions):
+        # the model is built only when a trace needs it
+        record = (traced or {}).get(f"{self.key}|workload")
+        if isinstance(record, dict) and set(record) == set(_DESCRIBED):
+            for name in _DESCRIBED:
+                setattr(self, name, record[name])
+            self._pending = True
+            return
+        if not build:
+            raise _Untraced(f"{self.key}|workload")
         self._hf(cfg)
+        if traced is not None:
+            traced[f"{self.key}|workload"] = {n: getattr(self, n) for n in _DESCRIBED}
+
+    def ready(self) -> _Workload:
+        """The workload with its model factory, sample, loss and LoRA step (built now where
+        an earlier search's record stood in for them)."""
+        if self._pending:
+            self._pending = False
+            self._hf(self._cfg, recorded=True)
+        return self
 
     def build(self, layers: int | None = None):
         return self.model if layers is None else self._reduced(layers)
 
-    def _hf(self, cfg: PlanConfig) -> None:
+    def _hf(self, cfg: PlanConfig, recorded: bool = False) -> None:
         import torch
 
         from gradaccum.app.recipes import hf_recipe
@@ -809,9 +1008,10 @@ class _Workload:
         self.loss_fn = recipe.loss_fn if task == "causal-lm" else head_loss
         self.prepare = self._lora(cfg, low)
         self._reduced = lambda layers: build(_with_layers(config, layers))
-        self.layers = (
-            config.num_hidden_layers if self.known else _identical_blocks(config, self.model)
-        )
+        if not recorded:  # (a record's count was found so before)
+            self.layers = (
+                config.num_hidden_layers if self.known else _identical_blocks(config, self.model)
+            )
 
     def _lora(self, cfg: PlanConfig, low: bool):
         if cfg.lora is None:

@@ -15,6 +15,7 @@ from gradaccum.plan.estimate import cuda, fsdp
 from gradaccum.plan.estimate.devices import gpu as find_gpu
 from gradaccum.plan.estimate.optimizers import bitsandbytes_refusal
 from gradaccum.plan.estimate.result import PARTS, Estimate
+from gradaccum.plan.estimate.stream import Stream
 from gradaccum.plan.estimate.trace import (
     HostReads,
     Tally,
@@ -25,7 +26,7 @@ from gradaccum.plan.estimate.trace import (
     moves_in_place,
 )
 
-__all__ = ["estimate"]
+__all__ = ["at_size", "estimate"]
 
 _DEVICES = ("cuda", "cpu")
 _SHARDS = ("ddp", "fsdp")
@@ -51,6 +52,7 @@ def estimate(
     shard: str = "ddp",
     sync: str = "window",
     repeat: bool = False,
+    keep: bool = False,
 ) -> Estimate:
     """The peak memory of a window of ``micro_batches`` micro-batches on ``device``, without
     that device, without the model's weights, without compute.
@@ -71,6 +73,9 @@ def estimate(
     ``repeat=True`` traces the first window and repeats its events for the second (half
     the time): right where a trace of both showed the second to be the first repeated
     (``Estimate.steady``, which every trace of two windows reports); not under FSDP2.
+    ``keep=True`` keeps the traced allocation sequence in ``Estimate.stream`` (not under
+    FSDP2; ``sample`` a function of the size): two such estimates at different sizes give
+    any other size with ``at_size``, without a trace.
 
     Two windows run through a real ``Accumulator``: the first creates the optimizer's state,
     the second is the steady one; the peak is over both. ``evaluate=True`` adds a forward
@@ -121,6 +126,65 @@ def estimate(
         sync=sync,
         repeat=repeat,
     )
+    kept = None
+    if keep and shard != "fsdp" and callable(sample) and micro_size is not None:
+        kept = Stream.of(tally, micro_size, host, unified, assumptions, config)
+    return _conclude(
+        tally,
+        host,
+        unified,
+        list(assumptions),
+        target,
+        config,
+        device=device,
+        micro_size=micro_size,
+        micro_batches=micro_batches,
+        seconds=time.perf_counter() - started,
+        sync=sync if shard == "fsdp" else None,
+        steady=getattr(tally, "steady", False),  # a sharded trace (fsdp.Events) is not repeated
+        stream=kept,
+    )
+
+
+def at_size(a: Estimate, b: Estimate, micro_size: int) -> Estimate | None:
+    """The estimate at ``micro_size`` (2 or more) from two of the same window at other sizes
+    of 2 or more (each made with ``keep=True``), with no trace: their allocation sequences
+    scaled (``gradaccum.plan.estimate.stream``) and replayed. None where the two do not show
+    the sequence at another size (trace that size instead)."""
+    if a.stream is None or b.stream is None:
+        return None
+    same = ("device", "gpu", "micro_batches", "context", "sync")
+    if any(getattr(a, f) != getattr(b, f) for f in same):
+        return None
+    grows = a.stream.grows(b.stream)
+    stream = None if grows is None else a.stream.at(micro_size, grows)
+    if stream is None:
+        return None
+    try:
+        target = find_gpu(a.gpu) if a.device == "cuda" else None
+        config = alloc.AllocatorConfig(**stream.allocator)
+    except (TypeError, ValueError):  # a GPU given as an object, not a name; a damaged record
+        return None
+    return _conclude(
+        Tally.of(stream.events(), stream.tags()),
+        set(stream.host),
+        stream.unified,
+        list(stream.assumptions),
+        target,
+        config,
+        device=a.device,
+        micro_size=micro_size,
+        micro_batches=a.micro_batches,
+        seconds=0.0,
+        sync=a.sync,
+        steady=a.steady and b.steady,
+        stream=stream,
+    )
+
+
+def _conclude(tally, host, unified, assumptions, target, config, **fields) -> Estimate:
+    """The estimate of a traced (or scaled) sequence: on CUDA, replayed through the
+    allocator model with the GPU's constants added."""
     if target is None:
         parts = _parts(tally, tally.peak_index, set(), rounded=False)
         allocated = reserved = total = tally.peak
@@ -139,10 +203,7 @@ def estimate(
             f"caching allocator: {_describe(config)}",
         ]
     return Estimate(
-        device=device,
         gpu=None if target is None else target.name,
-        micro_size=micro_size,
-        micro_batches=micro_batches,
         allocated=allocated,
         reserved=reserved,
         total=total,
@@ -151,9 +212,7 @@ def estimate(
         assumptions=tuple(assumptions),
         context=0 if target is None else target.context,
         unified=unified,
-        seconds=time.perf_counter() - started,
-        sync=sync if shard == "fsdp" else None,
-        steady=getattr(tally, "steady", False),  # a sharded trace (fsdp.Events) is not repeated
+        **fields,
     )
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from gradaccum.memory import format_bytes
+from gradaccum.plan.estimate.stream import Stream
 
 __all__ = ["PARTS", "Estimate"]
 
@@ -52,6 +53,8 @@ class Estimate:
     steady: bool = False
     """Whether the second window's events were the first's repeated (``estimate(repeat=
     True)`` is then right for this training at another size)."""
+    stream: Stream | None = dataclasses.field(default=None, repr=False, compare=False)
+    """The traced allocation sequence (``estimate(keep=True)``), for ``at_size``."""
 
     def fits(self, budget: int) -> bool:
         """Whether the device total stays within ``budget`` bytes."""
@@ -75,7 +78,34 @@ class Estimate:
             "seconds": round(self.seconds, 3),
             "steady": self.steady,
             **({"sync": self.sync} if self.sync else {}),
+            **({"stream": self.stream.to_dict()} if self.stream is not None else {}),
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Estimate:
+        """An estimate ``to_dict()`` wrote; ValueError (what is wrong) for one it did not."""
+        try:
+            stream = data.get("stream")
+            return cls(
+                device=str(data["device"]),
+                gpu=data["gpu"],
+                micro_size=data["micro_batch"],
+                micro_batches=int(data["per_window"]),
+                allocated=int(data["allocated"]),
+                reserved=int(data["reserved"]),
+                total=int(data["total"]),
+                tensor_peak=int(data["tensor_peak"]),
+                parts={str(k): int(v) for k, v in data["parts"].items()},
+                assumptions=tuple(str(a) for a in data["assumptions"]),
+                context=int(data.get("context", 0)),
+                unified=int(data.get("unified", 0)),
+                seconds=float(data.get("seconds", 0.0)),
+                sync=data.get("sync"),
+                steady=bool(data.get("steady", False)),
+                stream=None if stream is None else Stream.from_dict(stream),
+            )
+        except (KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"is not an estimate ({type(err).__name__}: {err})") from None
 
     def table(self) -> str:
         rows = [("allocated (max_memory_allocated)", self.allocated)]

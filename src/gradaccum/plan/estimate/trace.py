@@ -109,6 +109,17 @@ class Tally(TorchDispatchMode):
         self.module = "the model's forward"  # whose forward is running, for TraceError
         self.steady = False  # the second window's events the first's repeated
 
+    @classmethod
+    def of(cls, events: list[tuple[str, int, int]], tags: dict[int, str]) -> Tally:
+        """A finished trace's record rebuilt from its events and tags (no op runs under it)."""
+        out = cls()
+        out.events, out.tags = events, tags
+        for index, (action, _, size) in enumerate(events, 1):
+            out.current += size if action == "alloc" else -size
+            if out.current > out.peak:
+                out.peak, out.peak_index = out.current, index
+        return out
+
     # -- recording ----------------------------------------------------------------------------
 
     def record(self, tensor: torch.Tensor) -> int | None:

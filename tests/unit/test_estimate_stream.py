@@ -1,0 +1,122 @@
+"""The estimate at a micro-batch size read off two traces at other sizes (``at_size``) is
+what a trace at that size gives: checked against real traces, on a recipe's GPT and on a
+Hugging Face Llama with LoRA, with and without checkpointing, in fp32 and bf16."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from support.live_tensors import adamw
+
+import gradaccum as ga
+from gradaccum.plan.estimate.estimator import at_size
+from gradaccum.plan.estimate.result import Estimate
+from gradaccum.plan.estimate.stream import Stream
+
+
+def gpt():
+    from gradaccum.app.recipes import get_recipe
+
+    recipe = get_recipe("gpt")
+    return recipe.build_model, recipe.sample_batch, recipe.loss_fn, None
+
+
+def llama_lora():
+    transformers = pytest.importorskip("transformers")
+    from gradaccum.integrations import peft
+
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+
+    def build():
+        return transformers.LlamaForCausalLM(config)
+
+    def sample(n):
+        ids = torch.zeros(n, 24, dtype=torch.long)
+        return {"input_ids": ids, "labels": ids}
+
+    def loss(model, batch):
+        out = model(**batch)
+        return out.loss * 23 * batch["input_ids"].shape[0], 23 * batch["input_ids"].shape[0]
+
+    return build, sample, loss, lambda m: peft.apply_lora(m, r=4)
+
+
+MODELS = {"gpt": gpt, "llama-lora": llama_lora}
+FIELDS = ("allocated", "reserved", "total", "tensor_peak", "parts", "assumptions")
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "checkpointing"),
+    [
+        ("gpt", "fp32", False),
+        ("llama-lora", "bf16", True),
+        # seconds each: the slow tier keeps make test-fast under a minute
+        pytest.param("gpt", "bf16", True, marks=pytest.mark.slow),
+        pytest.param("llama-lora", "fp32", False, marks=pytest.mark.slow),
+    ],
+)
+def test_a_size_read_off_two_others_is_the_trace_of_that_size(name, precision, checkpointing):
+    build, sample, loss, prepare = MODELS[name]()
+
+    def traced(micro: int, keep: bool = True) -> Estimate:
+        return ga.estimate(
+            build, adamw, sample, loss, micro_size=micro, micro_batches=2, gpu="a10g",
+            precision=precision, checkpointing=checkpointing, prepare=prepare, keep=keep,
+        )  # fmt: skip
+
+    two, three = traced(2), traced(3)
+    if name == "gpt":
+        assert at_size(traced(1), two, 3) is None  # a batch of one is laid out otherwise
+    for micro in (5,):
+        read = at_size(two, three, micro)
+        assert read is not None, f"micro-batch {micro} could not be read off 2 and 3"
+        real = traced(micro, keep=False)
+        assert real.allocated > three.allocated  # the size matters: not a constant checked
+        for field in FIELDS:
+            assert getattr(read, field) == getattr(real, field), (micro, field)
+        assert read.micro_size == micro and read.seconds == 0.0
+
+
+def test_a_window_whose_bytes_grow_faster_than_the_batch_is_not_read_off():
+    """A similarity matrix of the batch against itself (in-batch negatives) grows with the
+    batch squared: no size is read off two others; the trace is the answer."""
+    model = lambda: torch.nn.Linear(8, 8)  # noqa: E731
+
+    def loss(m, x):
+        e = m(x)
+        scores = e @ e.T  # (batch, batch)
+        ce = torch.nn.functional.cross_entropy(scores, torch.arange(len(x)), reduction="sum")
+        return ce, len(x)
+
+    one, two = (
+        ga.estimate(
+            model, adamw, lambda n: torch.randn(n, 8), loss, micro_size=n, keep=True, gpu="a10g"
+        )  # fmt: skip
+        for n in (64, 128)
+    )
+    assert one.stream.same_window(two.stream)  # the same ops: only the bytes say no
+    assert at_size(one, two, 256) is None
+
+
+def test_a_kept_sequence_reads_back_and_a_damaged_one_is_refused():
+    build, sample, loss, _ = gpt()
+    est = ga.estimate(build, adamw, sample, loss, micro_size=2, gpu="a10g", keep=True)
+    back = Estimate.from_dict(est.to_dict())
+    assert back.stream == est.stream and back.total == est.total
+    stored = est.stream.to_dict()
+    for damage in (
+        {"sizes": stored["sizes"] + ",x"},
+        {"frees": "999999999"},
+        {"order": "f" + stored["order"][1:]},
+        {"kinds": "z" * len(stored["kinds"])},
+        {"micro_size": 0},
+    ):
+        with pytest.raises(ValueError, match="allocation sequence is damaged"):
+            Stream.from_dict({**stored, **damage})
+    other = dataclasses.replace(est.stream, micro_size=4, host=(*est.stream.host, 10**9))
+    assert est.stream.grows(other) is None  # not the same window: nothing read off
