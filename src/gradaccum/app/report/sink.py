@@ -55,12 +55,17 @@ class MetricsSink:
         self.recent: deque[tuple[float, int]] = deque(maxlen=_ETA_WINDOWS)
         self.windows = 0
         # The seconds between step lines that are not their windows' (the evaluations, the
-        # checkpoints, the exports) and the steps or samples they came with, since open()
-        # or a rollback: what each step still to come adds to the windows' pace, in the
-        # proportion the run has paid it so far.
+        # checkpoints, the exports), the steps or samples they came with, and those up to
+        # the last such pause longer than its window, since open() or a rollback: what
+        # each step still to come adds to the windows' pace, in the proportion the run has
+        # paid it over whole periods of its evaluations (steps after the last one have not
+        # paid theirs yet).
         self.clock = clock
         self.last: float | None = None
-        self.outside = [0.0, 0]
+        self.outside = [0.0, 0, 0]
+        # the last log line's time and the time left it said (None: none said yet)
+        self.said_at: float | None = None
+        self.said_left: float | None = None
 
     def open_events(self, start: int) -> None:
         """TensorBoard's writer, when asked for and installed. Before the memory meter
@@ -84,7 +89,7 @@ class MetricsSink:
             return
         self.metrics = self.folder.open_metrics(start)
         self.bar = _progress_bar(self.progress)
-        self.last, self.outside = self.clock(), [0.0, 0]
+        self.last, self.outside = self.clock(), [0.0, 0, 0]
 
     def write(self, line: dict[str, Any], totals: Any, rate: float, before: float) -> None:
         """A step's line everywhere it goes (``totals``: the window runner's counters, for
@@ -113,7 +118,7 @@ class MetricsSink:
             return
         self.metrics.close()
         self.metrics = self.folder.open_metrics(step)
-        self.last, self.outside = self.clock(), [0.0, 0]  # the rollback's own time left out
+        self.last, self.outside = self.clock(), [0.0, 0, 0]  # the rollback's own time left out
         if self.events is not None:
             self.events.restart(step)
         if self.bar is not None:
@@ -139,8 +144,9 @@ class MetricsSink:
             self.bar.close()
 
     def _show(self, line: dict[str, Any], rate: float, before: float) -> None:
-        """The bar's postfix on a terminal; else a log line at each tenth of the run, at its
-        end and at each evaluation."""
+        """The bar's postfix on a terminal; else a log line after the first window, then
+        whenever the next window would end more than ``_EVERY`` seconds after the last line,
+        at each tenth of the run, at its end and at each evaluation."""
         loss = "skipped" if line["loss"] is None else f"{line['loss']:.3f}"
         item = self.item
         text = (
@@ -161,23 +167,42 @@ class MetricsSink:
             if self.windows > 1:
                 self.recent.append((seconds, units))
             if self.last is not None:
-                self.outside[0] += max(0.0, now - self.last - seconds)
+                pause = max(0.0, now - self.last - seconds)
+                self.outside[0] += pause
                 self.outside[1] += units
+                if pause > seconds:  # an evaluation, a checkpoint: a period of them ends
+                    self.outside[2] = self.outside[1]
         self.last = now
         if self.bar is not None:
             self.bar.set_postfix_str(text)
             self.bar.update(units)
             return
-        now = p.fraction()
-        if int(now * 10) > int(before * 10) or now >= 1 or "eval_loss" in line:
+        done, clock = p.fraction(), now
+        due = self.said_at is None or clock - self.said_at + (seconds or 0.0) > _EVERY
+        if due or int(done * 10) > int(before * 10) or done >= 1 or "eval_loss" in line:
             where = (
                 f"{line['step']:>5}  {line['samples']:>7,}/{p.total_samples:,} samples"
                 if p.in_samples
                 else f"{line['step']:>5}/{p.total_steps}"
             )
-            left = self.time_left(line)
+            left = self.shown_left(line, clock)
             eta = f"  ETA {duration(left)}" if left is not None and left >= 1 else ""
             self.log(f"step {where}  {text}{eta}")
+            self.said_at = clock
+
+    def shown_left(self, line: dict[str, Any], clock: float) -> float | None:
+        """The time left a log line says: ``time_left``, moved at most ``_SWING`` times
+        from what the line before said (less the time since) once ``_STEADY`` windows have
+        run. A load that comes and goes moves the windows' pace by more than that between
+        two lines; the said time follows it over a few lines instead of jumping (it read
+        14m59s, 23m13s, 5m17s)."""
+        left = self.time_left(line)
+        if left is not None and self.said_left is not None and self.windows > _STEADY:
+            then = max(self.said_left - (clock - (self.said_at or clock)), 0.0)
+            if then > 0:
+                left = min(max(left, then / _SWING), then * _SWING)
+        self.said_left = left
+        return left
 
     def time_left(self, line: dict[str, Any]) -> float | None:
         """The run's time left at the pace of its recent windows (their measured seconds per
@@ -191,13 +216,16 @@ class MetricsSink:
             return None
         p = self.progress
         pace = sum(s for s, _ in self.recent) / sum(n for _, n in self.recent)
-        pace += self.outside[0] / max(self.outside[1], 1)
+        pace += self.outside[0] / max(self.outside[2] or self.outside[1], 1)
         left = p.total_samples - line["samples"] if p.in_samples else p.total_steps - line["step"]
         return max(left, 0) * pace
 
 
 _ETA_AFTER = 3  # windows measured (after the first) before the time left is said
 _ETA_WINDOWS = 10  # the recent windows it is measured over
+_EVERY = 10.0  # seconds: the longest a run goes without a log line (windows permitting)
+_STEADY = 10  # windows before the time left said is held to _SWING per line
+_SWING = 2.0  # the most the time left said moves between two lines
 
 
 def _progress_bar(progress: Any):
