@@ -227,6 +227,28 @@ def test_plan_reads_its_cached_plan_on_a_rerun_and_replan_measures_again(tmp_pat
     assert len(list((tmp_path / "plans").glob("*.json"))) == 2
 
 
+@pytest.mark.slow  # three plans measured in fresh processes: the slow tier
+def test_plan_answers_from_the_plan_train_made_for_the_same_settings(tmp_path, monkeypatch):
+    """`make demo`'s `train --budget 200MB` then `plan --budget 200MB` planned twice (72 s
+    more): one cache entry now serves both. Another budget is another plan; --replan
+    measures."""
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "plans"))
+    same = ["--recipe", "digits", "--budget", "300MB"]
+    trained = cli("train", *same, "--steps", "1", "--out", str(tmp_path / "run"))
+    assert trained.returncode == 0, trained.stderr
+    planned = json.loads((tmp_path / "run" / "plan.json").read_text())
+    asked = cli("plan", *same, "--json")
+    assert "the plan is the one `gradaccum train` made" in asked.stderr, asked.stderr
+    assert "probing" not in asked.stderr
+    answer = json.loads(asked.stdout)
+    assert (answer["micro_size"], answer["micro_batches"]) == (
+        planned["micro_size"], planned["micro_batches"]
+    )  # fmt: skip
+    for other in (["--budget", "400MB"], ["--replan"]):
+        again = cli("plan", *same, *other, "--json")
+        assert "probing micro-batch sizes" in again.stderr, other
+
+
 def test_the_verifying_process_waits_built_measures_the_asked_size_and_ends_unasked():
     """The plan's fresh process starts ahead: it measures the size it is then asked (a
     window of 8 digits images holds more than one of 1, each above the model's own bytes),

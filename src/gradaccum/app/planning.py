@@ -17,7 +17,7 @@ import torch
 
 from gradaccum.app import launch
 from gradaccum.app.checkpoints import sealed
-from gradaccum.app.config import TrainConfig
+from gradaccum.app.config import PlanConfig, TrainConfig, resolve_train
 from gradaccum.app.exports import write_exports
 from gradaccum.app.folder import CHECKPOINT, PLAN, RunFolder
 from gradaccum.app.fresh import Child, PlanRun
@@ -26,7 +26,7 @@ from gradaccum.app.planner import Planner
 from gradaccum.app.recipes import Recipe
 from gradaccum.app.recipes.userdata import SequenceData
 from gradaccum.checkpoint import preserved_rng
-from gradaccum.plan import PlanRequest
+from gradaccum.plan import Plan, PlanRequest
 from gradaccum.precision import PRECISIONS
 from gradaccum.recompute import enable_checkpointing
 
@@ -179,6 +179,37 @@ def cached_plan(cfg: TrainConfig, device: torch.device, world: int, log) -> dict
     when none is stored, or --replan."""
     asked = request(cfg, math.ceil(cfg.batch.effective_batch / world), each_rank=False)
     return run_planner(cfg, asked, device, world, log).answer()
+
+
+def train_plan_for(cfg: PlanConfig, device: torch.device, log) -> Plan | None:
+    """The plan `gradaccum train` stored for what `gradaccum plan` asks (a built-in recipe
+    on one process, train's other options at their defaults: the demo's `train --budget
+    200MB` and `plan --budget 200MB`), said in a line; None where there is none, or the
+    question is one train would not have asked so (--hf-model, --lora, --world-size, or
+    --replan). Train's plan covers the window and the run's evaluations and checkpoints, so
+    it answers `plan` too: one cache entry for the same settings, not a second measurement."""
+    if cfg.replan or cfg.hf_model or cfg.lora or cfg.world_size != 1:
+        return None
+    flags = {f: getattr(cfg, f) for f in _ASKED_OF_BOTH}
+    try:
+        train = resolve_train(flags)
+    except ValueError:
+        return None
+    asked = request(train, train.batch.effective_batch, each_rank=False)
+    found = run_planner(train, asked, device, 1, lambda _line: None).stored()
+    if found is None:
+        return None
+    log(
+        "the plan is the one `gradaccum train` made for these settings (the window, and the "
+        "run's evaluations and checkpoints too; --replan measures the window alone)"
+    )
+    return found[0]
+
+
+# what `gradaccum plan` and `gradaccum train` both ask of a recipe's plan
+_ASKED_OF_BOTH = (
+    "recipe seed effective_batch budget margin meter checkpointing prefer precision".split()
+)
 
 
 def run_planner(

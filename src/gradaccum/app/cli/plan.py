@@ -13,7 +13,9 @@ from gradaccum.app.cli import options
 from gradaccum.app.config import PlanConfig, invalid_configuration
 from gradaccum.app.estimating import estimate_command, render
 from gradaccum.app.planner import plan_recipe
+from gradaccum.app.planning import train_plan_for
 from gradaccum.app.process import out, say
+from gradaccum.app.recipes import get_recipe
 from gradaccum.app.report.plots import plan_plot
 from gradaccum.memory import format_bytes
 from gradaccum.plan import Export, Plan
@@ -46,7 +48,11 @@ def run(args: argparse.Namespace) -> int:
     # plan, which a person reads, goes to stderr
     to_stderr = cfg.export and not cfg.export_to and not cfg.json
     show = (lambda *lines: say("\n".join(lines))) if to_stderr else out
-    recipe, result = plan_recipe(cfg, say)  # (from the cache, or measured)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if (trained := train_plan_for(cfg, device, say)) is not None:
+        recipe, result = get_recipe(cfg.recipe), trained
+    else:
+        recipe, result = plan_recipe(cfg, say)  # (from the cache, or measured)
     try:
         exported = result.export(cfg.export) if cfg.export else None
     except ValueError:
