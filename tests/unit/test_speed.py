@@ -135,6 +135,19 @@ def test_the_choice_needs_the_largest_slower_beyond_the_noise():
     assert choose({32: [3.0, 3.0], 8: [1.0, 1.0]})[0] == 32
 
 
+def test_a_choice_the_noise_decided_says_the_gap_and_the_rounds_spread():
+    """The race kept the largest where the machine's load made two sizes indistinguishable
+    and said only "beyond the noise": now the gap, how far the rounds moved it, and where
+    the gap is beyond the tie, how much slower the choice may be."""
+    chosen, fastest, why = choose({32: [1.0, 1.2, 1.15], 8: [1.05, 1.0, 1.0]})
+    assert (chosen, fastest) == (32, 8)
+    assert "8 was 15.0% faster in the median round, -4.8% to +20.0% round by round" in why, why
+    assert "so 32 may be up to 15% slower (the tie is 3%)" in why, why
+    chosen, _, why = choose({32: [1.02, 0.99, 1.01], 8: [1.0, 1.0, 1.0]})
+    assert chosen == 32 and "8 was 1.0% faster in the median round" in why
+    assert "may be up to" not in why  # within the tie: the noise decided nothing that matters
+
+
 def test_a_size_faster_in_every_round_beyond_the_tie_is_chosen_where_three_rounds_are_all():
     # bench/results/fastest.md's segment at 700MB: 2 faster than 4 by 2.6-4.7% in each of
     # the 3 rounds planning allowed; the t-test at 2 degrees of freedom does not pass it

@@ -312,16 +312,22 @@ def choose(
                 f"than {largest}, {default}"
             ),
         )
-    rounds = len(_ratios(seconds[default], seconds[fastest]))
+    ratios = _ratios(seconds[default], seconds[fastest])
+    rounds = len(ratios)
     each = f"{rounds} window{'s' if rounds > 1 else ''} each"
     if rounds < _MIN_ROUNDS:
         each += " in the time planning allows"
     other = f"{fastest}{' checkpointed' if mixed and fastest in checkpointed else ''}"
-    return (
-        default,
-        fastest,
-        f"{largest}; timing cannot tell it from {other} beyond the noise ({each})",
-    )
+    said = f"{largest}; timing cannot tell it from {other} beyond the noise ({each})"
+    if ratios:  # what the machine's noise did: the gap, and how far the rounds moved it
+        gap = statistics.median(ratios) - 1.0
+        said += (
+            f": {other} was {gap:.1%} faster in the median round, {min(ratios) - 1.0:+.1%} "
+            f"to {max(ratios) - 1.0:+.1%} round by round"
+        )
+        if gap > tie:  # the noise decided: the choice may be slower than the tie says
+            said += f", so {default} may be up to {gap:.0%} slower (the tie is {tie:.0%})"
+    return default, fastest, said
 
 
 def race(
