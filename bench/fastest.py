@@ -39,7 +39,7 @@ import gradaccum as ga
 from gradaccum.app.measure import fresh_process_verifier
 from gradaccum.batching import take
 from gradaccum.memory import format_bytes
-from gradaccum.plan.speed import window_sizes
+from gradaccum.planning.speed import window_sizes
 
 OUT = Path(__file__).parent / "results"
 ROUNDS = int(os.environ.get("FASTEST_ROUNDS", "3"))

@@ -183,7 +183,7 @@ def planned(recipe_name: str) -> ga.Plan:
 def plan_lines(plan: ga.Plan) -> list[str]:
     """The plan at the default budget, as the results files show it."""
     return [
-        "The plan at the default budget (`gradaccum.plan`, the planned size verified in two "
+        "The plan at the default budget (`gradaccum.planning`, the planned size verified in two "
         "fresh processes, as `gradaccum train` does on CPU):",
         "",
         "```",

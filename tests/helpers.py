@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradaccum as ga
-from gradaccum.plan import Fit, Plan
+from gradaccum.planning import Fit, Plan
 
 # Uneven micro-batch sizes for a batch of 13, one list per N.
 UNEVEN_SIZES = {1: [13], 2: [9, 4], 4: [1, 5, 3, 4], 7: [2, 1, 3, 1, 2, 3, 1]}

@@ -11,9 +11,8 @@ loads.
 """
 
 import importlib as _importlib
-import types as _types
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 # what each module exports, by name
 _EXPORTS = {
@@ -25,8 +24,8 @@ _EXPORTS = {
     "per_token sample_mean sequence_count sequence_ids token_count token_cross_entropy",
     "gradaccum.noise": "NoiseReading NoiseScale",
     "gradaccum.oom": "OOMReplay",
-    "gradaccum.plan": "Plan PlanRequest plan",
-    "gradaccum.plan.estimate": "Estimate estimate",
+    "gradaccum.planning": "Plan PlanRequest plan",
+    "gradaccum.planning.estimate": "Estimate estimate",
     "gradaccum.precision": "Precision",
     "gradaccum.recompute": "disable_checkpointing enable_checkpointing",
     "gradaccum.schedule": "BatchSchedule",
@@ -36,29 +35,15 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names.s
 __all__ = sorted(_WHERE, key=str.lower)
 
 
-class _Package(_types.ModuleType):
-    """This package, whose names load on first use. A submodule that shares a name with what
-    it exports (``gradaccum.plan`` and ``ga.plan()``) never takes that name's place: an
-    import of the submodule leaves ``gradaccum.plan`` the function, as an eager ``from
-    gradaccum.plan import plan`` here would."""
-
-    def __getattr__(self, name: str):
-        module = _WHERE.get(name)
-        if module is None:
-            raise AttributeError(f"module 'gradaccum' has no attribute {name!r}")
-        value = getattr(_importlib.import_module(module), name)
-        super().__setattr__(name, value)
-        return value
-
-    def __setattr__(self, name: str, value) -> None:
-        if isinstance(value, _types.ModuleType) and name in _WHERE:
-            value = getattr(value, name) if _WHERE[name] == value.__name__ else value
-        super().__setattr__(name, value)
-
-    def __dir__(self) -> list[str]:
-        return sorted({*super().__dir__(), *_WHERE})
+def __getattr__(name: str):
+    """A public name, loaded with its module on first use (PEP 562) and kept."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gradaccum' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
-import sys as _sys  # noqa: E402
-
-_sys.modules[__name__].__class__ = _Package
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})

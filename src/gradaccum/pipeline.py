@@ -418,25 +418,3 @@ class ChainedStages(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return chain(self.module, ids)
-
-
-# moved to gradaccum.plan.pipeline (0.7); the old names answer until 0.8, with a warning
-_MOVED = ("PipelinePlan", "measure_stage", "plan_micro_batches")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        import importlib
-        import warnings
-
-        # (by name: the old home's way to the new one is no dependency of this module, and
-        # gradaccum.plan.pipeline imports this one for SCHEDULES)
-        pipeline = importlib.import_module("gradaccum.plan.pipeline")
-        warnings.warn(
-            f"gradaccum.pipeline.{name} moved to gradaccum.plan.pipeline.{name}; the old "
-            "name goes in gradaccum 0.8",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(pipeline, name)
-    raise AttributeError(f"module 'gradaccum.pipeline' has no attribute {name!r}")

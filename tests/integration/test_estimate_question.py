@@ -15,7 +15,7 @@ import time
 import pytest
 from test_faults import in_process, one_line
 
-from gradaccum.plan.estimate.devices import GPUS
+from gradaccum.planning.estimate.devices import GPUS
 
 pytestmark = pytest.mark.skipif(
     __import__("torch").cuda.is_available(), reason="with a GPU here, --device cuda measures"

@@ -184,7 +184,15 @@ def test_an_effective_batch_of_256_plans_as_8_or_more_micro_batches_and_stays_ex
     sample = {k: v[:8] for k, v in batch.items()}
 
     def planned(budget):
-        return ga.plan(model, optimizer, sample, recipe.loss_fn, 256, budget, meter="tensors")
+        return ga.plan(
+            model,
+            optimizer,
+            sample,
+            recipe.loss_fn,
+            effective_batch=256,
+            budget=budget,
+            meter="tensors",
+        )
 
     roomy = planned("1GiB")
     budget = int(roomy.predict(24) / (1 - roomy.margin))

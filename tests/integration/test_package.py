@@ -163,18 +163,33 @@ def test_all_lists_the_public_api_only():
 
 def test_importing_the_library_loads_nothing_until_a_name_is_used():
     """``import gradaccum`` is cheap (the command installs its Ctrl-C handler before torch
-    loads); the first use of a name loads its module, and ``gradaccum.plan`` stays the
-    function when its package loads, and when the package's own modules load after it, as
-    an eager import left it."""
+    loads); the first use of a name loads its module (PEP 562: the package is a plain
+    module, no class swapped in), and the planning package and ``ga.plan()`` have names of
+    their own: importing the package, or a module of it, binds the package and leaves
+    ``gradaccum.plan`` the function (0.7's subpackage ``gradaccum.plan`` shared the
+    function's name: ``import gradaccum.plan as p`` bound the function)."""
     code = (
-        "import json, sys; import gradaccum; a = 'torch' in sys.modules; "
-        "import gradaccum.plan; p = callable(gradaccum.plan) and gradaccum.plan.__name__; "
-        "import gradaccum.plan.pipeline, gradaccum.plan.prober; "
-        "from gradaccum.plan import Plan; from gradaccum.plan.core import plan; "
-        "q = gradaccum.plan is plan is sys.modules['gradaccum.plan'].plan; "
-        "print(json.dumps([a, p, q, Plan.__module__, gradaccum.Accumulator.__module__]))"
+        "import json, sys, types; import gradaccum; a = 'torch' in sys.modules; "
+        "plain = type(gradaccum) is types.ModuleType; "
+        "import gradaccum.planning as p; m = isinstance(p, types.ModuleType); "
+        "import gradaccum.planning.pipeline, gradaccum.planning.prober; "
+        "from gradaccum.planning import Plan; from gradaccum.planning.core import plan; "
+        "q = gradaccum.plan is plan is p.plan and callable(gradaccum.plan); "
+        "print(json.dumps([a, plain, m, q, Plan.__module__, gradaccum.Accumulator.__module__]))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
-    assert json.loads(out) == [False, "plan", True, "gradaccum.plan.result", "gradaccum.engine"]
+    assert json.loads(out) == [
+        False, True, True, True, "gradaccum.planning.result", "gradaccum.engine"
+    ]  # fmt: skip
+
+
+def test_no_public_name_is_also_a_module_of_the_package():
+    """A name ``ga.X`` that is also a module ``gradaccum.X`` becomes the module once that
+    module is imported (the import binds it on the package): none is both."""
+    import pkgutil
+
+    modules = {m.name for m in pkgutil.iter_modules(ga.__path__)}
+    assert "planning" in modules and "plan" not in modules
+    assert not set(ga.__all__) & modules, sorted(set(ga.__all__) & modules)

@@ -1,5 +1,5 @@
 """An independent meter of live tensor bytes for real CPU runs, to check the memory estimate's
-trace against (it shares no code with gradaccum.plan.estimate): every op's outputs are looked at
+trace against (it shares no code with gradaccum.planning.estimate): every op's outputs are looked at
 after the op, each storage is counted once by its data pointer while it lives, and
 ``weakref.finalize`` takes it off when it is freed. ``peak`` is the highest total seen."""
 

@@ -129,7 +129,9 @@ def test_plan_and_check_leave_every_host_generator_as_it_was(what):
     expected = _draws()
     torch.manual_seed(1), random.seed(1), np.random.seed(1)
     if what == "plan":
-        ga.plan(model, optimizer, batch, lm_loss_with_host_randomness, 8, "4GiB")
+        ga.plan(
+            model, optimizer, batch, lm_loss_with_host_randomness, effective_batch=8, budget="4GiB"
+        )
     else:
         ga.check(model, batch, lm_loss_with_host_randomness, micro_size=4, tolerance=1e-2)
     got = _draws()
@@ -142,7 +144,7 @@ def test_plan_and_check_leave_the_cuda_generator_untouched(what):
     model, optimizer, batch = _lm_planning_setup("cuda")
     before = torch.cuda.get_rng_state_all()
     if what == "plan":
-        ga.plan(model, optimizer, batch, LM_LOSS, 8, "4GiB", meter="tensors")
+        ga.plan(model, optimizer, batch, LM_LOSS, effective_batch=8, budget="4GiB", meter="tensors")
     else:
         ga.check(model, batch, LM_LOSS, micro_size=4, tolerance=1e-2)
     after = torch.cuda.get_rng_state_all()

@@ -12,8 +12,8 @@ import torch
 from support.live_tensors import LiveStorages, adamw, measured
 
 import gradaccum as ga
-from gradaccum.plan.estimate import allocator
-from gradaccum.plan.estimate.trace import TraceError
+from gradaccum.planning.estimate import allocator
+from gradaccum.planning.estimate.trace import TraceError
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_cuda_estimate_rounds_replays_and_adds_the_context():
 
 
 def test_trace_replayed_as_a_snapshot_gives_the_same_peaks():
-    from gradaccum.plan.estimate.trace import Tally, fake_mode
+    from gradaccum.planning.estimate.trace import Tally, fake_mode
 
     tally = Tally()
     with fake_mode():

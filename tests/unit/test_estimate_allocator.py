@@ -4,7 +4,12 @@ built so that one rule decides its reserved peak."""
 
 import pytest
 
-from gradaccum.plan.estimate.allocator import AllocatorConfig, replay, replay_snapshot, round_size
+from gradaccum.planning.estimate.allocator import (
+    AllocatorConfig,
+    replay,
+    replay_snapshot,
+    round_size,
+)
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -10,7 +10,7 @@ import torch
 from support.live_tensors import adamw
 
 import gradaccum as ga
-from gradaccum.plan.estimate import fsdp
+from gradaccum.planning.estimate import fsdp
 
 
 class Block(torch.nn.Module):

@@ -11,8 +11,8 @@ import torch
 from support.live_tensors import measured
 
 import gradaccum as ga
-from gradaccum.plan.estimate import allocator
-from gradaccum.plan.estimate.optimizers import Blockwise8bit
+from gradaccum.planning.estimate import allocator
+from gradaccum.planning.estimate.optimizers import Blockwise8bit
 
 
 def mlp():

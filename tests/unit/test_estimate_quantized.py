@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import gradaccum as ga
-from gradaccum.plan.estimate.quantized import quantize
-from gradaccum.plan.estimate.trace import Tally, fake_mode
+from gradaccum.planning.estimate.quantized import quantize
+from gradaccum.planning.estimate.trace import Tally, fake_mode
 
 
 class Adapted(torch.nn.Module):

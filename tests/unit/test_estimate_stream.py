@@ -11,9 +11,9 @@ import torch
 from support.live_tensors import adamw
 
 import gradaccum as ga
-from gradaccum.plan.estimate.estimator import at_size
-from gradaccum.plan.estimate.result import Estimate
-from gradaccum.plan.estimate.stream import Stream
+from gradaccum.planning.estimate.estimator import at_size
+from gradaccum.planning.estimate.result import Estimate
+from gradaccum.planning.estimate.stream import Stream
 
 
 def gpt():

@@ -8,7 +8,7 @@ import torch
 from helpers import MLP, make_model, make_plan, mlp_loss, regression_batch
 
 import gradaccum as ga
-from gradaccum.plan.exports import FRAMEWORKS, equal_split
+from gradaccum.planning.exports import FRAMEWORKS, equal_split
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 

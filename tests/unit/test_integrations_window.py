@@ -145,17 +145,15 @@ def test_scheduled_windows_refuse_a_batch_that_is_not_whole_micro_batches(
         ScheduledWindows(schedule, micro_size, world)
 
 
-def test_scheduled_windows_old_micro_name_still_works_with_a_deprecation_warning():
-    """``micro=`` and ``.micro`` were the names of ``micro_size`` in 0.7: they keep working,
-    warning, until 0.8; given with ``micro_size`` they are refused."""
+def test_scheduled_windows_old_micro_name_is_gone_in_0_8():
+    """``micro=`` and ``.micro`` were the names of ``micro_size`` in 0.7, kept with a warning
+    until 0.8: gone now, a TypeError and an AttributeError that name them."""
     from gradaccum.integrations.window import ScheduledWindows
 
     schedule = ga.BatchSchedule("steps:1=24", start=8, unit=4)
-    with pytest.warns(DeprecationWarning, match="micro_size"):
-        old = ScheduledWindows(schedule, micro=4)
-    new = ScheduledWindows(ga.BatchSchedule("steps:1=24", start=8, unit=4), micro_size=4)
-    assert old.micro_size == 4 and old.next_window(0) == new.next_window(0) == (2, 2)
-    with pytest.warns(DeprecationWarning, match="micro_size"):
-        assert old.micro == 4
-    with pytest.raises(TypeError, match="micro_size and micro"):
-        ScheduledWindows(schedule, 4, micro=4)
+    with pytest.raises(TypeError, match="micro"):
+        ScheduledWindows(schedule, micro=4)
+    new = ScheduledWindows(schedule, micro_size=4)
+    assert new.next_window(0) == (2, 2)
+    with pytest.raises(AttributeError, match="micro"):
+        new.micro  # noqa: B018 (the access is the test)

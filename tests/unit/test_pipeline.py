@@ -74,7 +74,7 @@ def test_a_gpt_splits_into_at_most_its_blocks():
 
 
 def test_the_planner_takes_the_fewest_micro_batches_whose_bubble_is_small():
-    from gradaccum.plan.pipeline import plan_micro_batches
+    from gradaccum.planning.pipeline import plan_micro_batches
 
     # 2 stages: a bubble of 1/(m + 1) is at most 20% from m = 4 on.
     plan = plan_micro_batches(16, 2, "1f1b", 1000, 10.0, budget=10**6)
@@ -87,7 +87,7 @@ def test_the_planner_takes_the_fewest_micro_batches_whose_bubble_is_small():
 
 
 def test_memory_raises_the_number_of_micro_batches_under_1f1b_only():
-    from gradaccum.plan.pipeline import plan_micro_batches
+    from gradaccum.planning.pipeline import plan_micro_batches
 
     # 1F1B at m = 4 needs 1000 + 8 x 100 = 1800 bytes; at m = 8, 1000 + 2 x 2 x 100 = 1400.
     plan = plan_micro_batches(16, 2, "1f1b", 1000, 100.0, budget=1500, margin=0.0)
@@ -99,7 +99,7 @@ def test_memory_raises_the_number_of_micro_batches_under_1f1b_only():
 
 def test_a_stage_measures_its_parameters_and_the_activations_it_saves():
     from gradaccum.app.recipes.gpt import GPTStage
-    from gradaccum.plan.pipeline import measure_stage
+    from gradaccum.planning.pipeline import measure_stage
 
     part = GPTStage(gpt(), 1, 2)  # the last stage: input of the residual stream, logits out
     static, per_sample = measure_stage(part, part.sample_input, lambda out: out.sum())

@@ -14,7 +14,7 @@ import gradaccum as ga
 from gradaccum.app.recipes import get_recipe
 from gradaccum.batching import take
 from gradaccum.memory import LiveTensorBytes, MemoryMeter
-from gradaccum.plan.result import STEPPED_UP
+from gradaccum.planning.result import STEPPED_UP
 
 
 def cnn_setup():
@@ -465,7 +465,7 @@ def test_the_summary_reads_as_written_and_names_measured_and_predicted():
     assert "measured at micro-batch 8" in one and "the fit's prediction" in one
     many = make_plan(64, micro=8).summary()
     assert "8 micro-batches per window" in many
-    from gradaccum.plan import signed_bytes
+    from gradaccum.planning import signed_bytes
 
     assert signed_bytes(-26.3 * 1024) == "- 26.3 KiB" and signed_bytes(2048) == "+ 2.0 KiB"
 
@@ -476,7 +476,7 @@ def test_a_plot_path_without_a_format_is_written_as_png_and_said_so(tmp_path):
     from helpers import make_plan
 
     from gradaccum.app.report.plots import plan_plot as draw
-    from gradaccum.plan import Probe
+    from gradaccum.planning import Probe
 
     probes = tuple(Probe(m, 10**6 + 10**4 * m, 10**4 * m, 10**6 + 10**4 * m) for m in (1, 2, 4))
     plan = dataclasses.replace(make_plan(64), probes=probes)
@@ -489,7 +489,7 @@ def test_the_probe_table_counts_the_whole_peak_as_the_summary_and_plot_do():
 
     from helpers import make_plan
 
-    from gradaccum.plan import Probe
+    from gradaccum.planning import Probe
 
     plan = dataclasses.replace(
         make_plan(64),
@@ -738,33 +738,31 @@ def test_the_runs_other_phases_are_measured_and_one_too_big_gets_its_own_micro_b
 
 
 @pytest.mark.parametrize(
-    "old, name, new",
+    "old, name",
     [
-        ("gradaccum.export", "export", "gradaccum.plan.exports"),
-        ("gradaccum.export", "FRAMEWORKS", "gradaccum.plan.exports"),
-        ("gradaccum.export", "Export", "gradaccum.plan.exports"),
-        ("gradaccum.pipeline", "plan_micro_batches", "gradaccum.plan.pipeline"),
-        ("gradaccum.pipeline", "measure_stage", "gradaccum.plan.pipeline"),
-        ("gradaccum.pipeline", "PipelinePlan", "gradaccum.plan.pipeline"),
+        ("gradaccum.pipeline", "plan_micro_batches"),
+        ("gradaccum.pipeline", "measure_stage"),
+        ("gradaccum.pipeline", "PipelinePlan"),
+        ("gradaccum.integrations.window", "WindowEnd"),
     ],
 )
-def test_a_name_that_moved_into_the_plan_package_answers_from_its_old_home_with_a_warning(
-    old, name, new
-):
+def test_a_name_0_7_moved_answers_no_more_from_its_old_home(old, name):
+    """0.7 kept these names at their old homes with a DeprecationWarning until 0.8: gone
+    now (gradaccum.planning.pipeline and gradaccum.StepResult hold them)."""
     import importlib
 
-    moved = getattr(importlib.import_module(new), name)
-    with pytest.warns(DeprecationWarning, match=f"{old}.{name} moved to {new}.{name}"):
-        assert getattr(importlib.import_module(old), name) is moved
-    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
-        importlib.import_module(old).nothing_here  # noqa: B018 (the access is the test)
+    with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+        getattr(importlib.import_module(old), name)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("gradaccum.export")  # now gradaccum.planning.exports
 
 
 @pytest.mark.slow  # seconds: the slow tier keeps make test-fast under a minute
-def test_a_plan_request_asks_what_the_same_keywords_ask_and_the_old_positions_still_answer():
+def test_a_plan_request_asks_what_the_same_keywords_ask_and_the_old_positions_are_refused():
     """``plan(..., PlanRequest(...))`` and ``plan(..., effective_batch=..., budget=...)`` make
-    the same plan (the live-tensor meter is deterministic); the old positional settings give
-    it too, with a DeprecationWarning; a keyword that is no setting is a TypeError."""
+    the same plan (the live-tensor meter is deterministic); the positional settings 0.7 read
+    with a DeprecationWarning are a TypeError that says how to write them; a keyword that is
+    no setting is a TypeError."""
     import dataclasses
 
     model, batch, loss_fn = cnn_setup()
@@ -781,9 +779,8 @@ def test_a_plan_request_asks_what_the_same_keywords_ask_and_the_old_positions_st
     by_request = plan(asked)
     assert by_request == plan(**dataclasses.asdict(asked))
     assert by_request["micro_size"] == 12 and by_request["budget"] == 2**30
-    with pytest.warns(DeprecationWarning, match="effective_batch, budget given by position") as w:
-        assert plan(12, "1GiB", meter="tensors", probe_sizes=[1, 2], prefer="largest") == by_request
-    assert w[0].filename == __file__  # the line that called plan()
+    with pytest.raises(TypeError, match=r"2 more positional arguments \(12, '1GiB'\): write"):
+        plan(12, "1GiB", meter="tensors", probe_sizes=[1, 2], prefer="largest")
     # keywords with a request replace its fields
     assert plan(asked, effective_batch=6)["per_rank_batch"] == 6
     with pytest.raises(TypeError, match="unexpected keyword argument 'budgte'"):
@@ -841,7 +838,7 @@ def _stepped_plan(**changes):
 
     from helpers import make_plan
 
-    from gradaccum.plan import Fit, Probe
+    from gradaccum.planning import Fit, Probe
 
     mib = 2**20
     line = Fit(intercept=20 * mib, slope=4 * mib, max_error=0.3)
@@ -897,7 +894,7 @@ def test_a_scaled_plan_says_the_size_came_from_the_line_scaled_and_why_it_is_the
 
 def test_a_saved_plans_fit_note_is_said_once_from_the_numbers():
     """Plans saved before the note was the summary's carry its old words in their notes."""
-    from gradaccum.plan import Plan
+    from gradaccum.planning import Plan
 
     plan = _stepped_plan()
     saved = plan.to_dict()
@@ -913,7 +910,7 @@ def test_the_fit_lines_miss_and_the_probe_tables_error_are_one_number():
     is Fit.max_error's (on the peak above the base), so its largest fit row is the words'."""
     import dataclasses
 
-    from gradaccum.plan import Fit
+    from gradaccum.planning import Fit
 
     plan = _stepped_plan()
     # a line that misses the probe at 1 by 125% of its peak above the base
@@ -927,7 +924,7 @@ def test_the_fit_lines_miss_and_the_probe_tables_error_are_one_number():
 
 
 def test_planning_time_is_one_formatter_for_the_console_and_the_page():
-    from gradaccum.plan.result import format_seconds
+    from gradaccum.planning.result import format_seconds
 
     plan = _stepped_plan(seconds=98.4)
     assert "planned in 1 min 38 s" in plan.summary() and format_seconds(98.4) == "1 min 38 s"

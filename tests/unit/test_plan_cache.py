@@ -14,7 +14,7 @@ from helpers import cli, make_plan
 
 from gradaccum.app import plan_cache
 from gradaccum.app.planner import Planner
-from gradaccum.plan import Plan, Probe
+from gradaccum.planning import Plan, Probe
 
 # the request make_plan(64)'s plans answer (its budget 2**30, margin 0.15)
 SETTINGS = {"recipe": "gpt", "effective_batch": 64, "budget": 2**30, "precision": "fp32"}

@@ -17,7 +17,7 @@ def test_library_advice_is_translated_into_flags():
 def test_the_planners_own_advice_reads_as_flags():
     import torch
 
-    from gradaccum.plan import too_small
+    from gradaccum.planning import too_small
 
     text = as_flags(too_small(torch.nn.Linear(2, 2), 1000, 0.15, False, 1e7, measured=False))
     assert text.endswith("give at least 11.2 MiB or allow --checkpointing auto"), text

@@ -567,8 +567,8 @@ def _full_plan():
 
     from helpers import make_plan
 
-    from gradaccum.plan import Fit, Phase, Probe
-    from gradaccum.plan.speed import Timing
+    from gradaccum.planning import Fit, Phase, Probe
+    from gradaccum.planning.speed import Timing
 
     mib = 2**20
     line = Fit(intercept=20 * mib, slope=4 * mib, max_error=0.3)
@@ -606,7 +606,7 @@ def _full_plan():
 def test_no_plan_field_reaches_the_page_as_raw_json_or_an_unrounded_float(tmp_path):
     """Issue 47: the timing race's fields were a raw JSON row (`timings | [{"micro_size": 16,
     ..., "seconds": [14.578669672000615, ...]`) and `timing seconds | 34.03243500299959`."""
-    from gradaccum.plan.result import TIMING_HEAD, format_seconds
+    from gradaccum.planning.result import TIMING_HEAD, format_seconds
 
     plan = _full_plan()
     saved = plan.to_dict()

@@ -1,4 +1,4 @@
-"""gradaccum.plan.speed: the sizes that fit timed against each other over real windows; the
+"""gradaccum.planning.speed: the sizes that fit timed against each other over real windows; the
 fastest chosen when it is faster beyond the noise, else the largest; the effective batch
 exact for every candidate."""
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import gradaccum as ga
-from gradaccum.plan.speed import (
+from gradaccum.planning.speed import (
     RECOMPUTE,
     Extra,
     Race,

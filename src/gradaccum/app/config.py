@@ -41,8 +41,8 @@ from gradaccum.app.recipes import GPT_SHAPE, RECIPES
 from gradaccum.app.targets import Targets, parse_seconds
 from gradaccum.memory import METERS, parse_bytes
 from gradaccum.pipeline import SCHEDULES
-from gradaccum.plan import CHECKPOINTING, FRAMEWORKS, PREFER
-from gradaccum.plan.estimate.devices import GPUS
+from gradaccum.planning import CHECKPOINTING, FRAMEWORKS, PREFER
+from gradaccum.planning.estimate.devices import GPUS
 from gradaccum.precision import PRECISIONS
 from gradaccum.schedule import LR_RULES, schedule_problems
 

@@ -13,7 +13,7 @@ device total fits the budget (a window of two micro-batches peaks as one of any 
 number: from the second on, every buffer the window holds is there), and the micro-batches
 per window that make ``--effective-batch``. The whole model is traced at sizes 1, 2 and 3
 side by side (processes forked from this one), and every size from 2 up is read off the
-traces at 2 and 3 (``gradaccum.plan.estimate.stream``: the same allocations at both, each
+traces at 2 and 3 (``gradaccum.planning.estimate.stream``: the same allocations at both, each
 constant or in proportion to the size), so the answer is a trace of the model asked or
 what that trace would give. Where the two do not show the other sizes, a model of identical
 repeated blocks (a transformer's layers) is first traced with 2 and 3 of them: the
@@ -197,7 +197,7 @@ def _record_problems(record: Any) -> list[str]:
     if not isinstance(record.get("assumptions", []), list):
         out.append("assumptions must be a list")
     if record.get("stream") is not None:
-        from gradaccum.plan.estimate.stream import Stream
+        from gradaccum.planning.estimate.stream import Stream
 
         try:
             Stream.from_dict(record["stream"])
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     request = json.loads(sys.stdin.readline())
     exit_on_end_of_input()
     quiet_third_parties()
-    from gradaccum.plan.estimate.trace import TraceError
+    from gradaccum.planning.estimate.trace import TraceError
 
     cfg = PlanConfig(**request["config"])
     search = _Search(cfg, request.get("known") or {})
@@ -548,13 +548,13 @@ class _Search:
 
     def full(self, w: _Workload, micro: int, sync: str) -> dict[str, Any]:
         """The whole model's window at ``micro``: traced, or read off two traces of it at
-        other sizes (``gradaccum.plan.estimate.stream``)."""
+        other sizes (``gradaccum.planning.estimate.stream``)."""
         key = self._key(w, micro, sync, None)
         if key not in self.traces and micro >= 2:
             pair = self._pair(w, sync, self._windows(micro))
             if pair is not None:
-                from gradaccum.plan.estimate.estimator import at_size
-                from gradaccum.plan.estimate.result import Estimate
+                from gradaccum.planning.estimate.estimator import at_size
+                from gradaccum.planning.estimate.result import Estimate
 
                 a, b = (Estimate.from_dict(t) for t in pair)
                 read = at_size(a, b, micro)
@@ -611,7 +611,7 @@ class _Search:
         """Two whole-model traces of ``w``'s window of ``windows`` micro-batches at sizes of
         2 or more, each with its allocation sequence, that show the other sizes: what they
         are read off."""
-        from gradaccum.plan.estimate.stream import Stream
+        from gradaccum.planning.estimate.stream import Stream
 
         kept = [
             t
@@ -778,7 +778,7 @@ class _Search:
         if asked.length is not None and asked.length >= 64:
             half = asked.length // 2
             changes.append((f"--seq-len {half}", {"seq_len": half}, checkpointing))
-        from gradaccum.plan.estimate.trace import TraceError
+        from gradaccum.planning.estimate.trace import TraceError
 
         for flag, change, ck in changes:
             try:
@@ -798,7 +798,7 @@ def _optimizer(name: str):
     (traced), bitsandbytes' 8-bit ones by their documented state layout (Blockwise8bit)."""
     import torch
 
-    from gradaccum.plan.estimate.optimizers import Blockwise8bit
+    from gradaccum.planning.estimate.optimizers import Blockwise8bit
 
     def adafactor(p):
         from gradaccum.integrations import hf_models
@@ -1052,7 +1052,7 @@ class _Workload:
         def prepare(model: Any) -> Any:
             model = adapt(model)
             if cfg.quantize is not None:
-                from gradaccum.plan.estimate.quantized import quantize
+                from gradaccum.planning.estimate.quantized import quantize
 
                 model = quantize(model, cfg.quantize, double_quant=cfg.double_quant)
             return model

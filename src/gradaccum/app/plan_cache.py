@@ -37,7 +37,7 @@ import torch
 
 from gradaccum import __version__
 from gradaccum.app.process import say
-from gradaccum.plan import Plan
+from gradaccum.planning import Plan
 
 FORMAT = 3  # 3: keyed without the model (the code and the settings that build it)
 _LARGEST = 16 * 2**20  # bytes: far above any plan's record; a larger file is not one

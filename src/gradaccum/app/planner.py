@@ -16,7 +16,7 @@ import torch
 from gradaccum.app import plan_cache
 from gradaccum.batching import to_device
 from gradaccum.memory import parse_bytes
-from gradaccum.plan import Plan, PlanRequest, plan
+from gradaccum.planning import Plan, PlanRequest, plan
 
 if TYPE_CHECKING:
     from gradaccum.app.measure import FreshProcessVerifier

@@ -26,7 +26,7 @@ from gradaccum.app.planner import Planner
 from gradaccum.app.recipes import Recipe
 from gradaccum.app.recipes.userdata import SequenceData
 from gradaccum.checkpoint import preserved_rng
-from gradaccum.plan import Plan, PlanRequest
+from gradaccum.planning import Plan, PlanRequest
 from gradaccum.precision import PRECISIONS
 from gradaccum.recompute import enable_checkpointing
 
@@ -364,7 +364,7 @@ def pipeline_plan(cfg: TrainConfig, module: Any, log) -> dict[str, Any]:
     import torch.distributed as dist
 
     from gradaccum.loss import causal_lm_loss
-    from gradaccum.plan.pipeline import measure_stage, plan_micro_batches
+    from gradaccum.planning.pipeline import measure_stage, plan_micro_batches
 
     def loss(out: torch.Tensor) -> torch.Tensor:
         if module.is_last:

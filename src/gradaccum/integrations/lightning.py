@@ -124,7 +124,7 @@ class ExactAccumulation(lightning.Callback):
         self.noise = noise_option(noise)
         self.oom = oom
         self.window: FrameworkWindow | None = None
-        self.last: Any = None  # what the last window did (a WindowEnd)
+        self.last: Any = None  # what the last window did (a StepResult)
         self._micro: tuple[Any, Any] | None = None
         self._batches: list[Any] = []  # the window's micro-batches so far, with oom=
         self._replayed = False  # this window replayed

@@ -10,7 +10,6 @@ computes the same thing.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -21,18 +20,6 @@ from gradaccum.sync import Sync
 from gradaccum.window import Closing, StepResult, Tally
 
 __all__ = ["FrameworkWindow", "ScheduledWindows", "noise_option"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "WindowEnd":  # merged into the one result type
-        warnings.warn(
-            "gradaccum.integrations.window.WindowEnd is gradaccum.StepResult (the one result "
-            "of every window's end); the old name goes in the next minor version",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return StepResult
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def noise_option(noise: NoiseScale | bool) -> NoiseScale | None:
@@ -147,23 +134,9 @@ class ScheduledWindows:
     def __init__(
         self,
         schedule: BatchSchedule,
-        micro_size: int | None = None,
+        micro_size: int,
         world: int = 1,
-        *,
-        micro: int | None = None,
     ) -> None:
-        if micro is not None:  # the old name of micro_size, until gradaccum 0.8
-            if micro_size is not None:
-                raise TypeError("ScheduledWindows got micro_size and micro: pass micro_size only")
-            warnings.warn(
-                "ScheduledWindows(micro=...) is ScheduledWindows(micro_size=...); the old "
-                "name goes in gradaccum 0.8",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            micro_size = micro
-        if micro_size is None:
-            raise TypeError("ScheduledWindows needs micro_size, the samples per micro-batch")
         if not isinstance(schedule, BatchSchedule):
             raise TypeError(
                 f"schedule must be a gradaccum.BatchSchedule, got {type(schedule).__name__}"
@@ -181,17 +154,6 @@ class ScheduledWindows:
                 "micro-batches"
             )
         self.schedule, self.micro_size, self.world = schedule, micro_size, world
-
-    @property
-    def micro(self) -> int:
-        """The old name of ``micro_size``, until gradaccum 0.8."""
-        warnings.warn(
-            "ScheduledWindows.micro is ScheduledWindows.micro_size; the old name goes in "
-            "gradaccum 0.8",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.micro_size
 
     def smallest(self) -> int:
         """The fewest micro-batches any window of the schedule asks for (a framework that

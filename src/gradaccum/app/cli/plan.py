@@ -18,8 +18,8 @@ from gradaccum.app.process import out, say
 from gradaccum.app.recipes import get_recipe
 from gradaccum.app.report.plots import plan_plot
 from gradaccum.memory import format_bytes
-from gradaccum.plan import Export, Plan
-from gradaccum.plan.exports import BatchShape, export
+from gradaccum.planning import Export, Plan
+from gradaccum.planning.exports import BatchShape, export
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

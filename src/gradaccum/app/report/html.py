@@ -38,8 +38,8 @@ from gradaccum.app.folder import (
 from gradaccum.app.folder import SUMMARY as SUMMARY_JSON
 from gradaccum.app.report.metrics import SUMMARY, item_label
 from gradaccum.memory import format_bytes
-from gradaccum.plan import Fit, Plan
-from gradaccum.plan.result import TIMING_HEAD, format_seconds, line_error
+from gradaccum.planning import Fit, Plan
+from gradaccum.planning.result import TIMING_HEAD, format_seconds, line_error
 
 __all__ = ["render", "write_report"]
 

@@ -14,7 +14,7 @@ from gradaccum.app.run import Run
 from gradaccum.engine import Accumulator
 from gradaccum.memory import format_bytes
 from gradaccum.noise import NoiseReading, advise, tradeoff_advice
-from gradaccum.plan.result import format_seconds
+from gradaccum.planning.result import format_seconds
 
 
 def report(

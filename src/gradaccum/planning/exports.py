@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from gradaccum.validate import int_problem
 
 if TYPE_CHECKING:
-    from gradaccum.plan.result import Plan
+    from gradaccum.planning.result import Plan
 
 __all__ = ["FRAMEWORKS", "BatchShape", "Export", "equal_split", "export"]
 

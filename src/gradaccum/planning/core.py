@@ -29,11 +29,11 @@ from gradaccum.batching import batch_size, map_tensors
 from gradaccum.checkpoint import preserved_rng
 from gradaccum.engine import LossFn
 from gradaccum.memory import MemoryMeter, format_bytes
-from gradaccum.plan.phases import measure_phases
-from gradaccum.plan.prober import Measured, Prober
-from gradaccum.plan.request import CHECKPOINTING, PlanRequest
-from gradaccum.plan.result import STEPPED_UP, Plan, Probe
-from gradaccum.plan.speed import (
+from gradaccum.planning.phases import measure_phases
+from gradaccum.planning.prober import Measured, Prober
+from gradaccum.planning.request import CHECKPOINTING, PlanRequest
+from gradaccum.planning.result import STEPPED_UP, Plan, Probe
+from gradaccum.planning.speed import (
     Extra,
     Race,
     Timing,

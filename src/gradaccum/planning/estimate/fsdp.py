@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from gradaccum.plan.estimate.trace import live_at
+from gradaccum.planning.estimate.trace import live_at
 
 __all__ = ["Events", "Layout", "Marks", "layout", "shard"]
 

@@ -16,7 +16,7 @@ Two questions the trace cannot answer by itself are answered here:
   whose forward was running.
 
 This module knows nothing of CUDA; the differences between the traced device and CUDA are
-``gradaccum.plan.estimate.cuda``'s.
+``gradaccum.planning.estimate.cuda``'s.
 """
 
 from __future__ import annotations

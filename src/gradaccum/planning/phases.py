@@ -8,8 +8,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gradaccum.memory import MemoryMeter, format_bytes
-from gradaccum.plan.prober import Measured
-from gradaccum.plan.result import Phase
+from gradaccum.planning.prober import Measured
+from gradaccum.planning.result import Phase
 
 __all__ = ["measure_phases"]
 

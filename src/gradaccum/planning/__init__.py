@@ -5,17 +5,17 @@ measures real windows (prober.py), the run's other parts measured beside the win
 (phases.py), the sizes that fit timed against each other (speed.py), a plan as another
 framework's settings (exports.py) and a pipeline's number of micro-batches (pipeline.py).
 
-``gradaccum.plan`` is also the name of the function ``ga.plan``: the package's own
-``__init__`` (gradaccum/__init__.py) keeps ``gradaccum.plan`` the function when this package
-loads; import what you need from here by name (``from gradaccum.plan import Plan``).
+``gradaccum.planning`` is also the name of the function ``ga.plan``: the package's own
+``__init__`` (gradaccum/__init__.py) keeps ``gradaccum.planning`` the function when this package
+loads; import what you need from here by name (``from gradaccum.planning import Plan``).
 """
 
-from gradaccum.plan.core import CHECKPOINTING, plan, too_small
-from gradaccum.plan.exports import FRAMEWORKS, Export, equal_split, export
-from gradaccum.plan.pipeline import PipelinePlan, measure_stage, plan_micro_batches
-from gradaccum.plan.request import PlanRequest
-from gradaccum.plan.result import Fit, Phase, Plan, Probe, signed_bytes
-from gradaccum.plan.speed import PREFER, Timing
+from gradaccum.planning.core import CHECKPOINTING, plan, too_small
+from gradaccum.planning.exports import FRAMEWORKS, Export, equal_split, export
+from gradaccum.planning.pipeline import PipelinePlan, measure_stage, plan_micro_batches
+from gradaccum.planning.request import PlanRequest
+from gradaccum.planning.result import Fit, Phase, Plan, Probe, signed_bytes
+from gradaccum.planning.speed import PREFER, Timing
 
 __all__ = [
     "CHECKPOINTING",

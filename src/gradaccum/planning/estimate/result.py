@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from gradaccum.memory import format_bytes
-from gradaccum.plan.estimate.stream import Stream
+from gradaccum.planning.estimate.stream import Stream
 
 __all__ = ["PARTS", "Estimate"]
 

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from gradaccum.memory import METERS, parse_bytes
-from gradaccum.plan.speed import PREFER
+from gradaccum.planning.speed import PREFER
 from gradaccum.sync import SYNC_MODES
 from gradaccum.validate import int_problem
 
 __all__ = ["CHECKPOINTING", "PREFER", "PlanRequest"]
 
 CHECKPOINTING = ("off", "on", "auto")
-# plan()'s settings that came before its keyword-only ones: (model, optimizer, sample_batch,
-# loss_fn, effective_batch, budget, world_size)
-_POSITIONAL = ("effective_batch", "budget", "world_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,29 +56,20 @@ class PlanRequest:
     @classmethod
     def of(cls, *args: Any, **settings: Any) -> PlanRequest:
         """``plan()``'s request from what it was given: a ``PlanRequest`` (``settings`` then
-        replace its fields), or the fields as keywords. The old positional form
-        (``effective_batch, budget, world_size`` after ``loss_fn``) is read with a
-        DeprecationWarning."""
+        replace its fields), or the fields as keywords."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(settings) - known)
         if unknown:
             raise TypeError(f"plan() got an unexpected keyword argument {unknown[0]!r}")
         if len(args) == 1 and isinstance(args[0], cls):
             return replace(args[0], **settings)
-        if len(args) > len(_POSITIONAL):
-            raise TypeError(f"plan() takes at most 5 positional arguments, got {4 + len(args)}")
         if args:
-            given = dict(zip(_POSITIONAL, args, strict=False))
-            twice = sorted(set(given) & set(settings))
-            if twice:
-                raise TypeError(f"plan() got multiple values for argument {twice[0]!r}")
-            warnings.warn(
-                f"plan()'s {', '.join(given)} given by position: pass them by keyword or "
-                "as a PlanRequest (positional settings go in gradaccum 0.8)",
-                DeprecationWarning,
-                stacklevel=4,  # of(), plan(), one_process()'s wrapper, the caller
+            raise TypeError(
+                f"plan() takes its settings by keyword or as one PlanRequest after loss_fn, "
+                f"got {len(args)} more positional argument{'s' if len(args) > 1 else ''} "
+                f"({', '.join(repr(a) for a in args[:3])}): write effective_batch=..., "
+                "budget=... (the positional form went in gradaccum 0.8)"
             )
-            settings = {**given, **settings}
         missing = [name for name in ("effective_batch", "budget") if name not in settings]
         if missing:
             raise TypeError(

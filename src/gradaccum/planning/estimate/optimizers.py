@@ -101,6 +101,6 @@ def bitsandbytes_refusal(optimizer: torch.optim.Optimizer) -> str | None:
         return None
     return (
         f"optimizer: bitsandbytes' {cls.__name__} steps in a CUDA kernel the trace cannot run; "
-        "pass gradaccum.plan.estimate.optimizers.Blockwise8bit(params, states=2 or 1, "
+        "pass gradaccum.planning.estimate.optimizers.Blockwise8bit(params, states=2 or 1, "
         "paged=...), its documented state layout, instead"
     )

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from gradaccum.memory import format_bytes
-from gradaccum.plan.exports import Export, export
-from gradaccum.plan.speed import Timing
+from gradaccum.planning.exports import Export, export
+from gradaccum.planning.speed import Timing
 from gradaccum.recompute import enable_checkpointing
 
 __all__ = [

@@ -2,7 +2,7 @@
 fake tensors (``trace``), what CUDA does differently (``cuda``), CUDA's caching allocator
 (``allocator``), the GPU families' constants (``devices``), the result (``Estimate``)."""
 
-from gradaccum.plan.estimate.estimator import estimate
-from gradaccum.plan.estimate.result import Estimate
+from gradaccum.planning.estimate.estimator import estimate
+from gradaccum.planning.estimate.result import Estimate
 
 __all__ = ["Estimate", "estimate"]

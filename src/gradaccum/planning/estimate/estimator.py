@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from gradaccum.plan.estimate import allocator as alloc
-from gradaccum.plan.estimate import cuda, fsdp
-from gradaccum.plan.estimate.devices import gpu as find_gpu
-from gradaccum.plan.estimate.optimizers import bitsandbytes_refusal
-from gradaccum.plan.estimate.result import PARTS, Estimate
-from gradaccum.plan.estimate.stream import Stream
-from gradaccum.plan.estimate.trace import (
+from gradaccum.planning.estimate import allocator as alloc
+from gradaccum.planning.estimate import cuda, fsdp
+from gradaccum.planning.estimate.devices import gpu as find_gpu
+from gradaccum.planning.estimate.optimizers import bitsandbytes_refusal
+from gradaccum.planning.estimate.result import PARTS, Estimate
+from gradaccum.planning.estimate.stream import Stream
+from gradaccum.planning.estimate.trace import (
     HostReads,
     Tally,
     TraceError,
@@ -65,11 +65,11 @@ def estimate(
     ``world_size`` > 1: one of that many data-parallel processes. ``shard="ddp"``: each with
     the whole model in ``DistributedDataParallel``, whose gradient buckets are a second copy
     of the gradients. ``shard="fsdp"``: FSDP2's ``fully_shard`` on each repeated block and
-    the root, modelled from the unsharded trace (``gradaccum.plan.estimate.fsdp``), with
+    the root, modelled from the unsharded trace (``gradaccum.planning.estimate.fsdp``), with
     gradaccum's gradient ``sync`` ("window": the unsharded gradient kept between
     micro-batches, one reduce-scatter per window; "micro": one per micro-batch, the sharded
     gradient accumulated); the peak is rank 0's (the largest shards). bitsandbytes' quantized
-    layers are refused for ``gradaccum.plan.estimate.quantized.quantize``'s model of them.
+    layers are refused for ``gradaccum.planning.estimate.quantized.quantize``'s model of them.
     ``repeat=True`` traces the first window and repeats its events for the second (half
     the time): right where a trace of both showed the second to be the first repeated
     (``Estimate.steady``, which every trace of two windows reports); not under FSDP2.
@@ -80,10 +80,11 @@ def estimate(
     Two windows run through a real ``Accumulator``: the first creates the optimizer's state,
     the second is the steady one; the peak is over both. ``evaluate=True`` adds a forward
     under ``torch.no_grad()`` after them. ``device="cuda"`` models what CUDA does differently
-    (``gradaccum.plan.estimate.cuda``) and the caching allocator (``allocator``: a
+    (``gradaccum.planning.estimate.cuda``) and the caching allocator (``allocator``: a
     ``PYTORCH_CUDA_ALLOC_CONF`` string or an ``AllocatorConfig``); ``gpu`` names the family
-    whose constants are added (``gradaccum.plan.estimate.devices.GPUS``). ``device="cpu"`` traces
-    as the CPU runs, so the trace can be checked against a real run here.
+    whose constants are added (``gradaccum.planning.estimate.devices.GPUS``).
+    ``device="cpu"`` traces as the CPU runs, so the trace can be checked against a real run
+    here.
     """
     if device not in _DEVICES:
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
@@ -149,7 +150,7 @@ def estimate(
 def at_size(a: Estimate, b: Estimate, micro_size: int) -> Estimate | None:
     """The estimate at ``micro_size`` (2 or more) from two of the same window at other sizes
     of 2 or more (each made with ``keep=True``), with no trace: their allocation sequences
-    scaled (``gradaccum.plan.estimate.stream``) and replayed. None where the two do not show
+    scaled (``gradaccum.planning.estimate.stream``) and replayed. None where the two do not show
     the sequence at another size (trace that size instead)."""
     if a.stream is None or b.stream is None:
         return None
@@ -398,7 +399,7 @@ def _unmodelled(module: torch.nn.Module) -> str | None:
             return (
                 f"model: {where} is bitsandbytes' {cls.__name__}, whose kernels do not run on "
                 "fake tensors; build the base unquantized and pass prepare=lambda m: "
-                "gradaccum.plan.estimate.quantized.quantize(apply_lora(m), 'nf4'), its "
+                "gradaccum.planning.estimate.quantized.quantize(apply_lora(m), 'nf4'), its "
                 "documented layout"
             )
         if sharded is not None and isinstance(sub, sharded):

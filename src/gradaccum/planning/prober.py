@@ -12,7 +12,7 @@ import torch
 from gradaccum.batching import take
 from gradaccum.engine import Accumulator
 from gradaccum.memory import format_bytes, saved_activation_bytes, tensor_bytes
-from gradaccum.plan.result import Fit, Probe
+from gradaccum.planning.result import Fit, Probe
 from gradaccum.precision import Precision
 from gradaccum.recompute import (
     checkpointing_enabled,
