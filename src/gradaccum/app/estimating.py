@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -347,18 +348,21 @@ class _Progress:
     """Where the estimate is, said on stderr every few seconds once a step has taken more
     than a couple: the model being built, or the trace and the module whose forward runs (a
     checkpointed block's recomputation in backward included). A small model says nothing,
-    and neither does a search that traces nothing (``active=False``)."""
+    and neither does a search that traces nothing (``active=False``).
+
+    Said from the tracing thread itself, as each module's forward begins (and by ``tick``
+    where the process waits): no thread of its own. A second thread that allocates runs
+    Python's collector there, which frees the trace's fake tensors off the thread that is
+    dispatching on them (a trace process ended in a segmentation fault so)."""
 
     def __init__(self, active: bool = True) -> None:
         self.label, self.where = "the estimate", "starting"
         self.started = self._last = time.monotonic()
         self.names: dict[int, str] = {}
-        self.writing = threading.Lock()  # held while a line is written (and over a fork)
         if active:
             import torch
 
             torch.nn.modules.module.register_module_forward_pre_hook(self._entered)
-            threading.Thread(target=self._tick, daemon=True).start()
 
     def watch(self, model: Any) -> Any:
         self.names = {
@@ -376,17 +380,16 @@ class _Progress:
         name = self.names.get(id(module))
         if name is not None:
             self.where = name
+        self.tick()
 
-    def _tick(self) -> None:
-        while True:
-            time.sleep(0.5)
-            now = time.monotonic()
-            if now - self._last >= _EVERY:
-                self._last = now
-                at = f": at {self.where}" if self.where else ""
-                with self.writing:
-                    sys.stderr.write(f"{_PROGRESS}{self.label}{at}, {now - self.started:.0f} s\n")
-                    sys.stderr.flush()
+    def tick(self) -> None:
+        """The line, when one is due."""
+        now = time.monotonic()
+        if now - self._last >= _EVERY:
+            self._last = now
+            at = f": at {self.where}" if self.where else ""
+            sys.stderr.write(f"{_PROGRESS}{self.label}{at}, {now - self.started:.0f} s\n")
+            sys.stderr.flush()
 
 
 def _can_fork() -> bool:
@@ -578,30 +581,42 @@ class _Search:
             None,
         )
         children = []
-        with self.progress.writing:
-            for micro in todo:
-                read, write = os.pipe()
-                pid = os.fork()
-                if pid == 0:  # the child: one trace, its record written back, then gone
-                    os.close(read)
-                    _die_with_parent()
-                    code = 0
-                    try:
-                        record = self._trace(w, micro, sync, None)
-                        data = json.dumps({"key": self._key(w, micro, sync, None), "trace": record})
-                        with os.fdopen(write, "w") as out:
-                            out.write(data)
-                    except BaseException:  # noqa: BLE001 (the parent traces it itself, and says why)
-                        code = 1
-                    os._exit(code)
-                os.close(write)
-                children.append((pid, read))
+        sys.stderr.flush()  # nothing buffered is written twice
+        for micro in todo:
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: one trace, its record written back, then gone
+                os.close(read)
+                _die_with_parent()
+                self.progress.step(self.progress.label)  # its own lines, unsaid
+                self.progress.tick = lambda: None  # (the parent says where they are)
+                code = 0
+                try:
+                    record = self._trace(w, micro, sync, None)
+                    data = json.dumps({"key": self._key(w, micro, sync, None), "trace": record})
+                    with os.fdopen(write, "w") as out:
+                        out.write(data)
+                except BaseException:  # noqa: BLE001 (the parent traces it itself, and says why)
+                    code = 1
+                os._exit(code)
+            os.close(write)
+            children.append((pid, read))
+        texts = {read: [] for _, read in children}
+        open_ = set(texts)
+        while open_:  # each child's record as it comes, the progress line said meanwhile
+            ready, _, _ = select.select(list(open_), [], [], 0.5)
+            for fd in ready:
+                chunk = os.read(fd, 1 << 20)
+                if chunk:
+                    texts[fd].append(chunk)
+                else:
+                    open_.discard(fd)
+                    os.close(fd)
+            self.progress.tick()
         for pid, read in children:
-            with os.fdopen(read) as got:
-                text = got.read()
             os.waitpid(pid, 0)
             with contextlib.suppress(ValueError, KeyError, TypeError):
-                answer = json.loads(text)
+                answer = json.loads(b"".join(texts[read]))
                 self.traces[answer["key"]] = answer["trace"]
 
     def _key(self, w: _Workload, micro: int, sync: str, layers: int | None) -> str:
