@@ -377,3 +377,39 @@ def test_the_side_by_side_traces_end_with_their_parent(tmp_path):
     while any(map(_alive, forked)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(map(_alive, forked)), "a side-by-side trace outlived the command"
+
+
+def test_a_config_s_quantization_config_is_the_estimate_s_base(tmp_path):
+    """A model saved quantized carries its quantization_config in config.json, and
+    from_pretrained quantizes by it: the estimate took the base unquantized and said
+    nothing. bitsandbytes' is now the estimate's base (what --quantize gives, said as
+    coming from the config); another method is refused in one line; so are a --quantize
+    that disagrees and a quantized base without adapters."""
+    pytest.importorskip("peft")
+    bnb = {"quant_method": "bitsandbytes", "load_in_4bit": True,
+           "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}  # fmt: skip
+    quantized = llama(tmp_path / "quantized", quantization_config=bnb)
+    plain = llama(tmp_path / "plain")
+    common = ("--seq-len", 32, "--micro-batch", 2, "--lora", 8, "--precision", "bf16")
+    from_config = estimate("--hf-model", quantized, *common)
+    flagged = estimate("--hf-model", plain, *common, "--quantize", "nf4", "--double-quant")
+    unquantized = estimate("--hf-model", plain, *common)
+    assert from_config["total"] == flagged["total"] and from_config["parts"] == flagged["parts"]
+    assert from_config["parts"]["parameters"] < unquantized["parts"]["parameters"]
+    assert (
+        "bitsandbytes nf4 with double quantization, as --hf-model's config.json's"
+        in (from_config["assumptions"][0])
+    )
+    refusals = {
+        "disagrees with --hf-model's quantization_config": (quantized, *common, "--quantize",
+                                                            "8bit"),
+        "trains adapters only: add --lora R": (quantized, "--seq-len", 32, "--micro-batch", 2),
+    }  # fmt: skip
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
+    refusals["its quantization_config is gptq (4-bit, group size 128)"] = (
+        llama(tmp_path / "gptq", quantization_config=gptq),
+        *common,
+    )
+    for needle, args in refusals.items():
+        done = in_process("plan", "--device", "cuda", "--hf-model", *map(str, args))
+        one_line(done, needle)

@@ -89,6 +89,7 @@ def estimate_command(cfg: PlanConfig) -> dict[str, Any]:
     fails or the config cannot be traced."""
     if problems := config_problems(cfg):
         raise ValueError("; ".join(problems))
+    cfg, quantized = _quantization_of(cfg)
     parts = _cache_key(cfg)
     if not cfg.replan and (found := _cached(parts)) is not None:
         return found
@@ -109,8 +110,74 @@ def estimate_command(cfg: PlanConfig) -> dict[str, Any]:
         plan_cache.store(traces_key, {"traces": answer["traces"]})
     if "error" in answer:
         raise ValueError(answer["error"])
+    if quantized:
+        answer["estimate"]["assumptions"].insert(0, quantized)
     plan_cache.store(parts, answer["estimate"])
     return {**answer["estimate"], "cached": None}
+
+
+# bitsandbytes' 4-bit kinds, as its quantization_config names them
+_BNB_4BIT = ("nf4", "fp4")
+
+
+def _quantization_of(cfg: PlanConfig) -> tuple[PlanConfig, str | None]:
+    """``cfg`` with the base quantized as ``--hf-model``'s config.json says
+    (``quantization_config``, as transformers' ``from_pretrained`` applies it), and the line
+    that says so; ``cfg`` itself where it says nothing. bitsandbytes' 4-bit and 8-bit bases
+    are modelled (``--quantize`` given too must agree); any other method is refused in one
+    line: estimating the model unquantized would not be this model's memory."""
+    if cfg.hf_model is None:
+        return cfg, None
+    from gradaccum.app.recipes import hf_config_file
+
+    path = hf_config_file(cfg.hf_model)
+    data = json.loads(plan_cache.read_text(path) or "{}")
+    quant = data.get("quantization_config") if isinstance(data, dict) else None
+    if quant is None:
+        return cfg, None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method != "bitsandbytes":
+        what = f"{method}" if isinstance(method, str) else "of no quant_method"
+        bits = quant.get("bits") if isinstance(quant, dict) else None
+        group = quant.get("group_size") if isinstance(quant, dict) else None
+        shape = ", ".join(x for x in (bits and f"{bits}-bit", group and f"group size {group}") if x)
+        raise ValueError(
+            f"--hf-model {path}: its quantization_config is {what}"
+            + (f" ({shape})" if shape else "")
+            + ", whose packed layers the estimate does not model (it models bitsandbytes' "
+            "nf4, fp4 and 8-bit bases); estimating it unquantized would not be this model's "
+            "memory. Remove quantization_config from a copy of config.json to estimate the "
+            "model unquantized"
+        )
+    if quant.get("load_in_4bit"):
+        kind = str(quant.get("bnb_4bit_quant_type", "fp4"))
+        double = bool(quant.get("bnb_4bit_use_double_quant", False))
+    elif quant.get("load_in_8bit"):
+        kind, double = "8bit", False
+    else:
+        return cfg, None  # bitsandbytes, loading neither way: the base as it is
+    if kind not in (*_BNB_4BIT, "8bit"):
+        raise ValueError(
+            f"--hf-model {path}: its quantization_config's bnb_4bit_quant_type is {kind!r}, "
+            f"expected one of {', '.join(_BNB_4BIT)}"
+        )
+    if cfg.quantize is not None and (cfg.quantize, cfg.double_quant) != (kind, double):
+        raise ValueError(
+            f"--quantize {cfg.quantize}{' --double-quant' if cfg.double_quant else ''} "
+            f"disagrees with --hf-model's quantization_config (bitsandbytes {kind}"
+            f"{', double quantization' if double else ''}, in {path}): give the config's, or "
+            "none"
+        )
+    if cfg.lora is None:
+        raise ValueError(
+            f"--hf-model {path}: its quantization_config quantizes the base (bitsandbytes "
+            f"{kind}), which trains adapters only: add --lora R (or an adapter_config.json)"
+        )
+    said = (
+        f"quantization: bitsandbytes {kind}{' with double quantization' if double else ''}, "
+        f"as --hf-model's config.json's quantization_config says"
+    )
+    return dataclasses.replace(cfg, quantize=kind, double_quant=double), said
 
 
 def _cache_key(cfg: PlanConfig, traces: bool = False) -> dict[str, Any]:
