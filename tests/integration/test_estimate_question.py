@@ -327,6 +327,7 @@ def test_eager_attention_keeps_the_attention_matrix_in_the_estimate(tmp_path):
     assert "attention: eager (--attn-implementation)" in " ".join(eager["assumptions"])
 
 
+@pytest.mark.slow  # seven estimates, two of them searches: the slow tier
 def test_a_neighbouring_question_is_read_off_the_traces_without_a_trace(tmp_path, monkeypatch):
     """Another budget or micro-batch after a question: read off the whole model's traces at
     2 and 3 (no trace process: a limit no trace could meet is never reached), and what a
@@ -355,6 +356,7 @@ def test_a_neighbouring_question_is_read_off_the_traces_without_a_trace(tmp_path
             assert read[field] == want[field], (extra, micro, field)
 
 
+@pytest.mark.slow  # a 400-layer model's build and traces: the slow tier
 def test_the_side_by_side_traces_end_with_their_parent(tmp_path):
     """The whole model's traces at 1, 2 and 3 run side by side, each in a process forked from
     the trace process: a SIGKILL of the command ends them all."""
@@ -379,6 +381,7 @@ def test_the_side_by_side_traces_end_with_their_parent(tmp_path):
     assert not any(map(_alive, forked)), "a side-by-side trace outlived the command"
 
 
+@pytest.mark.slow  # six estimates: the slow tier keeps make test under 8 minutes
 def test_a_config_s_quantization_config_is_the_estimate_s_base(tmp_path):
     """A model saved quantized carries its quantization_config in config.json, and
     from_pretrained quantizes by it: the estimate took the base unquantized and said
