@@ -32,11 +32,22 @@ def repeated_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     return found
 
 
+# a block's key/value cache, by the names transformers' layers take it under: a block that
+# wrote to it would write again when backward recomputes it (as transformers' own
+# GradientCheckpointingLayer, the cache is not used while a block is checkpointed)
+_CACHES = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
 def enable_checkpointing(model: torch.nn.Module) -> list[str]:
     """Recompute each repeated block's activations in backward instead of saving them
     (``torch.utils.checkpoint``, non-reentrant, random state preserved so dropout replays
     the same masks). Parameter names and ``state_dict`` keys do not change. Returns the
-    names of the wrapped blocks; refuses a model with none."""
+    names of the wrapped blocks; refuses a model with none.
+
+    A model that caches keys and values (a Hugging Face config's ``use_cache``) does not
+    while its blocks are checkpointed, as with transformers' own checkpointing: a block's
+    recomputation would append to the cache again and attend to both copies (GPT-2's
+    gradient came out wrong; eager attention failed on the mask)."""
     blocks = repeated_blocks(model)
     if not blocks:
         raise ValueError(
@@ -50,6 +61,11 @@ def enable_checkpointing(model: torch.nn.Module) -> list[str]:
 
         def forward(*args: Any, _plain: Callable[..., Any] = plain, **kwargs: Any) -> Any:
             if torch.is_grad_enabled():
+                if kwargs.get("use_cache"):
+                    kwargs["use_cache"] = False
+                for name in _CACHES:
+                    if kwargs.get(name) is not None:
+                        kwargs[name] = None
                 return torch.utils.checkpoint.checkpoint(
                     _plain, *args, use_reentrant=False, **kwargs
                 )
@@ -57,6 +73,11 @@ def enable_checkpointing(model: torch.nn.Module) -> list[str]:
 
         block._gradaccum_plain_forward = plain
         block.forward = forward
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False
+            module._gradaccum_use_cache = True
     return [name for name, _ in blocks]
 
 
@@ -67,6 +88,10 @@ def disable_checkpointing(model: torch.nn.Module) -> None:
         if plain is not None:
             del block.forward
             del block._gradaccum_plain_forward
+    for module in model.modules():
+        if getattr(module, "_gradaccum_use_cache", False):
+            module.config.use_cache = True
+            del module._gradaccum_use_cache
 
 
 def checkpointing_enabled(model: torch.nn.Module) -> bool:
