@@ -26,7 +26,7 @@ from gradaccum.planning.estimate.trace import (
     moves_in_place,
 )
 
-__all__ = ["at_size", "estimate"]
+__all__ = ["at_length", "at_size", "estimate"]
 
 _DEVICES = ("cuda", "cpu")
 _SHARDS = ("ddp", "fsdp")
@@ -152,17 +152,40 @@ def at_size(a: Estimate, b: Estimate, micro_size: int) -> Estimate | None:
     of 2 or more (each made with ``keep=True``), with no trace: their allocation sequences
     scaled (``gradaccum.planning.estimate.stream``) and replayed. None where the two do not show
     the sequence at another size (trace that size instead)."""
-    if a.stream is None or b.stream is None:
-        return None
-    same = ("device", "gpu", "micro_batches", "context", "sync")
-    if any(getattr(a, f) != getattr(b, f) for f in same):
+    if a.stream is None or b.stream is None or not _alike(a, b):
         return None
     grows = a.stream.grows(b.stream)
     stream = None if grows is None else a.stream.at(micro_size, grows)
+    return _replayed(a, stream, steady=a.steady and b.steady)
+
+
+def at_length(whole: Estimate, before: Estimate, after: Estimate) -> Estimate | None:
+    """The estimate of ``whole`` (a model of repeated blocks) at another sequence length,
+    with no trace of it: ``before`` and ``after`` are a smaller model of the same blocks
+    (two of them) at ``whole``'s length and at the other, at its micro-batch size, each
+    made with ``keep=True``; ``whole``'s allocation sequence is changed as theirs changed
+    (``Stream.resized``) and replayed. None where theirs do not show it (trace instead)."""
+    estimates = (whole, before, after)
+    if any(e.stream is None for e in estimates) or not (_alike(whole, before, after)):
+        return None
+    stream = whole.stream.resized(before.stream, after.stream)
+    return _replayed(whole, stream, steady=whole.steady and after.steady)
+
+
+_ALIKE = ("device", "gpu", "micro_batches", "context", "sync")
+
+
+def _alike(*estimates: Estimate) -> bool:
+    """Whether the estimates are of one window's setting (device, card, micro-batches)."""
+    return all(len({getattr(e, f) for e in estimates}) == 1 for f in _ALIKE)
+
+
+def _replayed(like: Estimate, stream: Stream | None, steady: bool) -> Estimate | None:
+    """``stream`` (read off traces, not traced) replayed as ``like``'s was: its estimate."""
     if stream is None:
         return None
     try:
-        target = find_gpu(a.gpu) if a.device == "cuda" else None
+        target = find_gpu(like.gpu) if like.device == "cuda" else None
         config = alloc.AllocatorConfig(**stream.allocator)
     except (TypeError, ValueError):  # a GPU given as an object, not a name; a damaged record
         return None
@@ -173,12 +196,12 @@ def at_size(a: Estimate, b: Estimate, micro_size: int) -> Estimate | None:
         list(stream.assumptions),
         target,
         config,
-        device=a.device,
-        micro_size=micro_size,
-        micro_batches=a.micro_batches,
+        device=like.device,
+        micro_size=stream.micro_size,
+        micro_batches=like.micro_batches,
         seconds=0.0,
-        sync=a.sync,
-        steady=a.steady and b.steady,
+        sync=like.sync,
+        steady=steady,
         stream=stream,
     )
 

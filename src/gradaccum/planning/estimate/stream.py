@@ -13,6 +13,16 @@ chosen by size, a tensor whose bytes grow with the batch squared, a constant par
 concatenated to a batch), there is no sequence: the size is traced. A micro-batch of one is
 always traced: some of its tensors are laid out otherwise (a transpose of a dimension of 1
 is already contiguous, so no copy is made), so its sequence is not the others'.
+
+A sequence length changes the bytes too, in more ways (in proportion, squared in an
+attention matrix, plus one in a shifted label), but the same way in every repeated block:
+``resized`` reads a whole model's sequence at another length off two traces of a smaller
+model of the same blocks at the two lengths. Their events must be the same, and each
+allocation of a kind and size at the first length must become one size at the second (a
+table from size to size); the whole model's allocations are changed by that table. An
+activation of a size the smaller model never made is not read (the table would not know
+it); a temporary of such a size is one of the whole model's own (a buffer over all its
+parameters) and keeps its bytes.
 """
 
 from __future__ import annotations
@@ -51,6 +61,10 @@ class Stream:
     assumptions: tuple[str, ...]
     allocator: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The allocator model's settings it was replayed with (``AllocatorConfig``'s fields)."""
+    shapes: tuple[str, ...] = ()
+    """Allocation ``i``'s op and tensor shape as traced ("mm.default:128x32"; "s" for a
+    scalar), what ``resized`` tells allocations apart by; empty where the sequence was
+    read, not traced."""
 
     @classmethod
     def of(
@@ -68,6 +82,8 @@ class Stream:
                 frees.append(serial)
                 order.append("f")
         kinds = "".join(_KINDS.get(tally.tags.get(i), "t") for i in range(len(sizes)))
+        ops = getattr(tally, "ops", {})
+        shapes = tuple(f"{ops.get(i, '')}:{_shape(tally.shapes.get(i))}" for i in range(len(sizes)))
         return cls(
             micro_size=micro_size,
             sizes=tuple(sizes),
@@ -78,6 +94,7 @@ class Stream:
             unified=unified,
             assumptions=tuple(assumptions),
             allocator=dataclasses.asdict(allocator) if allocator is not None else {},
+            shapes=shapes,
         )
 
     def events(self) -> list[tuple[str, int, int]]:
@@ -131,7 +148,32 @@ class Stream:
                     return None
                 x = x * micro_size // self.micro_size
             sizes.append(x)
-        return dataclasses.replace(self, micro_size=micro_size, sizes=tuple(sizes))
+        return dataclasses.replace(self, micro_size=micro_size, sizes=tuple(sizes), shapes=())
+
+    def resized(self, before: Stream, after: Stream) -> Stream | None:
+        """This sequence (a model of repeated blocks) at another sequence length: each
+        allocation changed as ``before`` -> ``after`` (a smaller model of the same blocks
+        traced at this sequence's length and at the other, at this micro-batch size) changed
+        the allocations of its kind, shape and bytes. None where the two are not the same
+        window, such an allocation becomes two sizes, or an activation is not among theirs."""
+        sizes = {self.micro_size, before.micro_size, after.micro_size}
+        traced = all(len(s.shapes) == len(s.sizes) for s in (self, before))
+        if len(sizes) != 1 or not traced or not before.same_window(after):
+            return None
+        if self.allocator != before.allocator:
+            return None
+        table: dict[tuple[str, str, int], int] = {}
+        keys = zip(before.kinds, before.shapes, before.sizes, strict=True)
+        for key, y in zip(keys, after.sizes, strict=True):
+            if table.setdefault(key, y) != y:
+                return None
+        out = []
+        for key in zip(self.kinds, self.shapes, self.sizes, strict=True):
+            y = table.get(key)
+            if y is None and key[0] == "a":
+                return None
+            out.append(key[2] if y is None else y)
+        return dataclasses.replace(self, sizes=tuple(out), shapes=())
 
     def to_dict(self) -> dict[str, Any]:
         """Text, short and quick to read back: the sizes and frees as comma-separated
@@ -146,6 +188,7 @@ class Stream:
             "unified": self.unified,
             "assumptions": list(self.assumptions),
             "allocator": dict(self.allocator),
+            "shapes": ",".join(self.shapes),
         }
 
     @classmethod
@@ -167,6 +210,7 @@ class Stream:
                 unified=int(data["unified"]),
                 assumptions=tuple(str(x) for x in data["assumptions"]),
                 allocator=dict(data.get("allocator", {})),
+                shapes=tuple(x for x in str(data.get("shapes", "")).split(",") if x),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"its allocation sequence is damaged ({err})") from None
@@ -178,11 +222,18 @@ class Stream:
             and set(order) <= {"a", "f"}
             and set(kinds) <= {*_NAMES, "t"}
             and all(x >= 0 for x in sizes)
+            and len(out.shapes) in (0, len(sizes))
             and _frees_follow(order, frees)
         )
         if not whole:
             raise ValueError("its allocation sequence is damaged (its counts do not agree)")
         return out
+
+
+def _shape(shape: tuple[int, ...] | None) -> str:
+    if shape is None:
+        return "?"
+    return "x".join(map(str, shape)) if shape else "s"
 
 
 def _frees_follow(order: str, frees: tuple[int, ...]) -> bool:

@@ -95,7 +95,8 @@ class Tally(TorchDispatchMode):
 
     ``events``: ``(action, serial, bytes)``; ``tags``: serial -> what the storage is
     ("parameters", "gradients", "optimizer state", "activations"), given by ``tag``;
-    the rest are temporaries; ``shapes``: serial -> the shape of the tensor it was made for.
+    the rest are temporaries; ``shapes``: serial -> the shape of the tensor it was made for;
+    ``ops``: serial -> the op that made it, where an op did.
     ``peak``/``peak_index``: the live bytes' peak and the number of events up to it."""
 
     def __init__(self) -> None:
@@ -103,6 +104,7 @@ class Tally(TorchDispatchMode):
         self.events: list[tuple[str, int, int]] = []
         self.tags: dict[int, str] = {}
         self.shapes: dict[int, tuple[int, ...]] = {}  # serial -> the shape it was made with
+        self.ops: dict[int, str] = {}  # serial -> the op that made it ("mm.default")
         self.current = self.peak = self.peak_index = 0
         self._live: dict[int, tuple[int, int, Any]] = {}  # id(storage) -> serial, bytes, ref
         self._serial = 0
@@ -122,8 +124,9 @@ class Tally(TorchDispatchMode):
 
     # -- recording ----------------------------------------------------------------------------
 
-    def record(self, tensor: torch.Tensor) -> int | None:
-        """The serial of ``tensor``'s storage, recorded as allocated if it is new."""
+    def record(self, tensor: torch.Tensor, op: Any = None) -> int | None:
+        """The serial of ``tensor``'s storage, recorded as allocated (by ``op``, where an op
+        made it) if it is new."""
         try:
             storage = tensor.untyped_storage()
         except (NotImplementedError, RuntimeError):  # a tensor without storage (sparse, nested)
@@ -137,6 +140,8 @@ class Tally(TorchDispatchMode):
         self._live[key] = (serial, size, weakref.ref(storage, lambda _, key=key: self._free(key)))
         self.events.append(("alloc", serial, size))
         self.shapes[serial] = tuple(tensor.shape)
+        if op is not None:
+            self.ops[serial] = getattr(op, "__name__", str(op))
         self.current += size
         if self.current > self.peak:
             self.peak, self.peak_index = self.current, len(self.events)
@@ -186,6 +191,8 @@ class Tally(TorchDispatchMode):
                 if serial in self.tags:
                     self.tags[new] = self.tags[serial]
                 self.shapes[new] = self.shapes.get(serial, ())
+                if serial in self.ops:
+                    self.ops[new] = self.ops[serial]
                 self.events.append(("alloc", new, size))
                 self.current += size
                 if self.current > self.peak:
@@ -223,7 +230,7 @@ class Tally(TorchDispatchMode):
             raise TraceError(str(func), self.module, reason[:200]) from err
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
-                self.record(value)
+                self.record(value, func)
         return out
 
 
