@@ -356,6 +356,35 @@ def test_a_neighbouring_question_is_read_off_the_traces_without_a_trace(tmp_path
             assert read[field] == want[field], (extra, micro, field)
 
 
+@pytest.mark.slow  # six estimates: the slow tier
+def test_a_sequence_length_neighbour_is_read_off_the_traces_at_another(tmp_path, monkeypatch):
+    """Another --seq-len after a question: the whole model read off its traces at the first
+    length and its 2-block model's at both (said in the assumptions), and what a fresh
+    estimate at that length alone gives, size for size."""
+    model = llama(tmp_path / "model")
+    fixed = ("--hf-model", model, "--effective-batch", 16, "--precision", "bf16",
+             "--checkpointing", "on")  # fmt: skip
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "budget"))
+    budget = estimate(*fixed, "--seq-len", 64, "--micro-batch", 6)["total"]
+    fixed += ("--budget", f"{budget}B")  # 6 fits at 64 tokens: more will at 40
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "cache"))
+    first = estimate(*fixed, "--seq-len", 64)
+    assert not any("read off those at" in a for a in first["assumptions"])
+    read = estimate(*fixed, "--seq-len", 40)
+    assert any("40 tokens read off those at 64" in a for a in read["assumptions"]), read
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "fresh"))
+    fresh = estimate(*fixed, "--seq-len", 40)
+    assert read["micro_batch"] == fresh["micro_batch"] > first["micro_batch"] >= 2
+    for field in ("allocated", "reserved", "total", "parts"):
+        assert read[field] == fresh[field], field
+    # a size the search did not decide: one more, read off the read ones at 2 and 3
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "cache"))
+    again = estimate(*fixed, "--seq-len", 40, "--micro-batch", 5)
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "fresh5"))
+    want = estimate(*fixed, "--seq-len", 40, "--micro-batch", 5)
+    assert again["total"] == want["total"] and again["parts"] == want["parts"]
+
+
 @pytest.mark.slow  # a 400-layer model's build and traces: the slow tier
 def test_the_side_by_side_traces_end_with_their_parent(tmp_path):
     """The whole model's traces at 1, 2 and 3 run side by side, each in a process forked from

@@ -52,8 +52,9 @@ __all__ = ["config_problems", "estimate_command", "head_loss", "main", "render",
 # what only says how to print a plan, or how long to wait for it: the same estimate
 _NOT_KEYED = ("json", "plot", "replan", "export", "export_to", "meter", "margin", "prefer")
 _NOT_KEYED += ("trace_limit",)
-# what a window's traces do not depend on: a question differing only in these reuses them
-_NOT_TRACED = ("budget", "micro_batch", "effective_batch", "checkpointing")
+# what a window's traces do not depend on, or are keyed by (the length and checkpointing,
+# in each workload's key): a question differing only in these reuses them
+_NOT_TRACED = ("budget", "micro_batch", "effective_batch", "checkpointing", "seq_len")
 _POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx")
 _PROGRESS = "progress: "  # the child's stderr lines that are progress, said as they come
 _EVERY = 5.0  # seconds between progress lines within one trace
@@ -549,6 +550,18 @@ class _Search:
                 f"the size searched with 2- and 3-block traces of its {w.layers} identical "
                 "blocks, then the whole model traced at the sizes that decide"
             )
+        lengthened = {
+            t["lengthened"]
+            for k, t in self.traces.items()
+            if k.startswith(f"{w.key}|") and t.get("lengthened")
+        }
+        if lengthened:
+            assumed.append(
+                f"the whole model's traces at {w.length} tokens read off those at "
+                f"{', '.join(map(str, sorted(lengthened)))} and its 2-block model's at both "
+                "lengths (each allocation changed as the same op's tensor of the same shape "
+                "changed in the smaller model), not traced"
+            )
         result["assumptions"] = assumed + list(est["assumptions"])
         if est["total"] > self.budget and cfg.micro_batch is None:  # nothing fits: what would
             result["alternatives"] = self.alternatives(w)
@@ -630,7 +643,50 @@ class _Search:
                 read = at_size(a, b, micro)
                 if read is not None:
                     self.traces[key] = {**read.to_dict(), "stream": None, "read": True}
+        if key not in self.traces:
+            self._lengthened(w, micro, sync)
         return self._trace(w, micro, sync, None)
+
+    def _lengthened(self, w: _Workload, micro: int, sync: str) -> None:
+        """The whole model's window at ``micro`` read off its trace at another sequence
+        length (an earlier question's) and its 2-block model's traces at both lengths
+        (``estimator.at_length``), where the model is made of identical blocks and such a
+        trace is kept; kept as a trace, so that other sizes are read off it as off one."""
+        if w.layers is None or self.cfg.longest:
+            return
+        suffix = f"|{sync}|micro {micro} x {self._windows(micro)}|all blocks"
+        mine = w.key.split("|")
+        for key, whole in list(self.traces.items()):
+            other = key[: -len(suffix)].split("|") if key.endswith(suffix) else []
+            if len(other) != len(mine) or not whole.get("stream") or whole.get("read"):
+                continue
+            differs = [i for i, (a, b) in enumerate(zip(other, mine, strict=True)) if a != b]
+            if differs != [_LENGTH_FIELD] or not other[_LENGTH_FIELD].isdigit():
+                continue
+            from gradaccum.planning.estimate.estimator import at_length
+            from gradaccum.planning.estimate.result import Estimate
+
+            length = int(other[_LENGTH_FIELD])
+            earlier = _Workload(
+                dataclasses.replace(self.cfg, seq_len=length), w.checkpointing, self.traces
+            )
+            self.progress.step(
+                f"reading micro-batch {micro} at {w.length} tokens off the traces at {length}"
+            )
+            before = self._trace(earlier, micro, sync, 2)
+            after = self._trace(w, micro, sync, 2)
+            try:
+                estimates = [Estimate.from_dict(t) for t in (whole, before, after)]
+            except ValueError:
+                continue
+            read = at_length(*estimates)
+            if read is not None:
+                self.traces[self._key(w, micro, sync, None)] = {
+                    **read.to_dict(),
+                    "steady": False,
+                    "lengthened": length,
+                }
+                return
 
     def _at_once(self, w: _Workload, sync: str, sizes: tuple[int, ...]) -> None:
         """The whole model traced at each of ``sizes`` not yet traced, in processes of their
@@ -751,7 +807,7 @@ class _Search:
             shard=self.cfg.shard,
             sync=sync,
             repeat=repeat,
-            keep=layers is None and micro >= 2,
+            keep=layers in (None, 2),
         )
         self.traces[key] = {**est.to_dict(), "steady": est.steady and not repeat}
         return self.traces[key]
@@ -799,6 +855,9 @@ class _Search:
             return None
         if w.layers is not None:  # both windows of the 2-block model: whether the whole
             self._trace(w, 2, sync, 2)  # model's second window may be its first repeated
+            for micro in (1, 2, 3):  # read off an earlier length's traces, where kept
+                if self._key(w, micro, sync, None) not in self.traces:
+                    self._lengthened(w, micro, sync)
         self._at_once(w, sync, (1, 2, 3))  # 1 is laid out otherwise: traced, never read
         for micro in (2, 3):
             self.full(w, micro, sync)
@@ -937,6 +996,8 @@ def task_of(config: Any, given: str | None) -> str:
     return "causal-lm"
 
 
+# the place of the sequence length among a workload key's fields (``_Workload.key``)
+_LENGTH_FIELD = 3
 # what a workload's record keeps, so that a search that traces nothing need not build it
 _DESCRIBED = ("layers", "task", "positions", "length", "assumed")
 
