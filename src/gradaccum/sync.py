@@ -419,8 +419,65 @@ def _loadable(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: A
                 f"the optimizer's parameter groups hold {have} parameters, the checkpoint's "
                 f"{got} (another optimizer setup)"
             )
+    if not problems and isinstance(state, Mapping) and (trial := _trial(optimizer, state)):
+        problems.append(trial)
     if problems:
         raise ValueError("checkpoint does not fit this model and optimizer: " + "; ".join(problems))
+
+
+def _trial(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> str | None:
+    """What goes wrong when ``state`` is loaded into a copy of ``optimizer`` over parameters
+    on the meta device (no memory, nothing of the real one touched) and one step is taken
+    with them: another optimizer's state (SGD's into AdamW: no ``step``), or another
+    parameter order with the same group sizes (a state of one parameter's shape on
+    another's). None where it loads and steps; also None where the copy cannot step with
+    its own state either (an optimizer that cannot run on the meta device: nothing to
+    learn from it)."""
+
+    def attempt(loaded: Mapping[str, Any]) -> BaseException | None:
+        shadow = _meta_copy(optimizer)
+        try:
+            shadow.load_state_dict(loaded)
+            with torch.no_grad():
+                type(optimizer).step(shadow)  # the class's: a scheduler wraps the instance's
+        except Exception as err:  # noqa: BLE001 (whatever the optimizer raises is the answer)
+            return err
+        return None
+
+    try:
+        own = optimizer.state_dict()
+    except Exception:  # noqa: BLE001 (an optimizer that cannot say its state: untried)
+        return None
+    if attempt(own) is not None:
+        return None
+    err = attempt(state)
+    if err is None:
+        return None
+    reason = (str(err).strip().splitlines() or [""])[0][:160]
+    return (
+        f"its optimizer state does not load into or step this optimizer "
+        f"({type(err).__name__}: {reason}; another optimizer, or its parameters in another order)"
+    )
+
+
+def _meta_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A shallow copy of ``optimizer`` whose groups hold meta-device stand-ins of its
+    parameters (same shapes and dtypes, a gradient of zeros each) and whose state is empty."""
+    import copy
+    from collections import defaultdict
+
+    shadow = copy.copy(optimizer)
+    groups = []
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            stand_in = torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
+            stand_in.grad = torch.empty_like(stand_in)
+            params.append(stand_in)
+        groups.append({**group, "params": params})
+    shadow.__dict__.update(param_groups=groups, state=defaultdict(dict))
+    shadow.__dict__.pop("step", None)  # a scheduler's wrapper of the real one's step
+    return shadow
 
 
 class _Collective(Sync):

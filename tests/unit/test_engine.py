@@ -331,3 +331,53 @@ def test_load_state_dict_refuses_another_optimizer_layout_before_changing_anythi
     with pytest.raises(ValueError, match=r"1.weight is \(3, 4\), the model's \(2, 4\)"):
         acc.load_state_dict(saved)
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
+def _stepped_state(model, optimizer):
+    acc = ga.Accumulator(model, optimizer)
+    acc.step([torch.randn(8, 16)], lambda m, b: (m(b).square().sum(), len(b)))
+    return acc.state_dict()
+
+
+@pytest.mark.parametrize("case", ["parameters in another order", "another optimizer"])
+def test_load_state_dict_refuses_another_optimizer_state_before_changing_anything(case):
+    """The same group sizes, another order of parameters (by layer in the checkpoint, by
+    weight and bias here): it loaded each moment onto another parameter's shape and failed
+    at the next step; SGD's state into AdamW raised KeyError after the weights changed
+    (issue 58). Both are refused before anything changes; a state that fits still loads."""
+    torch.manual_seed(0)
+
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(16, 4), torch.nn.Linear(4, 16))
+
+    source = net()
+    if case == "another optimizer":
+        saved = _stepped_state(source, torch.optim.SGD(source.parameters(), lr=0.1, momentum=0.9))
+        target = net()
+        optimizer = torch.optim.AdamW(target.parameters())
+        reason = r"KeyError: 'step'"
+    else:
+        by_layer = [{"params": source[0].parameters()}, {"params": source[1].parameters()}]
+        saved = _stepped_state(source, torch.optim.AdamW(by_layer))
+        target = net()
+        optimizer = torch.optim.AdamW(
+            [{"params": [target[0].weight, target[1].bias]},
+             {"params": [target[0].bias, target[1].weight]}]
+        )  # fmt: skip
+        reason = r"RuntimeError: .*broadcast"
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    acc = ga.Accumulator(target, optimizer)
+    with pytest.raises(ValueError, match=f"optimizer state does not load into or step.*{reason}"):
+        acc.load_state_dict(saved)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    assert not optimizer.state  # nothing loaded into it either
+    # the checkpoint's own setup loads it, with a scheduler wrapping its optimizer's step
+    again = net()
+    if case == "another optimizer":
+        fits = torch.optim.SGD(again.parameters(), lr=0.1, momentum=0.9)
+    else:
+        fits = torch.optim.AdamW([{"params": again[0].parameters()},
+                                  {"params": again[1].parameters()}])  # fmt: skip
+    torch.optim.lr_scheduler.StepLR(fits, 1)
+    ga.Accumulator(again, fits).load_state_dict(saved)
+    assert torch.equal(again[0].weight, source[0].weight) and fits.state
