@@ -192,7 +192,8 @@ def test_a_length_is_not_read_off_traces_that_do_not_show_it():
     where the whole model's activations are not among theirs, or where one allocation of
     theirs (an op and a shape) becomes two sizes at the other length: GPT-2 of width 32 at
     2 x 64 tokens makes (128, 32) products of its 128 tokens and the (128, 32) gradient of
-    its MLP's output weight, the one growing with the length, the other not."""
+    its MLP's output weight, the one growing with the length, the other not; traces at
+    another micro-batch size tell them apart (the first grows with it too)."""
 
     def traced(layers, length, micro, width=40):
         build, sample, loss, _ = hf_blocks("gpt2", layers, length, False, width)
@@ -207,6 +208,10 @@ def test_a_length_is_not_read_off_traces_that_do_not_show_it():
     assert gpt_whole.stream.resized(short.stream, traced(2, 40, 2).stream) is None
     narrow = [traced(layers, 64, 2, width=32) for layers in (4, 2)]
     assert at_length(*narrow, traced(2, 24, 2, width=32)) is None
-    # the same question at a width where nothing collides is read
-    wide = [traced(layers, 64, 2) for layers in (4, 2)]
-    assert at_length(*wide, traced(2, 24, 2)) is not None
+    # the two told apart by the micro-batch: traces at 3 show which grows with it
+    others = tuple(traced(layers, 64, 3, width=32) for layers in (4, 2))
+    read = at_length(*narrow, traced(2, 24, 2, width=32), others=others)
+    assert read is not None
+    real = traced(4, 24, 2, width=32)
+    assert (read.allocated, read.reserved, read.total) == (real.allocated, real.reserved,
+                                                           real.total)  # fmt: skip

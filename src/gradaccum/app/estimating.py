@@ -497,6 +497,7 @@ class _Search:
         self.budget = parse_bytes(cfg.budget)
         self.per_rank = math.ceil(cfg.effective_batch / cfg.world_size)
         self.syncs = ("window", "micro") if cfg.shard == "fsdp" else ("window",)
+        self._estimates: dict[int, tuple[dict, Any]] = {}  # id -> (trace, parsed): _parsed
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -637,9 +638,8 @@ class _Search:
             pair = self._pair(w, sync, self._windows(micro))
             if pair is not None:
                 from gradaccum.planning.estimate.estimator import at_size
-                from gradaccum.planning.estimate.result import Estimate
 
-                a, b = (Estimate.from_dict(t) for t in pair)
+                a, b = (self._parsed(t) for t in pair)
                 read = at_size(a, b, micro)
                 if read is not None:
                     self.traces[key] = {**read.to_dict(), "stream": None, "read": True}
@@ -647,65 +647,94 @@ class _Search:
             self._lengthened(w, micro, sync)
         return self._trace(w, micro, sync, None)
 
+    def _earlier(self, w: _Workload, sync: str, micro: int | None = None) -> _Workload | None:
+        """``w`` at another sequence length whose whole-model trace (at ``micro``, or at any
+        of 1-3) keeps its sequence: what ``w`` may be read off. None where there is none,
+        or ``w`` is not made of identical blocks."""
+        if w.layers is None or self.cfg.longest:
+            return None
+        mine = w.key.split("|")
+        for size in (micro,) if micro else (1, 2, 3):
+            suffix = f"|{sync}|micro {size} x {self._windows(size)}|all blocks"
+            for key, whole in self.traces.items():
+                other = key[: -len(suffix)].split("|") if key.endswith(suffix) else []
+                if len(other) != len(mine) or not whole.get("stream"):
+                    continue
+                if whole.get("read") or whole.get("lengthened"):
+                    continue
+                differs = [i for i, (a, b) in enumerate(zip(other, mine, strict=True)) if a != b]
+                if differs == [_LENGTH_FIELD] and other[_LENGTH_FIELD].isdigit():
+                    change = dataclasses.replace(self.cfg, seq_len=int(other[_LENGTH_FIELD]))
+                    return _Workload(change, w.checkpointing, self.traces)
+        return None
+
     def _lengthened(self, w: _Workload, micro: int, sync: str) -> None:
         """The whole model's window at ``micro`` read off its trace at another sequence
         length (an earlier question's) and its 2-block model's traces at both lengths
         (``estimator.at_length``), where the model is made of identical blocks and such a
         trace is kept; kept as a trace, so that other sizes are read off it as off one."""
-        if w.layers is None or self.cfg.longest:
+        earlier = self._earlier(w, sync, micro)
+        if earlier is None:
             return
-        suffix = f"|{sync}|micro {micro} x {self._windows(micro)}|all blocks"
-        mine = w.key.split("|")
-        for key, whole in list(self.traces.items()):
-            other = key[: -len(suffix)].split("|") if key.endswith(suffix) else []
-            if len(other) != len(mine) or not whole.get("stream") or whole.get("read"):
-                continue
-            differs = [i for i, (a, b) in enumerate(zip(other, mine, strict=True)) if a != b]
-            if differs != [_LENGTH_FIELD] or not other[_LENGTH_FIELD].isdigit():
-                continue
-            from gradaccum.planning.estimate.estimator import at_length
-            from gradaccum.planning.estimate.result import Estimate
+        from gradaccum.planning.estimate.estimator import at_length
 
-            length = int(other[_LENGTH_FIELD])
-            earlier = _Workload(
-                dataclasses.replace(self.cfg, seq_len=length), w.checkpointing, self.traces
-            )
-            self.progress.step(
-                f"reading micro-batch {micro} at {w.length} tokens off the traces at {length}"
-            )
-            before = self._trace(earlier, micro, sync, 2)
-            after = self._trace(w, micro, sync, 2)
-            try:
-                estimates = [Estimate.from_dict(t) for t in (whole, before, after)]
-            except ValueError:
-                continue
-            read = at_length(*estimates)
-            if read is not None:
-                self.traces[self._key(w, micro, sync, None)] = {
-                    **read.to_dict(),
-                    "steady": False,
-                    "lengthened": length,
-                }
-                return
+        length = earlier.length
+        self.progress.step(
+            f"reading micro-batch {micro} at {w.length} tokens off the traces at {length}"
+        )
+        whole = self.traces[self._key(earlier, micro, sync, None)]
+        before = self._trace(earlier, micro, sync, 2)
+        after = self._trace(w, micro, sync, 2)
+        # at 2 and 3, the other size's traces at the earlier length tell apart what grows
+        # with the micro-batch from what has the same shape and does not
+        pair = []
+        other = self.traces.get(self._key(earlier, 5 - micro, sync, None))
+        if micro in (2, 3) and other and other.get("stream") and not other.get("read"):
+            pair = [other, self._trace(earlier, 5 - micro, sync, 2)]
+        try:
+            estimates = [self._parsed(t) for t in (whole, before, after, *pair)]
+        except ValueError:
+            return
+        read = at_length(*estimates[:3], others=tuple(estimates[3:]) or None)
+        if read is not None:
+            self.traces[self._key(w, micro, sync, None)] = {
+                **read.to_dict(),
+                "steady": False,
+                "lengthened": length,
+            }
 
     def _at_once(self, w: _Workload, sync: str, sizes: tuple[int, ...]) -> None:
-        """The whole model traced at each of ``sizes`` not yet traced, in processes of their
-        own running side by side (forked from this one, with everything it has imported and
-        built; each killed with it): the trace is one core's work. Where the machine has one
-        core, or cannot fork, or a process fails, the traces are left to be made one by one."""
-        todo = [m for m in sizes if self._key(w, m, sync, None) not in self.traces]
+        """The whole model traced at each of ``sizes`` not yet traced, side by side
+        (``_side_by_side``)."""
+        self._side_by_side([(w, m, None) for m in sizes], sync)
+
+    def _side_by_side(self, jobs: list[tuple[_Workload, int, int | None]], sync: str) -> None:
+        """Each ``(workload, micro-batch, blocks)`` not yet traced (``blocks`` None: the
+        whole model), in processes of their own running side by side (forked from this
+        one, with everything it has imported and built; each killed with it): a trace is
+        one core's work. Where the machine has one core, or cannot fork, or a process
+        fails, the traces are left to be made one by one."""
+        todo = [j for j in jobs if self._key(j[0], j[1], sync, j[2]) not in self.traces]
         if len(todo) < 2 or (os.cpu_count() or 1) < 2 or not self.tracing or not _can_fork():
             return
-        w = w.ready()
-        windows = {self._windows(m) for m in todo}
+        todo = [(w.ready(), micro, layers) for w, micro, layers in todo]
+        whole = [m for w, m, layers in todo if layers is None]
+        if whole:
+            w = todo[0][0]
+            windows = {self._windows(m) for m in whole}
+            what = (
+                f"micro-batches {', '.join(map(str, whole))} x "
+                f"{'/'.join(map(str, windows))}, the whole model"
+            )
+        else:
+            what = f"{len(todo)} traces of the {todo[0][2]}-block model"
         self.progress.step(
-            f"tracing micro-batches {', '.join(map(str, todo))} x {'/'.join(map(str, windows))}"
-            f", the whole model{', checkpointed' if w.checkpointing else ''}, side by side",
+            f"tracing {what}{', checkpointed' if todo[0][0].checkpointing else ''}, side by side",
             None,
         )
         children = []
         sys.stderr.flush()  # nothing buffered is written twice
-        for micro in todo:
+        for w, micro, layers in todo:
             read, write = os.pipe()
             pid = os.fork()
             if pid == 0:  # the child: one trace, its record written back, then gone
@@ -715,8 +744,8 @@ class _Search:
                 self.progress.tick = lambda: None  # (the parent says where they are)
                 code = 0
                 try:
-                    record = self._trace(w, micro, sync, None)
-                    data = json.dumps({"key": self._key(w, micro, sync, None), "trace": record})
+                    record = self._trace(w, micro, sync, layers)
+                    data = json.dumps({"key": self._key(w, micro, sync, layers), "trace": record})
                     with os.fdopen(write, "w") as out:
                         out.write(data)
                 except BaseException:  # noqa: BLE001 (the parent traces it itself, and says why)
@@ -742,6 +771,15 @@ class _Search:
                 answer = json.loads(b"".join(texts[read]))
                 self.traces[answer["key"]] = answer["trace"]
 
+    def _parsed(self, trace: dict[str, Any]):
+        """``trace`` (one of ``traces``) as an ``Estimate``, read once (an 8B model's
+        sequence is tens of thousands of events); ValueError where it is damaged."""
+        from gradaccum.planning.estimate.result import Estimate
+
+        if id(trace) not in self._estimates:
+            self._estimates[id(trace)] = (trace, Estimate.from_dict(trace))
+        return self._estimates[id(trace)][1]
+
     def _key(self, w: _Workload, micro: int, sync: str, layers: int | None) -> str:
         return f"{w.key}|{sync}|micro {micro} x {self._windows(micro)}|{layers or 'all'} blocks"
 
@@ -749,7 +787,6 @@ class _Search:
         """Two whole-model traces of ``w``'s window of ``windows`` micro-batches at sizes of
         2 or more, each with its allocation sequence, that show the other sizes: what they
         are read off."""
-        from gradaccum.planning.estimate.stream import Stream
 
         kept = [
             t
@@ -762,7 +799,7 @@ class _Search:
         kept.sort(key=lambda t: t["micro_batch"])
         if len(kept) < 2:
             return None
-        a, b = (Stream.from_dict(t["stream"]) for t in kept[:2])
+        a, b = (self._parsed(t).stream for t in kept[:2])
         return (kept[0], kept[1]) if a.grows(b) is not None else None
 
     def _trace(self, w: _Workload, micro: int, sync: str, layers: int | None) -> dict[str, Any]:
@@ -783,9 +820,9 @@ class _Search:
             + (", checkpointed" if w.checkpointing else "")
         )
         prepare = w.prepare
-        # the whole model's second window as its first repeated, where a trace of both
-        # windows of this training showed it to be (half the time; the same bytes)
-        repeat = layers is None and any(
+        # the second window as its first repeated, where a trace of both windows of this
+        # training showed it to be (half the time; the same bytes)
+        repeat = any(
             t.get("steady") for k, t in self.traces.items() if k.startswith(f"{w.key}|{sync}|")
         )
 
@@ -853,12 +890,25 @@ class _Search:
         is too small for them, or where the two do not show the other sizes."""
         if self.per_rank <= 3:
             return None
-        if w.layers is not None:  # both windows of the 2-block model: whether the whole
-            self._trace(w, 2, sync, 2)  # model's second window may be its first repeated
-            for micro in (1, 2, 3):  # read off an earlier length's traces, where kept
-                if self._key(w, micro, sync, None) not in self.traces:
-                    self._lengthened(w, micro, sync)
+        if w.layers is not None:  # both windows of the 2-block model at 2: whether the
+            # whole model's second window may be its first repeated; at 1 and 3 beside it,
+            # what another length's question reads this one's traces with
+            self._side_by_side([(w, m, 2) for m in (1, 2, 3)], sync)
+            self._trace(w, 2, sync, 2)
+            if earlier := self._earlier(w, sync):  # read off an earlier length's traces
+                # at 2 and 3 (the sizes from 2 up are read off them; 1, where the search
+                # needs it, is read as it does), their 2-block traces side by side first
+                self._side_by_side([(x, m, 2) for x in (earlier, w) for m in (2, 3)], sync)
+                for micro in (2, 3):
+                    if self._key(w, micro, sync, None) not in self.traces:
+                        self._lengthened(w, micro, sync)
+                if all(self._key(w, m, sync, None) in self.traces for m in (2, 3)):
+                    return self._read_at(w, sync)
         self._at_once(w, sync, (1, 2, 3))  # 1 is laid out otherwise: traced, never read
+        return self._read_at(w, sync)
+
+    def _read_at(self, w: _Workload, sync: str):
+        """``_reader``'s answer once the whole model at 2 and 3 is traced or read."""
         for micro in (2, 3):
             self.full(w, micro, sync)
         pair = self._pair(w, sync, 2)

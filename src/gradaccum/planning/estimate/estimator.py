@@ -159,16 +159,29 @@ def at_size(a: Estimate, b: Estimate, micro_size: int) -> Estimate | None:
     return _replayed(a, stream, steady=a.steady and b.steady)
 
 
-def at_length(whole: Estimate, before: Estimate, after: Estimate) -> Estimate | None:
+def at_length(
+    whole: Estimate,
+    before: Estimate,
+    after: Estimate,
+    others: tuple[Estimate, Estimate] | None = None,
+) -> Estimate | None:
     """The estimate of ``whole`` (a model of repeated blocks) at another sequence length,
     with no trace of it: ``before`` and ``after`` are a smaller model of the same blocks
     (two of them) at ``whole``'s length and at the other, at its micro-batch size, each
     made with ``keep=True``; ``whole``'s allocation sequence is changed as theirs changed
-    (``Stream.resized``) and replayed. None where theirs do not show it (trace instead)."""
-    estimates = (whole, before, after)
-    if any(e.stream is None for e in estimates) or not (_alike(whole, before, after)):
+    (``Stream.resized``) and replayed. ``others``: ``whole`` and ``before`` at another
+    micro-batch size (both sizes at least 2), which tell apart allocations that grow with
+    the micro-batch from those of the same shape that do not. None where the traces do not
+    show it (trace instead)."""
+    estimates = (whole, before, after, *(others or ()))
+    if any(e.stream is None for e in estimates) or not _alike(whole, before, after):
         return None
-    stream = whole.stream.resized(before.stream, after.stream)
+    grows = None
+    if others is not None:
+        grows = (whole.stream.grows(others[0].stream), before.stream.grows(others[1].stream))
+        if None in grows:
+            return None
+    stream = whole.stream.resized(before.stream, after.stream, grows)
     return _replayed(whole, stream, steady=whole.steady and after.steady)
 
 

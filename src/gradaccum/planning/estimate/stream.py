@@ -150,25 +150,34 @@ class Stream:
             sizes.append(x)
         return dataclasses.replace(self, micro_size=micro_size, sizes=tuple(sizes), shapes=())
 
-    def resized(self, before: Stream, after: Stream) -> Stream | None:
+    def resized(
+        self, before: Stream, after: Stream, grows: tuple[str, str] | None = None
+    ) -> Stream | None:
         """This sequence (a model of repeated blocks) at another sequence length: each
         allocation changed as ``before`` -> ``after`` (a smaller model of the same blocks
         traced at this sequence's length and at the other, at this micro-batch size) changed
-        the allocations of its kind, shape and bytes. None where the two are not the same
-        window, such an allocation becomes two sizes, or an activation is not among theirs."""
+        the allocations of its kind, op, shape and bytes, and, given ``grows`` (``grows()``
+        of this sequence and of ``before`` against themselves at another size), whether it
+        grows with the micro-batch: a LoRA weight's (4096, 16) gradient and the (4096, 16)
+        product of 2 x 2,048 tokens are told apart by that alone. None where the two are not
+        the same window, such an allocation becomes two sizes, or an activation is not among
+        theirs."""
         sizes = {self.micro_size, before.micro_size, after.micro_size}
         traced = all(len(s.shapes) == len(s.sizes) for s in (self, before))
         if len(sizes) != 1 or not traced or not before.same_window(after):
             return None
         if self.allocator != before.allocator:
             return None
-        table: dict[tuple[str, str, int], int] = {}
-        keys = zip(before.kinds, before.shapes, before.sizes, strict=True)
+        mine, theirs = grows or ("=" * len(self.sizes), "=" * len(before.sizes))
+        if len(mine) != len(self.sizes) or len(theirs) != len(before.sizes):
+            return None
+        table: dict[tuple[str, str, int, str], int] = {}
+        keys = zip(before.kinds, before.shapes, before.sizes, theirs, strict=True)
         for key, y in zip(keys, after.sizes, strict=True):
             if table.setdefault(key, y) != y:
                 return None
         out = []
-        for key in zip(self.kinds, self.shapes, self.sizes, strict=True):
+        for key in zip(self.kinds, self.shapes, self.sizes, mine, strict=True):
             y = table.get(key)
             if y is None and key[0] == "a":
                 return None
