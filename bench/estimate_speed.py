@@ -40,6 +40,11 @@ QUESTIONS = [
     ("QLoRA nf4 r16, checkpointing off", ["--lora", "16", "--quantize", "nf4"]),
     ("full fine-tuning (refused: what would fit)", []),
 ]  # fmt: skip
+# asked first, each from its own empty cache: what the neighbours' answers must equal
+FRESH = [
+    ("--seq-len 1024 asked first (its own empty cache)", ["--lora", "16", "--checkpointing",
+                                                          "on", "--seq-len", "1024"]),
+]  # fmt: skip
 
 
 def main() -> None:
@@ -48,7 +53,9 @@ def main() -> None:
     (tmp / "llama3-8b" / "config.json").write_text(json.dumps(LLAMA3_8B))
     env = {**os.environ, "OMP_NUM_THREADS": "2", "GRADACCUM_PLAN_CACHE": str(tmp / "cache")}
     rows = []
-    for name, extra in QUESTIONS:
+    for index, (name, extra) in enumerate(QUESTIONS + FRESH):
+        if index >= len(QUESTIONS):
+            env["GRADACCUM_PLAN_CACHE"] = str(tmp / f"fresh{index}")
         cmd = [sys.executable, "-m", "gradaccum", "plan", "--device", "cuda", "--hf-model",
                str(tmp / "llama3-8b"), *BASE, *extra]  # fmt: skip
         load = os.getloadavg()[0]
