@@ -437,7 +437,7 @@ def _trial(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> str | 
     def attempt(loaded: Mapping[str, Any]) -> BaseException | None:
         shadow = _meta_copy(optimizer)
         try:
-            shadow.load_state_dict(loaded)
+            shadow.load_state_dict(_scalars_copied(loaded))
             with torch.no_grad():
                 type(optimizer).step(shadow)  # the class's: a scheduler wraps the instance's
         except Exception as err:  # noqa: BLE001 (whatever the optimizer raises is the answer)
@@ -458,6 +458,26 @@ def _trial(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> str | 
         f"its optimizer state does not load into or step this optimizer "
         f"({type(err).__name__}: {reason}; another optimizer, or its parameters in another order)"
     )
+
+
+def _scalars_copied(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` (an optimizer's state dict) with each scalar tensor copied: a load keeps a
+    CPU ``step`` tensor as it is, and a step adds to it in place (the checkpoint's, or the
+    real optimizer's own, would count the trial). The rest go to the meta device as the
+    copy loads them."""
+    per_param = state.get("state")
+    if not isinstance(per_param, Mapping):
+        return dict(state)
+    copied = {
+        key: {
+            name: value.clone() if isinstance(value, torch.Tensor) and value.numel() <= 1 else value
+            for name, value in entry.items()
+        }
+        if isinstance(entry, Mapping)
+        else entry
+        for key, entry in per_param.items()
+    }
+    return {**state, "state": copied}
 
 
 def _meta_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
