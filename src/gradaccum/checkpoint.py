@@ -174,6 +174,16 @@ def check_state(
             if isinstance(state_dict, Mapping)
             else type(state_dict).__name__
         )
+        kind, _, number = str(got).rpartition("/")
+        mine = format.rpartition("/")
+        if kind == mine[0] and number.isdigit() and int(number) > int(mine[2]):
+            from gradaccum import __version__
+
+            raise ValueError(
+                f"its {what} state is of format {got}, newer than this gradaccum "
+                f"({__version__}) reads ({format}): load it with the gradaccum that wrote it "
+                "or newer"
+            )
         raise ValueError(f"not a gradaccum {what} checkpoint (format {got!r}, expected {format!r})")
     missing = [k for k in ("accumulator", *parts, *held, "rng") if k not in state_dict]
     if missing:

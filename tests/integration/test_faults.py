@@ -544,9 +544,11 @@ def test_a_config_transformers_cannot_use_is_one_line_naming_the_key(tmp_path, c
     one_line(in_process(command, "--hf-model", tmp_path, *args), needle)
 
 
-def test_a_checkpoint_of_a_newer_format_says_which_gradaccum_reads_it(tmp_path):
+@pytest.mark.parametrize("part", ["the run", "its accumulator"])
+def test_a_checkpoint_of_a_newer_format_says_which_gradaccum_reads_it(tmp_path, part):
     """It was answered with 'move it away to resume the run from step 0', which throws the
-    training away (issue 58)."""
+    training away (issue 58); a newer accumulator state inside was 'not a gradaccum
+    Accumulator checkpoint', after config.json and resumes.jsonl had been written."""
     import torch
 
     from gradaccum.app.checkpoints import DIGEST, WRITTEN_BY
@@ -557,13 +559,20 @@ def test_a_checkpoint_of_a_newer_format_says_which_gradaccum_reads_it(tmp_path):
     assert done.returncode == 0, done.stderr
     saved = torch.load(run / "checkpoint.pt", weights_only=True)
     saved.pop(DIGEST)
-    saved.update({"format": "gradaccum.run/2", WRITTEN_BY: "0.9.0"})
+    if part == "the run":
+        saved.update({"format": "gradaccum.run/2", WRITTEN_BY: "0.9.0"})
+        said = ("written by gradaccum 0.9.0", "resume with gradaccum 0.9.0 or newer")
+    else:
+        saved["accumulator"]["format"] = "gradaccum.accumulator/2"
+        said = (f"--resume {run}: its Accumulator state is of format gradaccum.accumulator/2",
+                "load it with the gradaccum that wrote it or newer")  # fmt: skip
     torch.save({**saved, DIGEST: state_digest(saved)}, run / "checkpoint.pt")
-    before = (run / "checkpoint.pt").read_bytes()
+    before = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
     refused = in_process("train", "--resume", run, "--steps", 2)
-    one_line(refused, "written by gradaccum 0.9.0", "resume with gradaccum 0.9.0 or newer")
+    one_line(refused, *said)
     assert "move it away" not in refused.stderr
-    assert (run / "checkpoint.pt").read_bytes() == before  # nothing lost
+    after = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
+    assert after == before  # nothing lost, nothing written
 
 
 def test_a_hand_edited_config_json_is_said_and_recorded_on_resume(tmp_path):

@@ -195,11 +195,7 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log, cached=None) ->
             )
     then = saved.get(PROCESSES) if saved is not None else None
     _check_processes(then, cfg, kind, folder.path)
-    if main and resuming:
-        trained = saved.get("config") if saved else None
-        _record_resume(folder, saved_cfg, cfg, saved["step"] if saved else 0, then, kind, log,
-                       trained)  # fmt: skip
-    elif main:
+    if main and not resuming:
         folder.write_json(CONFIG, cfg.flat())  # first: a crash is resumable
     if main and loaded is not None:
         save_cache(loaded, folder.path)  # a resume reads the sequences back
@@ -257,7 +253,14 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log, cached=None) ->
         carried=before_training.grown,
     )
     if saved is not None:
-        run.restore(saved)
+        try:
+            run.restore(saved)
+        except ValueError as err:  # the checkpoint's parts do not load: nothing written yet
+            raise ValueError(f"--resume {folder.path}: {err}") from None
+    if main and resuming:  # recorded once the checkpoint has loaded: a refusal writes nothing
+        trained = saved.get("config") if saved else None
+        _record_resume(folder, saved_cfg, cfg, saved["step"] if saved else 0, then, kind, log,
+                       trained)  # fmt: skip
     if resuming:
         where = f"step {schedule.step} of {total_steps}"
         if total_samples is not None:
