@@ -544,6 +544,22 @@ def test_a_config_transformers_cannot_use_is_one_line_naming_the_key(tmp_path, c
     one_line(in_process(command, "--hf-model", tmp_path, *args), needle)
 
 
+def test_a_multimodal_config_is_trained_by_its_language_model(tmp_path):
+    """A well-formed gemma3 config (the language model's sizes in its text_config) ended in
+    a traceback, AttributeError: 'Gemma3Config' object has no attribute 'vocab_size', in
+    train, check and plan."""
+    config = {"model_type": "gemma3", "text_config": {
+        "model_type": "gemma3_text", "num_hidden_layers": 2, "hidden_size": 32,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8,
+        "intermediate_size": 64, "vocab_size": 128, "max_position_embeddings": 64}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = in_process("train", "--hf-model", tmp_path, "--steps", 1, "--micro-batch", 2,
+                      "--effective-batch", 4, "--out", tmp_path / "run")  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 1
+
+
 @pytest.mark.parametrize("part", ["the run", "its accumulator"])
 def test_a_checkpoint_of_a_newer_format_says_which_gradaccum_reads_it(tmp_path, part):
     """It was answered with 'move it away to resume the run from step 0', which throws the
