@@ -610,9 +610,10 @@ def test_a_hand_edited_config_json_is_said_and_recorded_on_resume(tmp_path):
     assert line["edited"] == {"lr": [old_lr, 0.5]}
 
 
-@pytest.mark.parametrize("file", ["config.json", "tokenizer_config.json"])
+@pytest.mark.parametrize("file", ["config.json", "tokenizer_config.json", "tokenizer.json"])
 def test_a_json_file_with_a_byte_order_mark_is_named(tmp_path, file):
-    """A tokenizer_config.json saved with a BOM was named nowhere (issue 58)."""
+    """A tokenizer_config.json saved with a BOM was named nowhere (issue 58), nor was a
+    tokenizer.json ('Unexpected UTF-8 BOM (decode using utf-8-sig)')."""
     config = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64,
               "n_positions": 64}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))

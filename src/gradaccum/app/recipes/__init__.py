@@ -289,10 +289,12 @@ def hf_recipe(path: str, build_check: bool = True) -> Recipe:
         raise ValueError(f"--hf-model {path}: " + "; ".join(problems))
     _refuse_custom_code(path, config_file, raw)
     tokenizer_config = source / "tokenizer_config.json"
+    for name in ("tokenizer_config.json", "tokenizer.json"):  # the JSON files a tokenizer reads
+        if source.is_dir() and (source / name).is_file():
+            with (source / name).open("rb") as f:
+                if f.read(3) == b"\xef\xbb\xbf":
+                    raise ValueError(f"--hf-model {path}: " + _BOM.format(file=source / name))
     if source.is_dir() and tokenizer_config.is_file():
-        with tokenizer_config.open("rb") as f:
-            if f.read(3) == b"\xef\xbb\xbf":
-                raise ValueError(f"--hf-model {path}: " + _BOM.format(file=tokenizer_config))
         try:
             _refuse_custom_code(path, tokenizer_config, json.loads(tokenizer_config.read_text()))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
