@@ -41,7 +41,7 @@ def test_a_closed_pipe_is_a_stop_without_a_failure(monkeypatch):
 
 
 def test_the_loading_handler_is_installed_only_over_pythons_own_and_then_replaced():
-    previous = signal.getsignal(signal.SIGINT)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         process.watch_loading()
@@ -57,10 +57,15 @@ def test_the_loading_handler_is_installed_only_over_pythons_own_and_then_replace
         process.unwatch_stops()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # started ignoring it: left alone
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (nohup)
         process.watch_loading()
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is process.stop_while_loading
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def test_sigterm_and_sighup_outside_training_stop_as_ctrl_c_does_and_are_put_back():

@@ -249,21 +249,31 @@ def leave(code: int) -> None:
 
 
 def stop_while_loading(signum: int, frame: Any) -> None:
-    """The command's Ctrl-C while modules load (torch takes seconds): one line and exit 130,
-    as for every other stop. Not a KeyboardInterrupt: torch's C side imports numpy and drops
-    whatever that import raises, leaving numpy half made (the next import of it fails, or
-    sklearn's recurses until it dies), and one raised inside a C++ initialiser aborts the
-    process. Nothing is written yet, so leaving at once loses nothing."""
-    print("gradaccum: interrupted", file=sys.stderr, flush=True)
-    os._exit(EXIT_INTERRUPTED)
+    """The command's Ctrl-C (or SIGTERM, SIGHUP) while modules load (torch takes seconds):
+    one line and exit 128 + N (130 for Ctrl-C), as for every other stop. Not a
+    KeyboardInterrupt: torch's C side imports numpy and drops whatever that import raises,
+    leaving numpy half made (the next import of it fails, or sklearn's recurses until it
+    dies), and one raised inside a C++ initialiser aborts the process. Nothing is written
+    yet, so leaving at once loses nothing."""
+    if signum == signal.SIGINT:
+        print("gradaccum: interrupted", file=sys.stderr, flush=True)
+    else:
+        print(f"gradaccum: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 def watch_loading() -> None:
-    """The command's entry point, first thing: ``stop_while_loading`` for Ctrl-C until
-    ``watch_stops`` takes over. A SIGINT the process was started ignoring stays ignored."""
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        with contextlib.suppress(ValueError):  # not the main thread (an embedding program)
-            signal.signal(signal.SIGINT, stop_while_loading)
+    """The command's entry point, first thing: ``stop_while_loading`` for Ctrl-C, SIGTERM
+    and SIGHUP until ``watch_stops`` takes over (their default ended the process with no
+    word). A signal the process was started ignoring stays ignored."""
+    for signum, default in (
+        (signal.SIGINT, signal.default_int_handler),
+        (signal.SIGTERM, signal.SIG_DFL),
+        (signal.SIGHUP, signal.SIG_DFL),
+    ):
+        if signal.getsignal(signum) is default:
+            with contextlib.suppress(ValueError):  # not the main thread (an embedding program)
+                signal.signal(signum, stop_while_loading)
 
 
 class Stopped(KeyboardInterrupt):  # noqa: N818 - a stop, as Ctrl-C's KeyboardInterrupt is
