@@ -622,6 +622,19 @@ def test_a_json_file_with_a_byte_order_mark_is_named(tmp_path, file):
     one_line(in_process("check", "--hf-model", tmp_path), f"{file} starts with a byte-order mark")
 
 
+def test_a_run_folders_config_json_saved_with_a_byte_order_mark_is_said_so(tmp_path):
+    """Saved from an editor with a BOM, it was called 'damaged outside gradaccum: restore it,
+    or start a new run' (the fix is to save it without the mark)."""
+    run = tmp_path / "run"
+    done = in_process("train", *DIGITS, "--steps", 1, "--out", run)
+    assert done.returncode == 0, done.stderr
+    config = run / "config.json"
+    config.write_bytes(b"\xef\xbb\xbf" + config.read_bytes())
+    refused = one_line(in_process("train", "--resume", run, "--steps", 2),
+                       "config.json starts with a byte-order mark", "without a BOM")  # fmt: skip
+    assert "damaged" not in refused
+
+
 def test_a_resume_after_a_stop_without_held_out_numbers_evaluates_at_once(tmp_path):
     """A stop signal abandons the evaluation in progress and the stop evaluates nothing;
     the resume gives the held-out numbers at its first window instead (issue 58)."""

@@ -212,7 +212,13 @@ class RunFolder:
         config.json and plan.json), else a ValueError naming the file."""
         file = self.path / name
         try:
-            value = json.loads(file.read_text())
+            text = file.read_text()
+            if text.startswith("\ufeff"):  # an editor's byte-order mark: not damage
+                raise ValueError(
+                    f"{file} starts with a byte-order mark (BOM, as some Windows editors save "
+                    "UTF-8), which gradaccum's JSON reader refuses: save it as UTF-8 without a BOM"
+                )
+            value = json.loads(text)
         except OSError as err:
             raise ValueError(f"cannot read {file}: {write_failure(err)}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
