@@ -885,20 +885,22 @@ class _Search:
         return (fits, self.full(w, fits, sync)) if fits else None
 
     def _reader(self, w: _Workload, sync: str):
-        """The device total at each size read off the whole model's traces at 2 and 3 (made
-        here where they are not yet), size 1 guessed on their line; None where the batch
-        is too small for them, or where the two do not show the other sizes."""
+        """The device total guessed at each size on the line through the whole model's
+        traces at 2 and 3 (made here where they are not yet; the sizes that decide are then
+        read off them); None where the batch is too small for them, or where the two do not
+        show the other sizes."""
         if self.per_rank <= 3:
             return None
-        if w.layers is not None:  # both windows of the 2-block model at 2: whether the
-            # whole model's second window may be its first repeated; at 1 and 3 beside it,
-            # what another length's question reads this one's traces with
-            self._side_by_side([(w, m, 2) for m in (1, 2, 3)], sync)
+        if w.layers is not None:
+            # the 2-block model's both windows at 2: whether the whole model's second window
+            # may be its first repeated; beside it, at 3 what another length's question reads
+            # this one with (and 1, in a first question), or what this one is read with
+            earlier = self._earlier(w, sync)
+            mine = [(w, m, 2) for m in ((2, 3) if earlier else (1, 2, 3))]
+            self._side_by_side(mine + [(earlier, m, 2) for m in (2, 3) if earlier], sync)
             self._trace(w, 2, sync, 2)
-            if earlier := self._earlier(w, sync):  # read off an earlier length's traces
-                # at 2 and 3 (the sizes from 2 up are read off them; 1, where the search
-                # needs it, is read as it does), their 2-block traces side by side first
-                self._side_by_side([(x, m, 2) for x in (earlier, w) for m in (2, 3)], sync)
+            if earlier:  # read off an earlier length's traces, at 2 and 3 (the sizes from 2
+                # up are read off them; 1, where the search needs it, is read as it does)
                 for micro in (2, 3):
                     if self._key(w, micro, sync, None) not in self.traces:
                         self._lengthened(w, micro, sync)
@@ -915,13 +917,9 @@ class _Search:
         if pair is None:
             return None
         two, three = (t["total"] for t in pair)
-
-        def at(micro: int) -> float:
-            if micro >= 2:
-                return self.full(w, micro, sync)["total"]
-            return two - max(three - two, 0)
-
-        return at
+        # the line through them guesses (each size read is a replay of the whole model's
+        # sequence, a third of a second for an 8B model); the sizes that decide are read
+        return lambda micro: two + (micro - 2) * max(three - two, 0)
 
     def _decide(self, predict, whole, top: int) -> int:
         """The largest n in 1..``top`` whose ``whole(n)`` (a whole-model trace's total, each
