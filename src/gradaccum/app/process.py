@@ -265,12 +265,13 @@ def stop_while_loading(signum: int, frame: Any) -> None:
 def watch_loading() -> None:
     """The command's entry point, first thing: ``stop_while_loading`` for Ctrl-C, SIGTERM
     and SIGHUP until ``watch_stops`` takes over (their default ended the process with no
-    word). A signal the process was started ignoring stays ignored."""
-    for signum, default in (
-        (signal.SIGINT, signal.default_int_handler),
-        (signal.SIGTERM, signal.SIG_DFL),
-        (signal.SIGHUP, signal.SIG_DFL),
-    ):
+    word; under torchrun SIGTERM and SIGHUP keep it). A signal the process was started
+    ignoring stays ignored."""
+    signals = [(signal.SIGINT, signal.default_int_handler)]
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # (torchrun's SIGTERM ends a job's
+        # other processes when one fails: that process's line is the job's one)
+        signals += [(signal.SIGTERM, signal.SIG_DFL), (signal.SIGHUP, signal.SIG_DFL)]
+    for signum, default in signals:
         if signal.getsignal(signum) is default:
             with contextlib.suppress(ValueError):  # not the main thread (an embedding program)
                 signal.signal(signum, stop_while_loading)
@@ -301,7 +302,8 @@ def watch_stops() -> list[int]:
     one its embedding program handles, is left alone. Training takes the three over itself
     while it runs (``gradaccum.app.stops.StopSignals``) and puts these back after."""
     fired: list[int] = []
-    ours = {signal.SIGINT: (signal.default_int_handler, stop_while_loading)}
+    ours = {sig: (signal.SIG_DFL, stop_while_loading) for sig in STOPS}
+    ours[signal.SIGINT] = (signal.default_int_handler, stop_while_loading)
 
     def handler(signum, frame):
         fired.append(signum)
