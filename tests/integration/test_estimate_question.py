@@ -274,6 +274,7 @@ def test_damaged_estimate_cache_entries_are_said_and_estimated_over(tmp_path):
         assert f"the cached estimate {entry}" in again.stderr, (what, again.stderr)
 
 
+@pytest.mark.slow  # a search over lengths, each traced (about a minute): the slow tier
 def test_the_longest_sequence_that_fits_is_one_command(tmp_path):
     model = llama(tmp_path / "model", max_position_embeddings=512)
     fixed = ("--hf-model", model, "--micro-batch", 1, "--effective-batch", 4)
@@ -299,6 +300,7 @@ def test_plan_hf_model_without_the_estimate_measures_on_this_machine(tmp_path):
     assert planned["probes"] and planned["micro_size"] >= 1
 
 
+@pytest.mark.slow  # three estimates, searches among them (half a minute): the slow tier
 def test_the_largest_micro_batch_is_decided_by_whole_model_traces(tmp_path):
     """The 2- and 3-block line only guesses: the size said fits and the next does not, each
     as the whole model traces it at that size."""
