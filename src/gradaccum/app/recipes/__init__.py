@@ -323,8 +323,8 @@ def hf_recipe(path: str, build_check: bool = True) -> Recipe:
         (source / n).exists() for n in ("model.safetensors", "pytorch_model.bin")
     )
     # a multimodal config (gemma3, llava) holds the language model's sizes in its text_config
+    # (read when tokens are made: an image model's config has no vocabulary to read)
     language = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = language.vocab_size
     max_positions = (
         getattr(language, "n_positions", None) or getattr(language, "max_position_embeddings", None)
     ) or 128
@@ -362,7 +362,7 @@ def hf_recipe(path: str, build_check: bool = True) -> Recipe:
         if source.is_dir() and (source / "tokenizer.json").exists():
             tok = hf_models.tokenizer(source)
             return torch.tensor(tok(text.decode("utf-8", "replace"))["input_ids"])
-        return torch.frombuffer(bytearray(text), dtype=torch.uint8).long() % vocab
+        return torch.frombuffer(bytearray(text), dtype=torch.uint8).long() % language.vocab_size
 
     def sample(n: int) -> dict[str, torch.Tensor]:
         ids = tokens()[: n * length].reshape(n, length)
