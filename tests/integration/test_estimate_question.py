@@ -387,6 +387,27 @@ def test_a_sequence_length_neighbour_is_read_off_the_traces_at_another(tmp_path,
     assert again["total"] == want["total"] and again["parts"] == want["parts"]
 
 
+@pytest.mark.slow  # three estimates: the slow tier
+def test_a_refused_lengths_shorter_alternative_is_the_earlier_questions_answer(tmp_path, monkeypatch):
+    """Refused at twice an earlier question's length: its "--seq-len" alternative is that
+    question's whole-model trace at micro-batch 1, the same bytes, not the 2- and 3-block
+    line (which said 19.8 GiB where the question at that length had answered 20.0 GiB)."""
+    model = llama(tmp_path / "model", hidden_size=256, intermediate_size=512, vocab_size=4096)
+    fixed = ("--hf-model", model, "--effective-batch", 8, "--precision", "bf16", "--lora", 4,
+             "--checkpointing", "on")  # fmt: skip
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "alone"))
+    long = estimate(*fixed, "--seq-len", 256, "--micro-batch", 1)["total"]
+    monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "cache"))
+    short = estimate(*fixed, "--seq-len", 128, "--micro-batch", 1)["total"]
+    assert short < long
+    done = in_process("plan", "--device", "cuda", *map(str, fixed), "--seq-len", "256",
+                      "--budget", f"{(short + long) // 2}B", "--json")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    offered = {a["flag"]: a for a in json.loads(done.stdout)["alternatives"]}
+    assert offered["--seq-len 128"] == {"flag": "--seq-len 128", "total": short, "traced": True}
+    assert "--seq-len 128" in done.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.slow  # a 400-layer model's build and traces: the slow tier
 def test_the_side_by_side_traces_end_with_their_parent(tmp_path):
     """The whole model's traces at 1, 2 and 3 run side by side, each in a process forked from

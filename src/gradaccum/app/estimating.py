@@ -953,8 +953,9 @@ class _Search:
 
     def alternatives(self, asked: _Workload) -> list[dict[str, Any]]:
         """Each change not already made to ``asked``, alone, at micro-batch 1: its device
-        total."""
-        cfg, out, checkpointing = self.cfg, [], asked.checkpointing
+        total: the whole model's trace where one is kept (an earlier question's), else the
+        line through its 2- and 3-block traces, made side by side."""
+        cfg, checkpointing, sync = self.cfg, asked.checkpointing, self.syncs[-1]
         changes: list[tuple[str, dict[str, Any], bool]] = []
         if not checkpointing:
             changes.append(("--checkpointing on", {}, True))
@@ -969,13 +970,24 @@ class _Search:
             changes.append((f"--seq-len {half}", {"seq_len": half}, checkpointing))
         from gradaccum.planning.estimate.trace import TraceError
 
+        works = []
         for flag, change, ck in changes:
+            with contextlib.suppress(TraceError, ValueError, TypeError):  # one it cannot take
+                change = dataclasses.replace(cfg, **change)
+                works.append((flag, _Workload(change, ck, self.traces, self.tracing)))
+        # whole-model traces kept: in the question of a sequence length asked before
+        whole = {flag for flag, w in works if self._key(w, 1, sync, None) in self.traces}
+        self._side_by_side(
+            [(w, 1, n) for f, w in works if w.layers and f not in whole for n in (2, 3)], sync
+        )
+        out = []
+        for flag, w in works:
+            traced = w.layers is None or flag in whole
             try:
-                w = _Workload(dataclasses.replace(cfg, **change), ck, self.traces, self.tracing)
-                if w.layers is None:
-                    total, traced = self.full(w, 1, self.syncs[-1])["total"], True
+                if traced:
+                    total = self.full(w, 1, sync)["total"]
                 else:
-                    total, traced = self.predictor(w, self.syncs[-1], sizes=(1,))(1), False
+                    total = self.predictor(w, sync, sizes=(1,))(1)
             except (TraceError, ValueError, TypeError):
                 continue  # a change this model cannot take (no repeated blocks to checkpoint)
             out.append({"flag": flag, "total": int(total), "traced": traced})
