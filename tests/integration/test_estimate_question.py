@@ -388,7 +388,7 @@ def test_a_sequence_length_neighbour_is_read_off_the_traces_at_another(tmp_path,
 
 
 @pytest.mark.slow  # three estimates: the slow tier
-def test_a_refused_lengths_shorter_alternative_is_the_earlier_questions_answer(tmp_path, monkeypatch):
+def test_a_refused_lengths_half_is_offered_as_the_earlier_answer(tmp_path, monkeypatch):
     """Refused at twice an earlier question's length: its "--seq-len" alternative is that
     question's whole-model trace at micro-batch 1, the same bytes, not the 2- and 3-block
     line (which said 19.8 GiB where the question at that length had answered 20.0 GiB)."""
