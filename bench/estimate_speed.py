@@ -2,8 +2,9 @@
 Llama-3-8B-shaped config.json (written here: its published shape, no weights) for an RTX 4090,
 as a new user asks it: LoRA r16 and QLoRA nf4 at 2048 tokens, effective batch 64, bf16, with
 checkpointing and with "auto"; then the neighbouring questions (another budget, another
-micro-batch), which reuse the cached traces. Each command's wall time, from a private empty
-cache, with the machine's load before it. Writes bench/results/estimate_speed.md.
+micro-batch, another sequence length, one of them refused), which reuse the cached traces.
+Each command's wall time, from a private empty cache, with the machine's load before it.
+Writes bench/results/estimate_speed.md.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ QUESTIONS = [
                                                  "--micro-batch", "2"]),
     ("  the same, --seq-len 1024 (neighbour)", ["--lora", "16", "--checkpointing", "on",
                                                 "--seq-len", "1024"]),
+    ("  the same, --seq-len 4096 (neighbour, refused)", ["--lora", "16", "--checkpointing",
+                                                         "on", "--seq-len", "4096"]),
     ("LoRA r16, checkpointing auto", ["--lora", "16", "--checkpointing", "auto"]),
     ("QLoRA nf4 r16, checkpointing on", ["--lora", "16", "--quantize", "nf4",
                                          "--checkpointing", "on"]),

@@ -954,7 +954,7 @@ class _Search:
     def alternatives(self, asked: _Workload) -> list[dict[str, Any]]:
         """Each change not already made to ``asked``, alone, at micro-batch 1: its device
         total: the whole model's trace where one is kept (an earlier question's), else the
-        line through its 2- and 3-block traces, made side by side."""
+        line through its 2- and 3-block traces."""
         cfg, checkpointing, sync = self.cfg, asked.checkpointing, self.syncs[-1]
         changes: list[tuple[str, dict[str, Any], bool]] = []
         if not checkpointing:
@@ -970,20 +970,12 @@ class _Search:
             changes.append((f"--seq-len {half}", {"seq_len": half}, checkpointing))
         from gradaccum.planning.estimate.trace import TraceError
 
-        works = []
-        for flag, change, ck in changes:
-            with contextlib.suppress(TraceError, ValueError, TypeError):  # one it cannot take
-                change = dataclasses.replace(cfg, **change)
-                works.append((flag, _Workload(change, ck, self.traces, self.tracing)))
-        # whole-model traces kept: in the question of a sequence length asked before
-        whole = {flag for flag, w in works if self._key(w, 1, sync, None) in self.traces}
-        self._side_by_side(
-            [(w, 1, n) for f, w in works if w.layers and f not in whole for n in (2, 3)], sync
-        )
         out = []
-        for flag, w in works:
-            traced = w.layers is None or flag in whole
+        for flag, change, ck in changes:
             try:
+                w = _Workload(dataclasses.replace(cfg, **change), ck, self.traces, self.tracing)
+                # a whole-model trace kept (the shorter length an earlier question asked)
+                traced = w.layers is None or self._key(w, 1, sync, None) in self.traces
                 if traced:
                     total = self.full(w, 1, sync)["total"]
                 else:
