@@ -256,7 +256,7 @@ def _conclude(tally, host, unified, assumptions, target, config, **fields) -> Es
 def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_cuda, **how):
     from gradaccum.batching import map_tensors
     from gradaccum.engine import Accumulator
-    from gradaccum.precision import PRECISIONS
+    from gradaccum.precision import PRECISIONS, Precision
     from gradaccum.recompute import enable_checkpointing
 
     precision = how["precision"]
@@ -309,7 +309,14 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
             raise ValueError(refusal)
         if on_cuda and cuda.prefer_foreach(opt):
             assumptions.append("optimizer: torch's foreach implementation, its CUDA default")
-        acc = Accumulator(module, opt, precision=precision, max_grad_norm=how["max_grad_norm"])
+        chosen: Any = precision
+        if precision == "fp16":  # the windows step, as a run's steady ones do (_SteppingScaler)
+            chosen = Precision("fp16", scaler=_SteppingScaler(trainable[0].device.type))
+            assumptions.append(
+                "fp16: every window steps (a window whose gradient overflowed skips its "
+                "optimizer step and holds no more than one that steps)"
+            )
+        acc = Accumulator(module, opt, precision=chosen, max_grad_norm=how["max_grad_norm"])
         low = PRECISIONS[precision]
         cuda_model = cuda.CudaModel(low) if on_cuda else None
         if cuda_model is not None and low is not None:
@@ -395,6 +402,16 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
             )
         )
     return tally, host, unified, assumptions
+
+
+class _SteppingScaler(torch.amp.GradScaler):
+    """fp16's GradScaler as the estimate runs it. Whether a window's gradient overflowed is a
+    host read of a value fake tensors do not have (the trace answers 1.0: "found inf"), so the
+    scaler skipped every traced optimizer step, and every fp16 estimate left the optimizer's
+    state out. A run's steady windows step: here every window does."""
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
 
 
 def _fsdp_refusal(world_size: int, precision: str, evaluate: bool) -> str | None:
