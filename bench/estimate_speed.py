@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import describe
+from machine import commit, describe
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
@@ -72,7 +72,7 @@ def main() -> None:
     lines = [
         "# How long the GPU question takes",
         "",
-        f"`python bench/estimate_speed.py` at {_commit()} on {describe(2)}: `gradaccum plan "
+        f"`python bench/estimate_speed.py` at {commit()} on {describe(2)}: `gradaccum plan "
         "--device cuda --hf-model llama3-8b " + " ".join(BASE) + " ...`, each command's wall "
         "time from one private cache (empty at the first), in this order.",
         "",
@@ -86,11 +86,6 @@ def main() -> None:
     out = Path(__file__).parent / "results" / "estimate_speed.md"
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
-
-
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
 
 
 if __name__ == "__main__":

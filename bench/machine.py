@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
 
 import torch
@@ -26,3 +27,9 @@ def describe(threads: int | None = None, peers: bool = False) -> str:
         parts += [f"accelerate {accelerate.__version__}", f"lightning {lightning.__version__}"]
     parts.append(f"Python {sys.version.split()[0]}")
     return "Machine: " + ", ".join(parts) + "."
+
+
+def commit() -> str:
+    """The short hash of the checkout a result came from ("unknown" outside git)."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"

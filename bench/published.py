@@ -1,0 +1,244 @@
+"""The estimate against published GPU measurements (issue 57), from bench/published/rows.jsonl
+(each row a published number with its configuration and where it was published; how each was
+pinned: bench/published/SOURCES.md).
+
+Each pinned row that `gradaccum plan --device cuda` can express today is asked as a user would
+ask it: a config.json written here from the model's published shape (no weights), the row's
+sequence length, micro-batch and accumulation, precision, optimizer, LoRA adapter
+(adapter_config.json), checkpointing, attention and GPU, each command a fresh process, one
+private cache per model (a user asking about several lengths of one model). Every other row
+is listed apart with what the estimate does not model for it. Writes
+bench/results/published.md and bench/results/published.json.
+
+    python bench/published.py [--only ID,ID,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from machine import commit, describe
+
+HERE = Path(__file__).parent
+ROWS = HERE / "published" / "rows.jsonl"
+GiB, GB, MiB = 1 << 30, 10**9, 1 << 20
+
+# bert-large-uncased's published config (the transformers doc's runs; no weights needed)
+BERT_LARGE = {
+    "architectures": ["BertForSequenceClassification"], "model_type": "bert",
+    "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+    "intermediate_size": 4096, "vocab_size": 30522, "max_position_embeddings": 512,
+    "type_vocab_size": 2, "hidden_act": "gelu",
+}  # fmt: skip
+# The transformers doc's Trainer optimizers by our --optimizer names (bnb's Adam8bit holds
+# AdamW8bit's state layout).
+BERT_OPTIMIZERS = {
+    "Trainer default": "adamw",
+    "Adafactor": "adafactor",
+    "bitsandbytes": "adamw8bit",
+}
+
+
+def qwen1(hidden: int, layers: int, heads: int, intermediate: int, vocab: int) -> dict:
+    """A Qwen (1) model as transformers' Qwen2 holds the same shapes: its fused c_attn
+    (with a bias) as q, k and v projections with biases, its MLP's w1 and w2 (each half the
+    config's intermediate_size) as up and gate, c_proj as o_proj and down_proj; untied."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": heads, "intermediate_size": intermediate // 2,
+        "vocab_size": vocab, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    }  # fmt: skip
+
+
+QWEN = {
+    "1.8B": qwen1(2048, 24, 16, 11008, 151936),
+    "7B": qwen1(4096, 32, 32, 22016, 151936),
+    "14B": qwen1(5120, 40, 40, 27392, 152064),
+}
+# Qwen's finetune.py targets c_attn, c_proj, w1, w2: in Qwen2's names, every linear layer
+QWEN_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def express(row: dict) -> tuple[str, dict, list[str], str] | str:
+    """(model key, config, the command's flags, what was assumed), or why the row is not
+    asked."""
+    repo = row["source"]["repo"]
+    if not row["pinned"]:
+        return "not pinned: " + (row.get("missing") or "configuration incomplete")[:160]
+    if repo == "huggingface/transformers":
+        precision = "fp16" if row["precision"].startswith("fp16") else "fp32"
+        optimizer = next(v for k, v in BERT_OPTIMIZERS.items() if row["optimizer"].startswith(k))
+        flags = ["--task", "sequence-classification", "--seq-len", "512",
+                 "--micro-batch", str(row["micro_batch"]),
+                 "--effective-batch", str(row["micro_batch"] * row["grad_accum"]),
+                 "--precision", precision, "--optimizer", optimizer, "--gpu", "v100",
+                 "--checkpointing", "on" if row["gradient_checkpointing"] else "off",
+                 "--attn-implementation", "eager"]  # fmt: skip
+        # eager: BERT's only attention in 2022's transformers
+        return "bert-large", BERT_LARGE, flags, "Trainer's AdamW as torch's foreach AdamW"
+    if repo == "QwenLM/Qwen":
+        if row["method"] not in ("lora", "lora+emb"):
+            what = (
+                "a GPTQ int4 base under DeepSpeed ZeRO-2"
+                if row["method"] == "qlora"
+                else (row["framework"])
+            )
+            return f"not modelled: {what}"
+        if row["params"] not in QWEN:
+            return f"no config here for Qwen-{row['params']}"
+        adapter = {"peft_type": "LORA", "r": 64, "lora_alpha": 16, "lora_dropout": 0.05,
+                   "target_modules": QWEN_TARGETS, "bias": "none",
+                   "modules_to_save": ["embed_tokens", "lm_head"]
+                   if row["method"] == "lora+emb" else None}  # fmt: skip
+        flags = ["--seq-len", str(row["seq_len"]), "--micro-batch", str(row["micro_batch"]),
+                 "--effective-batch", str(row["micro_batch"] * row["grad_accum"]),
+                 "--precision", "bf16", "--checkpointing", "on", "--gpu", "a100-80gb",
+                 "--attn-implementation", "flash_attention_2", "--lora", adapter]  # fmt: skip
+        key = f"qwen-{row['params']}-{row['method']}"
+        return key, QWEN[row["params"]], flags, "c_attn's LoRA as q, k and v's"
+    return _NOT_MODELLED.get(repo, f"not asked: {row['framework']}")
+
+
+_NOT_MODELLED = {
+    "Lightning-AI/litgpt": "not modelled: litgpt's own model and its head's loss in chunks "
+    "of 128 tokens (lm_head_chunk_size), in bf16-true",
+    "pytorch/torchtune": "not modelled: torchtune's chunked cross-entropy, compile and "
+    "activation offloading",
+}
+
+
+def published_bytes(row: dict) -> tuple[float, str]:
+    """The published number in bytes, and the unit it was read in."""
+    unit = row["unit"]
+    if unit.startswith("MiB"):
+        return row["value"] * MiB, "MiB"
+    if unit.startswith("G as written"):
+        return row["value"] * GiB, "G as GiB"  # Qwen's 'G' (GB or GiB unstated): both shown
+    raise ValueError(f"unit {unit!r} not read here")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", help="row ids, comma-separated")
+    parser.add_argument("--render", action="store_true", help="rewrite the page from the "
+                        "last run's published.json (the rows not asked said again)")  # fmt: skip
+    args = parser.parse_args()
+    rows = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()]
+    if args.render:
+        asked = json.loads((HERE / "results" / "published.json").read_text())["asked"]
+        done = {a["id"] for a in asked}
+        write(asked, [(r, _why(r)) for r in rows if r["id"] not in done])
+        return
+    if args.only:
+        rows = [r for r in rows if r["id"] in args.only.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="published-"))
+    asked, apart = [], []
+    for row in rows:
+        how = express(row)
+        if isinstance(how, str):
+            apart.append((row, how))
+            continue
+        key, config, flags, assumed = how
+        folder = tmp / key
+        if not folder.exists():
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps(config))
+        flags = list(flags)
+        if "--lora" in flags:  # the adapter as its own adapter_config.json
+            at = flags.index("--lora") + 1
+            (folder / "adapter").mkdir(exist_ok=True)
+            (folder / "adapter" / "adapter_config.json").write_text(json.dumps(flags[at]))
+            flags[at] = str(folder / "adapter")
+        env = {**os.environ, "OMP_NUM_THREADS": "2", "GRADACCUM_PLAN_CACHE": str(tmp / f"c-{key}")}
+        cmd = [sys.executable, "-m", "gradaccum", "plan", "--device", "cuda", "--hf-model",
+               str(folder), *flags, "--json"]  # fmt: skip
+        load = os.getloadavg()[0]
+        began = time.perf_counter()
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        took = time.perf_counter() - began
+        value, unit = published_bytes(row)
+        try:
+            est = json.loads(done.stdout)
+        except json.JSONDecodeError:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            apart.append((row, f"the estimate failed: {last[:200]}"))
+            continue
+        result = {"id": row["id"], "model": key, "seq_len": row["seq_len"],
+                  "micro_batch": row["micro_batch"], "published": row["value"], "unit": unit,
+                  "meter": row["meter"], "total": est["total"], "reserved": est["reserved"],
+                  "allocated": est["allocated"], "error": est["total"] / value - 1,
+                  "error_gb": est["total"] / (row["value"] * GB) - 1 if "G as" in unit else None,
+                  "wall": took, "load": load, "assumed": assumed,
+                  "source": f"{row['source']['repo']}/{row['source']['path']}"}  # fmt: skip
+        asked.append(result)
+        said = f"estimate {est['total'] / GiB:.2f} GiB ({result['error']:+.1%}), {took:.1f} s"
+        print(f"{row['id']} {key} {row['seq_len']}: published {row['value']} {unit}, {said}")
+    if args.only:  # the rows run again, in the last run's page
+        last = json.loads((HERE / "results" / "published.json").read_text())["asked"]
+        again = {a["id"] for a in asked}
+        asked = sorted([a for a in last if a["id"] not in again] + asked, key=lambda a: a["id"])
+        everything = [json.loads(line) for line in ROWS.read_text().splitlines() if line]
+        done = {a["id"] for a in asked}
+        apart = [(r, _why(r)) for r in everything if r["id"] not in done]
+    write(asked, apart)
+
+
+def _why(row: dict) -> str:
+    how = express(row)
+    return how if isinstance(how, str) else "the estimate failed (see the last full run)"
+
+
+def write(asked: list[dict], apart: list[tuple[dict, str]]) -> None:
+    out = HERE / "results"
+    (out / "published.json").write_text(json.dumps({"asked": asked, "apart": [
+        {"id": r["id"], "why": why} for r, why in apart]}, indent=1))  # fmt: skip
+    errors = [abs(a["error"]) for a in asked]
+    lines = [
+        "# The estimate against published GPU measurements",
+        "",
+        f"`python bench/published.py` at {commit()} on {describe(2)} The rows: "
+        "[bench/published/rows.jsonl](../published/rows.jsonl), how each was pinned: "
+        "[bench/published/SOURCES.md](../published/SOURCES.md). Each row asked is one "
+        "`gradaccum plan --device cuda --hf-model DIR ... --json` (the model's config.json "
+        "written from its published shape); the estimate's device total (nvidia-smi's view: "
+        "reserved plus the CUDA context) against the published number.",
+        "",
+        f"Asked: {len(asked)} rows; |error| median "
+        f"{statistics.median(errors):.1%}, largest {max(errors):.1%}; under by more than 5%: "
+        f"{sum(a['error'] < -0.05 for a in asked)}; not asked: {len(apart)}."
+        if asked
+        else "Nothing asked.",
+        "",
+        "| row | model | tokens | micro-batch | published | estimate (total) | error | "
+        "error (G as GB) | allocated | reserved | meter | wall | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a in asked:
+        gb = f"{a['error_gb']:+.1%}" if a["error_gb"] is not None else "-"
+        lines.append(
+            f"| {a['id']} | {a['model']} | {a['seq_len']} | {a['micro_batch']} | "
+            f"{a['published']} {a['unit']} | {a['total'] / GiB:.2f} GiB | {a['error']:+.1%} | "
+            f"{gb} | {a['allocated'] / GiB:.2f} GiB | {a['reserved'] / GiB:.2f} GiB | "
+            f"{a['meter'][:40]} | {a['wall']:.1f} s | {a['load']:.2f} |"
+        )
+    lines += ["", "## Not asked", "", "| row | source | method | why |", "|---|---|---|---|"]
+    for r, why in apart:
+        lines.append(
+            f"| {r['id']} | {r['source']['repo']} | {r['method']} | {why.replace('|', '/')} |"
+        )
+    (out / "published.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / 'published.md'}")
+
+
+if __name__ == "__main__":
+    main()
