@@ -53,6 +53,24 @@ def test_the_same_settings_and_files_give_the_same_key_and_anything_else_another
     assert plan_cache.key(parts(paths=(str(data),))) != before
 
 
+def test_a_folder_named_relatively_or_absolutely_is_one_key(tmp_path, monkeypatch):
+    """`--hf-model DIR` from the folder above and `--hf-model /abs/DIR` ask one question: the
+    setting that names a path is keyed resolved (an estimate asked both ways traced twice)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    keys = {
+        plan_cache.key(parts({**SETTINGS, "hf_model": name}, (name,)))
+        for name in ("model", "./model", str(model), f"{tmp_path}/../{tmp_path.name}/model")
+    }
+    assert len(keys) == 1
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    assert plan_cache.key(parts({**SETTINGS, "hf_model": "other"}, ("other",))) not in keys
+
+
 def test_a_stored_plan_is_read_back_whole_and_a_damaged_file_is_never_trusted():
     probes = (Probe(4, 5_000_000, 1_000_000, 4.9e6), Probe(16, 9_000_000, 4e6, 8.8e6, "verify"))
     key, plan = parts(), dataclasses.replace(make_plan(64, micro=16), probes=probes)

@@ -69,7 +69,10 @@ def signature(
     options, or the run's configuration: budget, margin, meter, checkpointing, precision,
     effective batch, LoRA, ...); ``paths`` the files the model and data come from (size and
     modification time); the code that builds the recipes and plans (``code_digest``), the
-    versions, the machine and the device."""
+    versions, the machine and the device. A setting that names one of ``paths`` is keyed
+    by the path resolved: ``DIR`` and ``./DIR`` and its absolute path are one question."""
+    resolved = {p: str(Path(p).resolve()) for p in paths if p is not None}
+    settings = {k: resolved.get(v, v) if isinstance(v, str) else v for k, v in settings.items()}
     return {
         "format": FORMAT,
         "versions": [platform.python_version(), torch.__version__, __version__],
