@@ -1,8 +1,10 @@
 """`gradaccum plan --device cuda` without a GPU (or with ``--estimate``): the fake-tensor
 estimate of a recipe or a Hugging Face config, in a process of its own.
 
-The trace runs in ``python -m gradaccum.app.estimating``, so that an op torch cannot fake, or
-an abort inside torch, ends in one line and never takes the command down. The request goes
+The trace runs in a process of its own, so that an op torch cannot fake, or an abort inside
+torch, ends in one line and never takes the command down: forked from the command where it
+can fork (``_Forked``, torch already imported), else ``python -m gradaccum.app.estimating``;
+the same ``main`` either way. The request goes
 in on its stdin, the answer comes back on its stdout, progress on its stderr: no file is
 written, so a parent killed outright leaves no folder, and the child, whose stdin then
 closes, ends at once. A trace that runs past ``--trace-limit`` is stopped, naming the layer
@@ -280,12 +282,16 @@ def _traced(cfg: PlanConfig, known: dict[str, Any]) -> dict[str, Any]:
     "traces": ...}``. Its progress lines are said as they come; a child past the limit, or
     one the user stops, is killed before this returns or raises."""
     request = json.dumps({"config": dataclasses.asdict(cfg), "known": known})
-    child = subprocess.Popen(
-        [sys.executable, "-m", "gradaccum.app.estimating"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    child = (
+        _Forked()
+        if _can_fork()
+        else subprocess.Popen(
+            [sys.executable, "-m", "gradaccum.app.estimating"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     )
     said: list[str] = []  # the child's last lines, progress or not
 
@@ -331,6 +337,77 @@ def _traced(cfg: PlanConfig, known: dict[str, Any]) -> dict[str, Any]:
     code = child.returncode
     how = f"signal {-code}" if code < 0 else f"exit {code}"
     raise ValueError(f"the memory trace's process ended ({how}) without an estimate: {last}")
+
+
+class _Forked:
+    """The estimating process forked from the command (where it can fork), not started
+    afresh: it has torch and gradaccum imported already, a second of a neighbouring
+    question's ten. It is what ``python -m gradaccum.app.estimating`` is (``main``, its
+    stdin, stdout and stderr pipes to this process, every other file closed, the signals'
+    own handlers, dying with its parent), behind ``subprocess.Popen``'s few members that
+    ``_traced`` uses."""
+
+    def __init__(self) -> None:
+        import signal
+
+        pipes = [os.pipe() for _ in range(3)]  # (read, write) of stdin, stdout, stderr
+        sys.stdout.flush()
+        sys.stderr.flush()  # nothing buffered is written twice
+        # held back across the fork: a signal that came before the child had its own
+        # handlers would run the command's in it
+        held = {signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: main() and gone, never back into the command
+            code = 1
+            try:
+                for sig in (signal.SIGTERM, signal.SIGHUP):
+                    signal.signal(sig, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.pthread_sigmask(signal.SIG_SETMASK, before)
+                for fd, (read, write) in enumerate(pipes):
+                    os.dup2(read if fd == 0 else write, fd)
+                os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+                sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's own)
+                sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+                _die_with_parent()
+                code = main([])
+            except SystemExit as end:
+                code = end.code if isinstance(end.code, int) else 1
+            except BaseException:  # noqa: BLE001 (said on its stderr, as a new process would)
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(code)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for fd, (read, write) in enumerate(pipes):
+            os.close(write if fd else read)
+        self.stdin = os.fdopen(pipes[0][1], "w")
+        self.stdout = os.fdopen(pipes[1][0])
+        self.stderr = os.fdopen(pipes[2][0])
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG if deadline else 0)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+            elif time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("the estimating process", timeout)
+            else:
+                time.sleep(0.05)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, 9)
 
 
 def render(result: dict[str, Any], budget: int | None, said: str | None = None) -> list[str]:
@@ -385,9 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     "traces": ...}`` as one line on stdout, progress on stderr; ends when stdin closes (its
     parent gone). Not a command: ``estimate_command`` runs it."""
     argparse.ArgumentParser(prog="python -m gradaccum.app.estimating").parse_args(argv)
-    from gradaccum.app.process import exit_on_end_of_input, quiet_third_parties
+    from gradaccum.app.process import EXIT_ORPHANED, exit_on_end_of_input, quiet_third_parties
 
-    request = json.loads(sys.stdin.readline())
+    line = sys.stdin.readline()
+    if not line:  # the command ended (or had no use for it) before asking
+        return EXIT_ORPHANED
+    request = json.loads(line)
     exit_on_end_of_input()
     quiet_third_parties()
     from gradaccum.planning.estimate.trace import TraceError
