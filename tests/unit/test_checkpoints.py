@@ -8,6 +8,7 @@ import torch
 from support.faults import flip_tensor_bit
 from support.runs import digits_run
 
+from gradaccum.app.boundary import Boundary
 from gradaccum.app.checkpoints import CHECKPOINT_FORMAT, Checkpointer, Checkpoints
 from gradaccum.app.folder import CHECKPOINT, RunFolder
 
@@ -58,13 +59,13 @@ def test_the_checkpointer_saves_at_its_cadence_the_end_a_stop_and_a_target(tmp_p
     try:
         store = Checkpoints(run.folder)
         saver = Checkpointer(store, run.kind, run.acc, run.state_dict, every=3, keep=2, start=0)
-        assert [s for s in range(1, 8) if saver.due(s, end=False, stopping=False, hit=None)] == [
+        assert [s for s in range(1, 8) if saver.due(Boundary(s, end=False, limit=False))] == [
             3,
             6,
         ]
-        assert saver.due(4, end=True, stopping=False, hit=None)
-        assert saver.due(4, end=False, stopping=True, hit=None)
-        assert saver.due(4, end=False, stopping=False, hit="target_loss")
+        assert saver.due(Boundary(4, end=True, limit=False))
+        assert saver.due(Boundary(4, end=False, limit=False, stopping=True))
+        assert saver.due(Boundary(4, end=False, limit=False, hit="target_loss"))
         for step in (3, 6, 9):
             saver.save(step)
         saved = store.load(torch.device("cpu"))

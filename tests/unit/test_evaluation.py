@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
+from gradaccum.app.boundary import Boundary
 from gradaccum.app.evaluation import Evaluator
 
 
@@ -24,14 +25,14 @@ def kind(main=True, evaluates=True):
 
 def test_it_evaluates_every_n_steps_at_the_end_and_at_a_limit():
     ev = Evaluator(kind(), Data(), torch.nn.Linear(2, 2), 8, every=5)
-    assert [s for s in range(1, 12) if ev.due(s, end=False, limit=False)] == [5, 10]
-    assert ev.due(7, end=True, limit=False) and ev.due(7, end=False, limit=True)
+    assert [s for s in range(1, 12) if ev.due(Boundary(s, end=False, limit=False))] == [5, 10]
+    assert ev.due(Boundary(7, end=True, limit=False)) and ev.due(Boundary(7, end=False, limit=True))
 
 
 def test_a_process_that_does_not_evaluate_is_never_due_and_reports_nothing():
     data = Data()
     ev = Evaluator(kind(main=False, evaluates=False), data, torch.nn.Linear(2, 2), 8, every=1)
-    assert not ev.due(1, end=True, limit=True)
+    assert not ev.due(Boundary(1, end=True, limit=True))
     assert ev.final(None) is None and data.calls == []
 
 

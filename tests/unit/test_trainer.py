@@ -2,6 +2,7 @@
 resume that is the same run bit for bit, and a loop that stays small and delegates."""
 
 import ast
+import dataclasses
 import inspect
 import json
 from pathlib import Path
@@ -103,3 +104,37 @@ def test_a_window_of_one_micro_batch_is_said_to_be_no_accumulation(tmp_path):
         finally:
             run.folder.release()
         assert shape in said[0], said
+
+
+def test_a_component_is_added_without_touching_the_loop(tmp_path):
+    """A component of the test's own (``boundary.Component``: ``phase``, ``due``, ``run``)
+    given to the Trainer runs at the boundaries it is due at, after the checkpoint of the
+    same step, with the record every component gets; its memory phase is counted apart."""
+    from gradaccum.app.boundary import Boundary
+
+    class EveryOther:
+        phase = "upload"
+
+        def __init__(self) -> None:
+            self.seen: list[Boundary] = []
+
+        def due(self, at: Boundary) -> bool:
+            return at.step % 2 == 0 or at.end
+
+        def run(self, at: Boundary) -> None:  # the step's checkpoint is written by now
+            kept = torch.load(tmp_path / "run" / CHECKPOINT, weights_only=True)["step"]
+            self.seen.append(dataclasses.replace(at, step=(at.step, kept)))
+
+    extra = EveryOther()
+    config = digits_config(tmp_path / "run", steps=3, checkpoint_every=2, eval_every=100)
+    run = build_run(config, log=quiet)
+    try:
+        Trainer(run, quiet, components=[extra]).loop()
+    finally:
+        run.folder.release()
+    phases = json.loads((tmp_path / "run" / "memory.json").read_text())["phases"]
+    assert {"training", "checkpoint", "upload"} <= set(phases), phases
+    assert [(b.step, b.end, b.hit, b.stopping) for b in extra.seen] == [
+        ((2, 2), False, None, False),
+        ((3, 3), True, None, False),
+    ]

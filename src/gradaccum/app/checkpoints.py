@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from gradaccum.app import launch
+from gradaccum.app.boundary import Boundary
 from gradaccum.app.folder import CHECKPOINT, KEPT, RunFolder, write_failure
 from gradaccum.checkpoint import state_digest
 
@@ -157,8 +158,13 @@ class Checkpointer:
         self.last = start  # the step of the newest checkpoint this session knows of
         self.writes = kind.main
 
-    def due(self, step: int, *, end: bool, stopping: bool, hit: str | None) -> bool:
-        return stopping or bool(hit) or step % self.every == 0 or end
+    phase = "checkpoint"
+
+    def due(self, at: Boundary) -> bool:
+        return at.last or at.step % self.every == 0
+
+    def run(self, at: Boundary) -> None:
+        self.save(at.step)
 
     def save(self, step: int) -> None:
         """Step ``step``'s checkpoint, every process's part, committed by checkpoint.pt; the

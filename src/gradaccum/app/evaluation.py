@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from gradaccum.app.boundary import Boundary
+
 __all__ = ["Evaluator"]
 
 
@@ -33,9 +35,9 @@ class Evaluator:
         self.stopped = stopped if not getattr(kind, "together", False) else lambda: False
         self.owed = False  # one evaluation owed at the next step (a resume after a stop)
 
-    def due(self, step: int, *, end: bool, limit: bool) -> bool:
+    def due(self, at: Boundary) -> bool:
         owed, self.owed = self.owed, False
-        return self.active and (owed or step % self.every == 0 or end or limit)
+        return self.active and (owed or at.step % self.every == 0 or at.end or at.limit)
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics, by the recipe's names (loss, accuracy, ...); none where a

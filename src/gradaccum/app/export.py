@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from gradaccum.app.boundary import Boundary
 from gradaccum.app.exports import write_exports
 from gradaccum.app.folder import EXPORT, MODEL, RunFolder
 
@@ -17,7 +18,8 @@ __all__ = ["Exporter"]
 
 
 class Exporter:
-    """``after(step, end, hit)`` writes what the step is due to write. ``gather`` is the
+    """A component (``gradaccum.app.boundary``): ``run(at)`` writes what the boundary is
+    due to write. ``gather`` is the
     kind's (None where the model is whole here); ``stopped`` words a failed write."""
 
     def __init__(
@@ -35,27 +37,36 @@ class Exporter:
         self.formats = cfg.source.hf_model is not None  # a built-in recipe exports none
         self.writes = kind.main
 
-    def due(self, step: int, *, end: bool, hit: str | None) -> bool:
-        """Whether anything is written after ``step`` (the gather of shards included)."""
-        formats = self._exporting(step, end, hit) and self.formats
-        return formats or self.kind.gathers and (end or bool(hit))
+    phase = "export"
 
-    def _exporting(self, step: int, end: bool, hit: str | None) -> bool:
-        return bool(self.every and step % self.every == 0 or end or hit)
+    def due(self, at: Boundary) -> bool:
+        """Whether anything is written at ``at`` (the gather of shards included)."""
+        formats = self._exporting(at) and self.formats
+        return formats or self.kind.gathers and self._final(at)
 
-    def after(self, step: int, *, end: bool, hit: str | None) -> None:
-        exporting = self._exporting(step, end, hit)
+    def _exporting(self, at: Boundary) -> bool:
+        return bool(self.every and at.step % self.every == 0 or self._final(at))
+
+    @staticmethod
+    def _final(at: Boundary) -> bool:
+        """The run's model as it ends: at its last step or a target (not at a stop signal,
+        which the resume goes on from)."""
+        return at.end or bool(at.hit)
+
+    def run(self, at: Boundary) -> None:
+        exporting = self._exporting(at)
+        final = self._final(at)
         # A model held in shards is gathered whole (every rank takes part) once, for
         # model.pt at the end and for the Hugging Face export; None where it is whole.
         whole = None
         writes = exporting and self.formats
-        if end or hit or writes:
+        if final or writes:
             whole = self.kind.gather(self.model)
         if exporting and self.formats and self.writes:
             written = write_exports(self.cfg, self.model, self.folder.path / EXPORT, whole)
             if written:
                 self.log("exported " + ", ".join(str(w) for w in written))
-        if whole is not None and (end or hit) and self.writes:
+        if whole is not None and final and self.writes:
             try:
                 self.folder.write_file(MODEL, lambda tmp: torch.save(whole, tmp))
             except ValueError as err:

@@ -8,6 +8,7 @@ that does not write:
     lr.py              the learning rate of each window
     stops.py           stop signals, and their agreement between ranks
     guard.py           the incident guard and its rollback
+    boundary.py        the record each component is handed at a window's end, and their contract
     evaluation.py      the held-out evaluation
     report/sink.py     metrics.jsonl, TensorBoard, the progress bar and the log line
     checkpoints.py     when to checkpoint, and the checkpoint files
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from gradaccum.app import launch
+from gradaccum.app.boundary import Boundary, Component
 from gradaccum.app.build import build_run
 from gradaccum.app.checkpoints import Checkpointer, Checkpoints
 from gradaccum.app.config import TrainConfig, invalid_configuration
@@ -65,7 +68,13 @@ class Trainer:
     """A built run trained to its end: ``fit()``. The components are made here from the
     parts of the run each one needs."""
 
-    def __init__(self, run: Run, log=print, stops: StopSignals | None = None) -> None:
+    def __init__(
+        self,
+        run: Run,
+        log=print,
+        stops: StopSignals | None = None,
+        components: Sequence[Component] = (),
+    ) -> None:
         cfg, p = run.cfg, run.progress
         self.run, self.log, self.stops = run, log, stops or StopSignals()
         store = Checkpoints(run.folder)
@@ -81,6 +90,8 @@ class Trainer:
             stopped=lambda: bool(self.stops.requested),
         )  # fmt: skip
         self.exporter = Exporter(cfg, run.folder, run.model, run.kind, log, stopped)
+        # what runs after each step's line, in this order (``boundary.Component``)
+        self.components = [self.checkpointer, self.exporter, *components]
         self.sink = MetricsSink(
             run.folder, p, run.recipe.item, log, writes=run.main,
             tensorboard=cfg.output.tensorboard, max_grad_norm=cfg.numerics.max_grad_norm or None,
@@ -178,28 +189,25 @@ class Trainer:
         self.items += result.count
         line = self.line(result, step, samples, lr, time.perf_counter() - t0)
         memory.window_done()
-        end = p.done()
-        limit = run.targets.limit_reached(p.elapsed, memory.peak())
-        if self.evaluator.due(step, end=end, limit=limit):
+        at = Boundary(step, p.done(), run.targets.limit_reached(p.elapsed, memory.peak()))
+        if self.evaluator.due(at):
             with memory.phase("evaluation"):
                 line.update({f"eval_{k}": v for k, v in self.evaluator.evaluate().items()})
         line["peak_memory"] = memory.peak()  # the run's: windows, evaluations, checkpoints
-        hit = self.targets.check(line, p.elapsed)
+        at.hit = self.targets.check(line, p.elapsed)
         rate = self.items / max(time.perf_counter() - self.began, 1e-9)
         self.sink.write(line, run.acc.state, rate, done_before)
-        stopping = self.stops.agreed()
-        if self.checkpointer.due(step, end=end, stopping=stopping, hit=hit):
-            with memory.phase("checkpoint"):
-                self.checkpointer.save(step)
-        if self.exporter.due(step, end=end, hit=hit):
-            with memory.phase("export"):
-                self.exporter.after(step, end=end, hit=hit)
-        if stopping:
+        at.stopping = self.stops.agreed()
+        for component in self.components:
+            if component.due(at):
+                with memory.phase(component.phase):
+                    component.run(at)
+        if at.stopping:
             raise self.stops.interrupted(step, run.folder.path, getattr(self.log, "failure", None))
-        if hit:
-            p.stopped_by = hit
-            self.log(f"stopping at step {step}: {run.targets.said(hit)}")
-        return not hit
+        if at.hit:
+            p.stopped_by = at.hit
+            self.log(f"stopping at step {step}: {run.targets.said(at.hit)}")
+        return not at.hit
 
     def evaluation_owed(self) -> bool:
         """Whether the resumed run's first window evaluates: the session before it stopped
