@@ -86,11 +86,11 @@ def test_the_time_left_is_the_recent_windows_pace_once_a_few_have_run(tmp_path):
         p.schedule.step = step
         s.write({**line(step), "seconds": took}, None, 1.0, (step - 1) / 100)
         if step <= 3:  # the warm-up and two windows: too few to say
-            assert s.time_left(line(step)) is None
+            assert s.console.time_left(line(step)) is None
         if step == 4:  # three 2 s windows, the warm-up left out
-            assert s.time_left(line(4)) == 96 * 2.0
+            assert s.console.time_left(line(4)) == 96 * 2.0
     # the last ten windows are 4 s each: 86 steps left at 4 s, not the session's average
-    assert s.time_left(line(14)) == 86 * 4.0
+    assert s.console.time_left(line(14)) == 86 * 4.0
     # the log line at 10% (step 10): nine windows since the warm-up, 30 s, for 90 steps left
     assert said[-1].startswith("step    10/100") and said[-1].endswith("ETA 5m00s"), said
 
@@ -118,7 +118,7 @@ def test_the_time_left_counts_the_evaluations_and_checkpoints_still_to_come(tmp_
         if step % 10 == 0:
             now[0] += 4.0  # the checkpoint, after it
     truly_left = 80 * 2.0 + 16 * 10.0 + 8 * 4.0
-    left = s.time_left(line(20))
+    left = s.console.time_left(line(20))
     assert abs(left - truly_left) <= 0.05 * truly_left and left == 80 * (2.0 + 44 / 20)
     assert said[-1].startswith("step    20/100") and said[-1].endswith("ETA 5m36s"), said
     # a rollback's own time is not the run's pace: what is outside the windows is counted
@@ -128,7 +128,7 @@ def test_the_time_left_counts_the_evaluations_and_checkpoints_still_to_come(tmp_
     p.schedule.step = 21
     now[0] += 2.0
     s.write({**line(21), "seconds": 2.0}, None, 1.0, 0.2)
-    assert s.time_left(line(21)) == 79 * 2.0
+    assert s.console.time_left(line(21)) == 79 * 2.0
 
 
 def clocked(folder, p, said, now):

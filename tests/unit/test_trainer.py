@@ -138,3 +138,36 @@ def test_a_component_is_added_without_touching_the_loop(tmp_path):
         ((2, 2), False, None, False),
         ((3, 3), True, None, False),
     ]
+
+
+def test_a_sink_is_added_in_a_few_lines(tmp_path):
+    """A CSV file of each step's loss: a sink of the test's own (``report.sink.Sink``: open,
+    write, restart, close) given to the Trainer gets every line metrics.jsonl gets, and is
+    closed at the end."""
+
+    class Csv:
+        def __init__(self, path: Path) -> None:
+            self.path, self.file = path, None
+
+        def open(self, start: int) -> None:
+            self.file = self.path.open("w")
+            self.file.write("step,loss\n")
+
+        def write(self, line: dict, at) -> None:
+            self.file.write(f"{line['step']},{line['loss']}\n")
+
+        def restart(self, step: int) -> None:
+            pass
+
+        def close(self) -> None:
+            self.file.close()
+
+    csv = Csv(tmp_path / "loss.csv")
+    run = build_run(digits_config(tmp_path / "run", steps=3, eval_every=100), log=quiet)
+    try:
+        Trainer(run, quiet, sinks=[csv]).loop()
+    finally:
+        run.folder.release()
+    want = [f"{x['step']},{x['loss']}" for x in run.folder.metrics()]
+    assert len(want) == 3 and csv.path.read_text().splitlines() == ["step,loss", *want]
+    assert csv.file.closed

@@ -38,7 +38,7 @@ from gradaccum.app.folder import THIRD_PARTY
 from gradaccum.app.guard import Probe, Rollback
 from gradaccum.app.lr import LearningRate
 from gradaccum.app.process import THIRD_PARTIES, Output, quiet
-from gradaccum.app.report.sink import MetricsSink, step_line
+from gradaccum.app.report.sink import MetricsSink, Sink, step_line
 from gradaccum.app.report.summary import report
 from gradaccum.app.run import Run
 from gradaccum.app.stops import Interrupted, StopSignals
@@ -74,6 +74,7 @@ class Trainer:
         log=print,
         stops: StopSignals | None = None,
         components: Sequence[Component] = (),
+        sinks: Sequence[Sink] = (),
     ) -> None:
         cfg, p = run.cfg, run.progress
         self.run, self.log, self.stops = run, log, stops or StopSignals()
@@ -95,7 +96,7 @@ class Trainer:
         self.sink = MetricsSink(
             run.folder, p, run.recipe.item, log, writes=run.main,
             tensorboard=cfg.output.tensorboard, max_grad_norm=cfg.numerics.max_grad_norm or None,
-            stopped=stopped,
+            stopped=stopped, sinks=sinks,
         )  # fmt: skip
         probe = Probe(
             run.folder, run.data, run.model, run.recipe.loss_fn, run.micro_size, run.device,

@@ -1,24 +1,27 @@
-"""Where a step's numbers go: metrics.jsonl, TensorBoard's event files, the progress bar on a
-terminal (else a log line at each tenth of the run), and at the end memory.json. Every one
-of them is built from the one metrics table (report/metrics.py). Rank 0 writes; elsewhere the
-sink does nothing."""
+"""Where a step's numbers go: a list of sinks behind one small interface (``Sink``):
+metrics.jsonl, TensorBoard's event files, the terminal (the progress bar, else a log line
+with the time left), and any a caller adds (``Trainer(run, sinks=[...])``); at the end
+memory.json. Every one of them is built from the one metrics table (report/metrics.py).
+Rank 0 writes; elsewhere nothing is written."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from gradaccum.app.folder import MEMORY, METRICS, RunFolder
 from gradaccum.app.report.metrics import STEP
 from gradaccum.memory import format_bytes
 
-__all__ = ["MetricsSink", "duration", "step_line"]
+__all__ = ["Console", "MetricsFile", "MetricsSink", "Sink", "TensorBoard", "Written", "duration"]
+__all__ += ["step_line"]
 
 
 def step_line(values: dict[str, Any]) -> dict[str, Any]:
@@ -26,10 +29,38 @@ def step_line(values: dict[str, Any]) -> dict[str, Any]:
     return {m.name: values[m.name] for m in STEP if m.name in values}
 
 
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """What a sink gets beside a step's line: ``totals``, the window runner's counters
+    (TensorBoard's); ``rate``, items a second; ``before``, the share of the run done before
+    this step."""
+
+    totals: Any
+    rate: float
+    before: float
+
+
+class Sink(Protocol):
+    """One place a step's line goes: ``open(start)`` before the first window, ``write(line,
+    at)`` after each, ``restart(step)`` after a rollback, ``close()`` at the end. A write
+    that cannot be made raises ValueError with the line the run stops on."""
+
+    def open(self, start: int) -> None: ...
+
+    def write(self, line: dict[str, Any], at: Written) -> None: ...
+
+    def restart(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsSink:
-    """``open(start)`` before the first window, ``write(line, ...)`` after each, ``restart``
-    after a rollback, ``close(memory, carried)`` at the end. ``stopped`` words a write that
-    failed (the checkpointer's: what is kept, how to go on)."""
+    """The run's sinks, in order: metrics.jsonl (``MetricsFile``), TensorBoard's event files
+    where asked for (``TensorBoard``), the terminal (``Console``), then any given
+    (``sinks``); and at the end memory.json. ``open(start)`` before the first window,
+    ``write(line, ...)`` after each, ``restart`` after a rollback, ``close(memory, carried)``
+    at the end. ``stopped`` words a write that failed (the checkpointer's: what is kept, how
+    to go on). Rank 0 writes; elsewhere nothing is written."""
 
     def __init__(
         self,
@@ -43,12 +74,122 @@ class MetricsSink:
         max_grad_norm: float | None,
         stopped: Callable[[str], str],
         clock: Callable[[], float] = time.perf_counter,
+        sinks: Sequence[Sink] = (),
     ) -> None:
-        self.folder, self.progress, self.item, self.log = folder, progress, item, log
-        self.writes, self.tensorboard, self.max_grad_norm = writes, tensorboard, max_grad_norm
-        self.stopped = stopped
-        self.metrics: Any = None
-        self.events: Any = None
+        self.folder, self.log, self.writes = folder, log, writes
+        self.tensorboard, self.max_grad_norm, self.stopped = tensorboard, max_grad_norm, stopped
+        self.console = Console(progress, item, log, clock)
+        self.sinks: list[Sink] = [MetricsFile(folder, stopped), self.console, *sinks]
+
+    def open_events(self, start: int) -> None:
+        """TensorBoard's writer, when asked for and installed. Before the memory meter
+        starts: importing TensorBoard raises the process's resident memory, and that is not
+        training."""
+        from gradaccum.app.report import events
+
+        if not (self.writes and self.tensorboard):
+            return
+        if not events.available():
+            self.log(
+                "TensorBoard: the tensorboard package is not installed, so no event files "
+                "(pip install 'gradaccum[tensorboard]'); metrics.jsonl has every number"
+            )
+            return
+        log = events.EventLog(self.folder.path, start, self.max_grad_norm)
+        self.sinks.insert(1, TensorBoard(log, self.stopped))
+
+    def open(self, start: int) -> None:
+        if self.writes:
+            for sink in self.sinks:
+                sink.open(start)
+
+    def write(self, line: dict[str, Any], totals: Any, rate: float, before: float) -> None:
+        """A step's line everywhere it goes (``Written``: what goes with it)."""
+        if self.writes:
+            at = Written(totals, rate, before)
+            for sink in self.sinks:
+                sink.write(line, at)
+
+    def restart(self, step: int) -> None:
+        """After a rollback to ``step``: every sink from there."""
+        if self.writes:
+            for sink in self.sinks:
+                sink.restart(step)
+
+    def close(self, memory: Any, carried: int) -> None:
+        """The sinks closed; memory.json: what each part of this session peaked at, for the
+        plan's prediction to be judged by (bench/planner.py)."""
+        if not self.writes:
+            return
+        for sink in self.sinks:
+            sink.close()
+        if memory.phases:
+            with contextlib.suppress(OSError, ValueError):
+                record = {"peak": memory.peak(), "phases": memory.phases, "carried": carried}
+                self.folder.write_json(MEMORY, record)
+
+
+class MetricsFile:
+    """metrics.jsonl: one JSON line a step, cut back to the step a run resumes or rolls
+    back to."""
+
+    def __init__(self, folder: RunFolder, stopped: Callable[[str], str]) -> None:
+        self.folder, self.stopped, self.file = folder, stopped, None
+
+    def open(self, start: int) -> None:
+        self.file = self.folder.open_metrics(start)
+
+    def write(self, line: dict[str, Any], at: Written) -> None:
+        try:
+            self.file.write(json.dumps(line) + "\n")
+            self.file.flush()
+        except OSError as err:
+            what = f"cannot write {self.folder.path / METRICS}: {err.strerror or err}"
+            with contextlib.suppress(OSError):  # what is still buffered would fail again
+                self.file.close()
+            raise ValueError(self.stopped(what)) from None
+
+    def restart(self, step: int) -> None:
+        self.file.close()
+        self.file = self.folder.open_metrics(step)
+
+    def close(self) -> None:
+        if self.file is not None:
+            with contextlib.suppress(OSError):  # (a write that failed is already said)
+                self.file.close()
+
+
+class TensorBoard:
+    """TensorBoard's event files (``report/events.py``), opened before the memory meter
+    starts (``MetricsSink.open_events``)."""
+
+    def __init__(self, events: Any, stopped: Callable[[str], str]) -> None:
+        self.events, self.stopped = events, stopped
+
+    def open(self, start: int) -> None:
+        pass  # opened at ``start`` when made
+
+    def write(self, line: dict[str, Any], at: Written) -> None:
+        try:
+            self.events.write(line, at.totals)
+        except ValueError as err:
+            raise ValueError(self.stopped(str(err))) from None
+
+    def restart(self, step: int) -> None:
+        self.events.restart(step)
+
+    def close(self) -> None:
+        self.events.close()
+
+
+class Console:
+    """The terminal: the progress bar's postfix on a terminal, else a log line after the
+    first window, then whenever the next window would end more than ``_EVERY`` seconds after
+    the last line, at each tenth of the run, at its end and at each evaluation; with the
+    time left once a few windows have run (``time_left``, held by ``shown_left``)."""
+
+    def __init__(self, progress: Any, item: str, log, clock: Callable[[], float]) -> None:
+        self.progress, self.item, self.log = progress, item, log
         self.bar: Any = None
         # (seconds, steps or samples) of this session's recent windows, the first (warm-up)
         # left out: what the time left is measured from
@@ -67,86 +208,23 @@ class MetricsSink:
         self.said_at: float | None = None
         self.said_left: float | None = None
 
-    def open_events(self, start: int) -> None:
-        """TensorBoard's writer, when asked for and installed. Before the memory meter
-        starts: importing TensorBoard raises the process's resident memory, and that is not
-        training."""
-        from gradaccum.app.report import events
-
-        if not (self.writes and self.tensorboard):
-            return
-        if not events.available():
-            self.log(
-                "TensorBoard: the tensorboard package is not installed, so no event files "
-                "(pip install 'gradaccum[tensorboard]'); metrics.jsonl has every number"
-            )
-            return
-        self.events = events.EventLog(self.folder.path, start, self.max_grad_norm)
-
     def open(self, start: int) -> None:
-        """metrics.jsonl cut back to ``start`` and opened; the progress bar on a terminal."""
-        if not self.writes:
-            return
-        self.metrics = self.folder.open_metrics(start)
         self.bar = _progress_bar(self.progress)
         self.last, self.outside = self.clock(), [0.0, 0, 0]
 
-    def write(self, line: dict[str, Any], totals: Any, rate: float, before: float) -> None:
-        """A step's line everywhere it goes (``totals``: the window runner's counters, for
-        TensorBoard; ``rate``: items a second; ``before``: the share of the run done before
-        this step)."""
-        if not self.writes:
-            return
-        try:
-            self.metrics.write(json.dumps(line) + "\n")
-            self.metrics.flush()
-        except OSError as err:
-            what = f"cannot write {self.folder.path / METRICS}: {err.strerror or err}"
-            with contextlib.suppress(OSError):  # what is still buffered would fail again
-                self.metrics.close()
-            raise ValueError(self.stopped(what)) from None
-        if self.events is not None:
-            try:
-                self.events.write(line, totals)
-            except ValueError as err:
-                raise ValueError(self.stopped(str(err))) from None
-        self._show(line, rate, before)
-
     def restart(self, step: int) -> None:
-        """After a rollback to ``step``: the files and the bar from there."""
-        if not self.writes:
-            return
-        self.metrics.close()
-        self.metrics = self.folder.open_metrics(step)
         self.last, self.outside = self.clock(), [0.0, 0, 0]  # the rollback's own time left out
-        if self.events is not None:
-            self.events.restart(step)
         if self.bar is not None:
             p = self.progress
             self.bar.n = p.schedule.samples if p.in_samples else p.schedule.step
             self.bar.refresh()
 
-    def close(self, memory: Any, carried: int) -> None:
-        """The files closed; memory.json: what each part of this session peaked at, for the
-        plan's prediction to be judged by (bench/planner.py)."""
-        if not self.writes:
-            return
-        if self.metrics is not None:
-            with contextlib.suppress(OSError):  # (a write that failed is already said)
-                self.metrics.close()
-        if memory.phases:
-            with contextlib.suppress(OSError, ValueError):
-                record = {"peak": memory.peak(), "phases": memory.phases, "carried": carried}
-                self.folder.write_json(MEMORY, record)
-        if self.events is not None:
-            self.events.close()
+    def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
-    def _show(self, line: dict[str, Any], rate: float, before: float) -> None:
-        """The bar's postfix on a terminal; else a log line after the first window, then
-        whenever the next window would end more than ``_EVERY`` seconds after the last line,
-        at each tenth of the run, at its end and at each evaluation."""
+    def write(self, line: dict[str, Any], at: Written) -> None:
+        rate, before = at.rate, at.before
         loss = "skipped" if line["loss"] is None else f"{line['loss']:.3f}"
         item = self.item
         text = (
