@@ -10,7 +10,12 @@ private cache per model (a user asking about several lengths of one model). Ever
 is listed apart with what the estimate does not model for it. Writes
 bench/results/published.md and bench/results/published.json.
 
-    python bench/published.py [--only ID,ID,...]
+    python bench/published.py [--only ID,ID,...] [--peers]
+
+Beside each asked row, the five peer estimators (bench/peer_estimators.py: fitcheck-llm,
+ftuneai, alloc, gpu-estimator, hf-vram-calc, from the package index, each in
+.venv-peers, each given the same configuration as far as its own API takes it). ``--peers``
+asks the peers alone, for the rows of the last run's published.json (our estimates kept).
 """
 
 from __future__ import annotations
@@ -117,6 +122,51 @@ _NOT_MODELLED = {
 }
 
 
+def case_of(row: dict, config: dict, flags: list) -> dict:
+    """The configuration as the peers take it (bench/peer_estimators.py's ``case``), read
+    off the command's own flags for the row: the same run, asked of each."""
+    value = {
+        flags[i]: flags[i + 1] for i in range(len(flags) - 1) if str(flags[i]).startswith("--")
+    }
+    micro = int(value["--micro-batch"])
+    lora = value.get("--lora")
+    return {
+        "config": config, "params": parameters(config, value.get("--task", "causal-lm")),
+        "seq_len": int(value["--seq-len"]), "micro_batch": micro,
+        "grad_accum": int(value["--effective-batch"]) // micro,
+        "precision": value["--precision"], "optimizer": value.get("--optimizer", "adamw"),
+        "lora": None if lora is None else {
+            "r": lora["r"], "alpha": lora["lora_alpha"], "target_modules": lora["target_modules"],
+            "modules_to_save": lora["modules_to_save"]},
+        "quantization": value.get("--quantize"), "checkpointing": value["--checkpointing"] == "on",
+        "gpu": value["--gpu"], "task": value.get("--task", "causal-lm"),
+        "attention": value.get("--attn-implementation"),
+    }  # fmt: skip
+
+
+def parameters(config: dict, task: str) -> int:
+    """The model's parameter count, built on the meta device from its config (no weights)."""
+    import torch
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**config)
+    auto = (
+        transformers.AutoModelForSequenceClassification
+        if task == "sequence-classification"
+        else transformers.AutoModelForCausalLM
+    )
+    with torch.device("meta"):
+        model = auto.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def ask_peers(row: dict, config: dict, flags: list) -> dict:
+    """Each peer's answer for the row (bytes and what it said, or why it cannot say)."""
+    from peer_estimators import ask
+
+    return ask(case_of(row, config, flags))
+
+
 def published_bytes(row: dict) -> tuple[float, str]:
     """The published number in bytes, and the unit it was read in."""
     unit = row["unit"]
@@ -132,12 +182,24 @@ def main() -> None:
     parser.add_argument("--only", help="row ids, comma-separated")
     parser.add_argument("--render", action="store_true", help="rewrite the page from the "
                         "last run's published.json (the rows not asked said again)")  # fmt: skip
+    parser.add_argument("--peers", action="store_true", help="ask the peers alone, for the "
+                        "rows of the last run's published.json")  # fmt: skip
     args = parser.parse_args()
     rows = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()]
+    if args.peers:
+        asked = json.loads((HERE / "results" / "published.json").read_text())["asked"]
+        by_id = {r["id"]: r for r in rows}
+        for a in asked:
+            _, config, flags, _ = express(by_id[a["id"]])
+            a["peers"] = ask_peers(by_id[a["id"]], config, flags)
+            print(a["id"], {k: v.get("bytes", "-") for k, v in a["peers"].items()}, flush=True)
+        done = {a["id"] for a in asked}
+        write(asked, [(r, _why(r)) for r in rows if r["id"] not in done], _estimates_at())
+        return
     if args.render:
         asked = json.loads((HERE / "results" / "published.json").read_text())["asked"]
         done = {a["id"] for a in asked}
-        write(asked, [(r, _why(r)) for r in rows if r["id"] not in done])
+        write(asked, [(r, _why(r)) for r in rows if r["id"] not in done], _estimates_at())
         return
     if args.only:
         rows = [r for r in rows if r["id"] in args.only.split(",")]
@@ -180,6 +242,7 @@ def main() -> None:
                   "error_gb": est["total"] / (row["value"] * GB) - 1 if "G as" in unit else None,
                   "wall": took, "load": load, "assumed": assumed,
                   "source": f"{row['source']['repo']}/{row['source']['path']}"}  # fmt: skip
+        result["peers"] = ask_peers(row, config, how[2])
         asked.append(result)
         said = f"estimate {est['total'] / GiB:.2f} GiB ({result['error']:+.1%}), {took:.1f} s"
         print(f"{row['id']} {key} {row['seq_len']}: published {row['value']} {unit}, {said}")
@@ -193,20 +256,97 @@ def main() -> None:
     write(asked, apart)
 
 
+PEERS = ("fitcheck-llm", "ftuneai", "alloc", "gpu-estimator", "hf-vram-calc")
+
+
+def _published(a: dict) -> float:
+    return a["total"] / (1 + a["error"])  # the published number in bytes, as the row read it
+
+
+def _peer_error(a: dict, peer: str) -> float | None:
+    got = a.get("peers", {}).get(peer, {})
+    return got["bytes"] / _published(a) - 1 if "bytes" in got else None
+
+
+def _peer_cell(a: dict, peer: str) -> str:
+    error = _peer_error(a, peer)
+    return "-" if error is None else f"{error:+.1%}"
+
+
+def peer_summary(asked: list[dict]) -> list[str]:
+    """One line per estimator over the same rows: how many it answered, its |error| median,
+    how many it put under the published number by more than 5% and 10% (the crash)."""
+    if not any("peers" in a for a in asked):
+        return []
+    out = [
+        "The same rows asked of the peer estimators (bench/peer_estimators.py: each from the "
+        "package index, given the row's configuration as far as its own API takes it; '-' "
+        "where it cannot express the run: a LoRA run asked of one that models full "
+        "fine-tuning only). Each against the published number as read above (Qwen's 'G' as "
+        "GiB).",
+        "",
+        "| estimator | rows answered | abs error, median | under by more than 5% | "
+        "under by more than 10% | over by more than 10% |",
+        "|---|---|---|---|---|---|",
+    ]
+    named = [("gradaccum", [a["error"] for a in asked])]
+    named += [(p, [e for a in asked if (e := _peer_error(a, p)) is not None]) for p in PEERS]
+    for name, errors in named:
+        if not errors:
+            out.append(f"| {name} | 0 | - | - | - | - |")
+            continue
+        out.append(
+            f"| {name} | {len(errors)} of {len(asked)} | "
+            f"{statistics.median(abs(e) for e in errors):.1%} | "
+            f"{sum(e < -0.05 for e in errors)} | {sum(e < -0.10 for e in errors)} | "
+            f"{sum(e > 0.10 for e in errors)} |"
+        )
+    return [*out, ""]
+
+
+def peer_notes(asked: list[dict]) -> list[str]:
+    """What each peer said it left out, once per peer and model (the first row's words)."""
+    if not any("peers" in a for a in asked):
+        return []
+    out = [
+        "",
+        "## What each peer was given and left out (its own words, first row of each model)",
+        "",
+    ]
+    seen = set()
+    for a in asked:
+        for peer, got in a.get("peers", {}).items():
+            if (peer, a["model"]) in seen:
+                continue
+            seen.add((peer, a["model"]))
+            text = got.get("said") or f"not asked: {got.get('why')}"
+            out.append(f"- {peer}, {a['model']}: {text.replace('|', '/')}")
+    return out
+
+
 def _why(row: dict) -> str:
     how = express(row)
     return how if isinstance(how, str) else "the estimate failed (see the last full run)"
 
 
-def write(asked: list[dict], apart: list[tuple[dict, str]]) -> None:
+def _estimates_at() -> str:
+    """The commit the last full run's estimates were made at (kept by --peers and
+    --render, which make none)."""
+    last = json.loads((HERE / "results" / "published.json").read_text())
+    return last.get("estimates_at", "bf5abd9")  # (the first run's, before this was kept)
+
+
+def write(asked: list[dict], apart: list[tuple[dict, str]], at: str | None = None) -> None:
     out = HERE / "results"
-    (out / "published.json").write_text(json.dumps({"asked": asked, "apart": [
+    at = at or commit()
+    (out / "published.json").write_text(json.dumps({"estimates_at": at, "asked": asked, "apart": [
         {"id": r["id"], "why": why} for r, why in apart]}, indent=1))  # fmt: skip
     errors = [abs(a["error"]) for a in asked]
     lines = [
         "# The estimate against published GPU measurements",
         "",
-        f"`python bench/published.py` at {commit()} on {describe(2)} The rows: "
+        f"`python bench/published.py` at {commit()} on {describe(2)} (the estimates made "
+        f"at {at}; the peers asked at {commit()}). The rows: "
         "[bench/published/rows.jsonl](../published/rows.jsonl), how each was pinned: "
         "[bench/published/SOURCES.md](../published/SOURCES.md). Each row asked is one "
         "`gradaccum plan --device cuda --hf-model DIR ... --json` (the model's config.json "
@@ -219,18 +359,22 @@ def write(asked: list[dict], apart: list[tuple[dict, str]]) -> None:
         if asked
         else "Nothing asked.",
         "",
+        *peer_summary(asked),
         "| row | model | tokens | micro-batch | published | estimate (total) | error | "
-        "error (G as GB) | allocated | reserved | meter | wall | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "error (G as GB) | allocated | reserved | meter | wall | load |"
+        + "".join(f" {peer} |" for peer in PEERS),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(PEERS),
     ]
     for a in asked:
         gb = f"{a['error_gb']:+.1%}" if a["error_gb"] is not None else "-"
+        theirs = "".join(f" {_peer_cell(a, peer)} |" for peer in PEERS)
         lines.append(
             f"| {a['id']} | {a['model']} | {a['seq_len']} | {a['micro_batch']} | "
             f"{a['published']} {a['unit']} | {a['total'] / GiB:.2f} GiB | {a['error']:+.1%} | "
             f"{gb} | {a['allocated'] / GiB:.2f} GiB | {a['reserved'] / GiB:.2f} GiB | "
-            f"{a['meter'][:40]} | {a['wall']:.1f} s | {a['load']:.2f} |"
+            f"{a['meter'][:40]} | {a['wall']:.1f} s | {a['load']:.2f} |{theirs}"
         )
+    lines += peer_notes(asked)
     lines += ["", "## Not asked", "", "| row | source | method | why |", "|---|---|---|---|"]
     for r, why in apart:
         lines.append(
