@@ -29,7 +29,6 @@ __all__ = [
     "per_group",
     "per_sequence",
     "per_token",
-    "router_loss_setting",
     "routing_counts",
     "sequence_count",
     "sequence_ids",
@@ -641,32 +640,3 @@ def load_balancing(
         total = part if total is None else total + part
         rows += layer.shape[0] if flat is None else flat.sum().detach()
     return total * num_experts, rows
-
-
-def router_loss_setting(module: Any) -> tuple[str, float | None] | None:
-    """Whether ``module`` (or a module inside it) is a Hugging Face mixture-of-experts model
-    whose forward adds a router auxiliary loss to its own: ``(what turns it on, as
-    "output_router_logits=True, router_aux_loss_coef=0.07", the coefficient or None when
-    the model names none)``; None when none is added (``output_router_logits`` off, or a
-    coefficient of 0). Read off the modules' attributes: the library imports no framework."""
-    for m in module.modules() if hasattr(module, "modules") else [module]:
-        config = getattr(m, "config", None)
-        if config is None:
-            continue
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        if not any(getattr(c, "output_router_logits", False) is True for c in (config, text)):
-            continue
-        for owner, name in (
-            (m, "router_aux_loss_coef"),
-            (m, "aux_loss_coef"),
-            (text, "router_aux_loss_coef"),
-            (text, "aux_loss_coef"),
-        ):
-            coef = getattr(owner, name, None)
-            if isinstance(coef, numbers.Real) and not isinstance(coef, bool):
-                if coef == 0:
-                    break
-                return f"output_router_logits=True, {name}={coef:g}", float(coef)
-        else:
-            return "output_router_logits=True", None
-    return None

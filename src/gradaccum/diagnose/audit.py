@@ -59,7 +59,7 @@ from torch import nn
 from gradaccum.batching import join_batches
 from gradaccum.batchnorm import batchnorm_modules
 from gradaccum.integrations.adapter import AuditWindow
-from gradaccum.loss import router_loss_setting
+from gradaccum.integrations.router import router_loss_setting
 
 __all__ = ["FIXES", "AuditResult", "AuditWindow", "audit", "compare", "join_batches"]
 

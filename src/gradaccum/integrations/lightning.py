@@ -62,8 +62,9 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from gradaccum.batching import batch_size, join_batches
 from gradaccum.integrations.adapter import AuditWindow
+from gradaccum.integrations.router import router_loss_setting
 from gradaccum.integrations.window import FrameworkWindow, ScheduledWindows, noise_option
-from gradaccum.loss import router_loss_setting, routing_counts
+from gradaccum.loss import routing_counts
 from gradaccum.noise import NoiseScale
 from gradaccum.oom import OOMReplay, free_memory
 from gradaccum.schedule import BatchSchedule
@@ -214,7 +215,7 @@ class ExactAccumulation(lightning.Callback):
             for m in pl_module.modules()
             if getattr(m, "config", None) is not None and router_loss_setting(m) == router
         )
-        from gradaccum.integrations.transformers import router_term
+        from gradaccum.integrations.router import router_term
 
         term, problem = router_term(base, router[0])
         name = type(base).__name__
@@ -305,7 +306,7 @@ class ExactAccumulation(lightning.Callback):
         those shares, ``gradaccum.loss.load_balancing``) backpropagated, weighted so that
         the window's one division gives coefficient x the term's window mean beside the
         token loss's. Returns (the term's window mean, the coefficient)."""
-        from gradaccum.integrations.transformers import router_coefficient, router_inputs
+        from gradaccum.integrations.router import router_coefficient, router_inputs
 
         term, base = self._router, self._router_model
         if not all(isinstance(b, Mapping) for b in self._batches):

@@ -21,7 +21,7 @@ The loss of a micro-batch, as ``(loss_sum, count)``:
   cross-entropy summed over the shifted labels other than -100 (``shift_labels`` from the
   collator when given), counted after the shift.
 - a mixture-of-experts causal LM that adds its router loss (``output_router_logits=True``,
-  a nonzero coefficient; the classes in ``_LOAD_BALANCED``): two named terms, the
+  a nonzero coefficient; the classes in ``router._LOAD_BALANCED``): two named terms, the
   next-token cross-entropy and the router's load-balancing term, weighted by the
   coefficient and counted by its routed rows, with the window's share of assignments per
   expert from a pass without gradient over the window before its first backward
@@ -64,26 +64,37 @@ loss (refused with ``loss_fn=``).
 
 from __future__ import annotations
 
-import inspect
-import numbers
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from gradaccum.batching import batch_size, join_batches
 from gradaccum.integrations.adapter import AuditWindow
+from gradaccum.integrations.router import (
+    RouterTerm,
+    is_causal_lm,
+    router_coefficient,
+    router_inputs,
+    router_loss_setting,
+    router_term,
+)
+from gradaccum.integrations.trl import (
+    RL_NORMALIZATIONS,
+    is_preference_trainer,
+    is_rl_trainer,
+    preference_pairs,
+    preference_problems,
+    rl_problems,
+)
 from gradaccum.integrations.window import FrameworkWindow, ScheduledWindows, noise_option
 from gradaccum.loss import (
     causal_lm_loss,
     constant_normalizer,
-    load_balancing,
     per_sequence,
     per_token,
-    router_loss_setting,
     routing_counts,
     token_cross_entropy,
     unpack,
@@ -103,20 +114,6 @@ __all__ = [
     "router_inputs",
     "router_term",
 ]
-
-_CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-
-# Causal LMs whose forward adds coefficient x load_balancing_loss_func(outputs.router_logits,
-# self.num_experts, self.num_experts_per_tok, attention_mask) to their loss (read in
-# transformers' sources); each micro-batch's aux_loss is checked against that form as it runs.
-_LOAD_BALANCED = frozenset(
-    f"{name}ForCausalLM"
-    for name in (
-        "Dbrx DeepseekV4 Ernie4_5_Moe FlexOlmo Flint GptOss GraniteMoe GraniteMoeSWA "
-        "GraniteMoeHybrid GraniteMoeShared Jamba JetMoe Laguna LaraMini Mellum MiniMax MiniMaxM2 "
-        "MiniMaxM3VL Mixtral Olmoe Phimoe Qwen2Moe Qwen3_5Moe Qwen3Moe Qwen3Next Qwen4Exp"
-    ).split()
-)
 
 
 class ExactAccumulationMixin:
@@ -396,7 +393,7 @@ class ExactAccumulationMixin:
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
             losses = losses + self.beta * (torch.exp(ref - logps) - (ref - logps) - 1)
-        kind = _RL_NORMALIZATIONS[self.loss_type]
+        kind = RL_NORMALIZATIONS[self.loss_type]
         if kind == "per_token":
             return per_token(losses, mask)
         if kind == "per_sequence":
@@ -434,9 +431,9 @@ class ExactAccumulationMixin:
                 "smooth inside it (ga.token_cross_entropy(..., label_smoothing=...))"
             )
         if self.items is preference_pairs:
-            problems.extend(_preference_problems(self))
+            problems.extend(preference_problems(self))
         if self._rl and self.loss_fn is None:
-            problems.extend(_rl_problems(self))
+            problems.extend(rl_problems(self))
         problems.extend(self._router_problems(model))
         window = FrameworkWindow(model, self.noise)
         if self.oom is not None and window.sync.distributed:
@@ -578,7 +575,7 @@ class ExactAccumulationMixin:
                 f"{sorted(inputs)}"
             )
         base = self._base_model(model)
-        if _causal(base):
+        if is_causal_lm(base):
             # Our own next-token loss from the logits: a sum over the shifted labels that
             # count, whatever loss_type the model declares.
             labels = inputs["labels"]
@@ -630,18 +627,6 @@ class ExactAccumulationMixin:
         return loss * count, count, outputs
 
 
-def _causal(base: torch.nn.Module) -> bool:
-    """A decoder-only causal LM of transformers' (whose loss the mixin computes itself)."""
-    config = getattr(base, "config", None)
-    return type(base).__name__ in _CAUSAL_LM_CLASSES and not getattr(
-        config, "is_encoder_decoder", False
-    )
-
-
-def _counts(*values: Any) -> bool:
-    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
-
-
 def _next_token_count(inputs: dict[str, Any]) -> torch.Tensor:
     """The labels a causal LM's next-token loss counts (as ``causal_lm_loss`` and
     ``token_cross_entropy`` count them), from the data alone."""
@@ -649,254 +634,6 @@ def _next_token_count(inputs: dict[str, Any]) -> torch.Tensor:
     if shift_labels is not None:
         return (shift_labels != -100).sum()
     return (inputs["labels"][:, 1:] != -100).sum()
-
-
-_DROPOUTS = (
-    torch.nn.Dropout,
-    torch.nn.Dropout1d,
-    torch.nn.Dropout2d,
-    torch.nn.Dropout3d,
-    torch.nn.AlphaDropout,
-    torch.nn.FeatureAlphaDropout,
-)
-
-
-def _random_settings(model: torch.nn.Module) -> list[str]:
-    """What makes a model's training forward random: its config's dropout and jitter
-    settings above 0 (``attention_dropout``, ``router_jitter_noise``) and dropout modules."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    found: dict[str, str] = {}
-    for c in (config, text):
-        for key, value in (c.to_dict() if hasattr(c, "to_dict") else {}).items():
-            if (
-                ("dropout" in key or "jitter" in key)
-                and isinstance(value, numbers.Real)
-                and not isinstance(value, bool)
-                and value > 0
-            ):
-                found[key] = f"{key}={value:g}"
-    drops = sum(isinstance(m, _DROPOUTS) and m.p > 0 for m in model.modules())
-    if drops:
-        found[""] = f"{drops} dropout module(s) with p > 0"
-    return list(found.values())
-
-
-def router_term(base: torch.nn.Module, setting: str) -> tuple[RouterTerm | None, str | None]:
-    """``base``'s router loss (turned on by ``setting``) as a window term, or why it cannot
-    be one, ending with what to do on the model's side (an integration adds its own): a class whose
-    ``aux_loss`` is not transformers' load-balancing form, or a forward that draws random
-    numbers in training (a routing pass would route differently)."""
-    name = type(base).__name__
-    experts = getattr(base, "num_experts", None)
-    top_k = getattr(base, "num_experts_per_tok", None)
-    if name not in _LOAD_BALANCED or not _causal(base) or not _counts(experts, top_k):
-        return None, (
-            f"{name} adds an auxiliary loss to its own ({setting}) that gradaccum does not "
-            "know how to count over a window; set output_router_logits=False"
-        )
-    random = _random_settings(base)
-    if random:
-        return None, (
-            f"{name}'s router loss ({setting}) needs the window's routing from a pass "
-            f"besides training, and its forward draws random numbers in training "
-            f"({', '.join(random)}), so the pass would route differently; set them to 0, "
-            "or output_router_logits=False"
-        )
-    return RouterTerm(name, experts, top_k), None
-
-
-def router_coefficient(base: torch.nn.Module, *owners: Any) -> float | None:
-    """The router loss's coefficient: the first ``owners``' (TRL's trainers keep their own),
-    else the model's (its forward's), else its config's."""
-    config = getattr(base, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for owner in (*owners, base, text):
-        for attribute in ("router_aux_loss_coef", "aux_loss_coef"):
-            value = getattr(owner, attribute, None)
-            if isinstance(value, numbers.Real) and not isinstance(value, bool):
-                return float(value)
-    return None
-
-
-def router_inputs(base: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """A micro-batch's inputs for a routing pass: no labels (no token loss), the router's
-    logits on, and only the last position's vocabulary logits where the model can skip
-    the rest (the pass needs the router's logits alone)."""
-    rest = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
-    rest["output_router_logits"] = True
-    if "logits_to_keep" in inspect.signature(base.forward).parameters:
-        rest["logits_to_keep"] = 1
-    return rest
-
-
-class RouterTerm:
-    """A causal LM's router load-balancing loss (its coefficient x transformers'
-    ``load_balancing_loss_func`` over the batch's routed tokens) as its own term of the
-    window: each micro-batch's sum over its routed rows weighted by the whole window's share
-    of assignments per expert (``gradaccum.loss.load_balancing``), counted by its routed
-    rows, weighted by the coefficient. The window's term is then the whole window's loss,
-    and its gradient the whole window's.
-
-    The shares come from a pass without gradient over the window before its first backward
-    (``begin``). As the micro-batches train, their routing is added up, and the model's own
-    ``aux_loss`` on each is compared with that form over the same logits; ``check`` reads
-    both once, before the window's end, and refuses a window that is not exact."""
-
-    def __init__(self, model: str, experts: int, top_k: int) -> None:
-        self.model, self.experts, self.top_k = model, experts, top_k
-        self.coefficient = 0.0
-        self.fraction = torch.zeros(experts)
-        self.expected = torch.zeros(experts)  # this rank's assignments, from the pass
-        self.seen = torch.zeros(experts)  # this rank's assignments, as it trains
-        self.deviation = torch.zeros(())  # the model's aux_loss against the form, relative
-
-    def logits(self, outputs: Any) -> Any:
-        logits = outputs.get("router_logits") if isinstance(outputs, dict) else None
-        if not logits or outputs.get("aux_loss") is None:
-            raise ValueError(
-                f"{self.model} returned no router_logits or aux_loss with "
-                "output_router_logits=True, so its router loss cannot be counted; set "
-                "output_router_logits=False, or give loss_fn= returning it as a named term"
-            )
-        return logits
-
-    def begin(self, assigned: torch.Tensor, rows: Any, sync: Any, coefficient: float) -> None:
-        """The window's shares: this rank's assignments and rows, summed over the ranks."""
-        *total, total_rows = sync.sum([*assigned.tolist(), float(rows)])
-        shares = torch.tensor(total, dtype=torch.float64) / max(total_rows, 1.0)
-        self.fraction = shares.to(device=assigned.device, dtype=torch.float32)
-        self.expected, self.coefficient = assigned, coefficient
-        self.restart()
-
-    def restart(self) -> None:
-        """The window's micro-batches run again (an out-of-memory replay)."""
-        self.seen = torch.zeros_like(self.expected)
-        self.deviation = torch.zeros((), device=self.expected.device)
-
-    def term(self, outputs: Any, mask: torch.Tensor | None) -> tuple[torch.Tensor, Any, float]:
-        """One micro-batch's ``(loss_sum, routed rows, coefficient)``."""
-        logits = self.logits(outputs)
-        aux_sum, rows = load_balancing(logits, self.experts, self.fraction, mask)
-        assigned, _ = routing_counts(logits, self.experts, self.top_k, mask)
-        self.seen += assigned
-        with torch.no_grad():  # the model's aux_loss on this micro-batch alone, in this form
-            n = rows.clamp(min=1.0)
-            own = load_balancing(logits, self.experts, assigned / n, mask)[0] / n
-            theirs = outputs["aux_loss"].detach().float().to(own.device)
-            off = (own - theirs).abs() / theirs.abs().clamp(min=1e-12)
-            self.deviation = torch.maximum(self.deviation, torch.where(rows > 0, off, 0.0))
-        return aux_sum, rows, self.coefficient
-
-    def check(self) -> None:
-        """The window's routing as the pass counted it, and the model's aux_loss of the
-        form trained (one read from the device per window)."""
-        if not torch.equal(self.seen, self.expected):
-            raise ValueError(
-                f"{self.model} routed the window's tokens differently in training than in the "
-                f"pass before it (assignments per expert {self.seen.tolist()} against "
-                f"{self.expected.tolist()}): its forward is not deterministic here, so its "
-                "router loss cannot be counted exactly; set output_router_logits=False, or give "
-                "loss_fn= returning it as a named term"
-            )
-        deviation = float(self.deviation)
-        if not deviation <= 1e-4:
-            raise ValueError(
-                f"{self.model}'s aux_loss differs from transformers' load_balancing_loss_func "
-                f"over its router_logits by {deviation:.1e} (relative), so gradaccum cannot "
-                "count it over the window; set output_router_logits=False, or give loss_fn= "
-                "returning it as a named term"
-            )
-
-
-# TRL's DPOTrainer: losses that are one value per preference pair, with no state between
-# micro-batches ("bco_pair" keeps a running mean of rewards, "aot" sorts across the batch,
-# "sft" is a mean over tokens)
-_PER_PAIR_LOSSES = frozenset(
-    {"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "sppo_hard", "apo_zero"}
-    | {"apo_down", "discopop", "sigmoid_norm"}
-)
-
-
-def is_preference_trainer(trainer: Any) -> bool:
-    """TRL's DPOTrainer (or a subclass of it), found without importing TRL."""
-    return any(
-        c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.")
-        for c in type(trainer).__mro__
-    )
-
-
-def preference_pairs(inputs: dict[str, Any]) -> int:
-    """The preference pairs of a TRL DPOTrainer micro-batch: its rows are the chosen
-    completions, then the rejected ones."""
-    return len(inputs["input_ids"]) // 2
-
-
-def _preference_problems(trainer: Any) -> list[str]:
-    """Why a DPOTrainer's own loss is not a mean over its pairs, if it is not."""
-    problems = []
-    other = [t for t in getattr(trainer, "loss_types", []) if t not in _PER_PAIR_LOSSES]
-    if other:
-        problems.append(
-            f"DPO loss_type {', '.join(other)} is not one value per preference pair (a "
-            "mean over tokens, a running mean or a sort across the batch), so no sum over "
-            "pairs gives the large batch's; use "
-            + ", ".join(sorted(_PER_PAIR_LOSSES))
-            + ", or loss_fn=(model, inputs) -> (loss_sum, count)"
-        )
-    if getattr(trainer, "aux_loss_enabled", False):
-        problems.append(
-            "the router's auxiliary loss (use_router_aux_loss / output_router_logits) is added "
-            "once per micro-batch, not per pair; give loss_fn= with it as a named term"
-        )
-    return problems
-
-
-def is_rl_trainer(trainer: Any) -> bool:
-    """TRL's GRPOTrainer (or a subclass of it), found without importing TRL."""
-    return any(
-        c.__name__ == "GRPOTrainer" and c.__module__.startswith("trl.")
-        for c in type(trainer).__mro__
-    )
-
-
-_RL_NORMALIZATIONS = {"dapo": "per_token", "bnpo": "per_token", "grpo": "per_sequence"}
-_RL_NORMALIZATIONS["dr_grpo"] = "constant_normalizer"
-
-
-def _rl_problems(trainer: Any) -> list[str]:
-    """What the mixin's GRPO loss does not compute as TRL's GRPOTrainer would."""
-    args, problems = trainer.args, []
-    if trainer.loss_type not in _RL_NORMALIZATIONS:
-        problems.append(
-            f"GRPO loss_type {trainer.loss_type!r}: the mixin computes "
-            + ", ".join(sorted(_RL_NORMALIZATIONS))
-            + "; give loss_fn=(model, inputs) -> (loss_sum, count) for others"
-        )
-    settings = {
-        "importance_sampling_level='sequence'": trainer.importance_sampling_level != "token",
-        "delta (two-sided clipping)": getattr(args, "delta", None) is not None,
-        "off_policy_mask_threshold": getattr(trainer, "off_policy_mask_threshold", None)
-        is not None,
-        "top_entropy_quantile < 1": getattr(trainer, "top_entropy_quantile", 1.0) < 1.0,
-        "use_vllm (its importance-sampling correction)": getattr(trainer, "use_vllm", False),
-        "the router's auxiliary loss": getattr(trainer, "aux_loss_enabled", False),
-        "use_bias_correction_kl": trainer.beta != 0.0
-        and getattr(args, "use_bias_correction_kl", False),
-    }
-    unsupported = [name for name, on in settings.items() if on]
-    if unsupported:
-        problems.append(
-            "the mixin's GRPO loss is the clipped surrogate with its KL term; not with "
-            + ", ".join(unsupported)
-            + " (give loss_fn= for them)"
-        )
-    if trainer.oom is not None or trainer.schedule is not None:
-        problems.append(
-            "oom= and schedule= re-run or re-size a window's micro-batches, and GRPOTrainer "
-            "generates and buffers completions per window; give neither"
-        )
-    return problems
 
 
 class _NoiseCheckpoint(transformers.TrainerCallback):
