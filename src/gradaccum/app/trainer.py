@@ -119,16 +119,18 @@ class Trainer:
         run = self.run
         THIRD_PARTIES.into(self.third_party)
         try:
-            began = time.perf_counter()
+            began, interrupted = time.perf_counter(), None
             try:
-                self.loop()
-            except Interrupted:
-                # The report describes this session, not the last one that ended; the table
-                # is not printed (the stop message says what to do).
-                run.progress.stopped_by = "signal"
-                self.report(time.perf_counter() - began, table=False)
-                raise
-            return self.report(time.perf_counter() - began)
+                why = self.loop()
+            except Interrupted as stop:
+                why, interrupted = "signal", stop
+            run.progress.stopped_by = why  # why the run stopped: set here alone
+            # On a stop signal the report describes this session, not the last one that
+            # ended; the table is not printed (the stop message says what to do).
+            summary = self.report(time.perf_counter() - began, table=interrupted is None)
+            if interrupted is not None:
+                raise interrupted
+            return summary
         except BaseException:
             THIRD_PARTIES.close()  # before abandon may clear the folder: nothing written after
             run.folder.abandon()  # only a run that trained no step is removed
@@ -137,19 +139,20 @@ class Trainer:
             THIRD_PARTIES.close()
             run.folder.release()
 
-    def loop(self) -> None:
-        """Window by window from the run's position, inside the stop signals' watch."""
+    def loop(self) -> str:
+        """Window by window from the run's position, inside the stop signals' watch; why it
+        stopped: "length", a target or limit reached (already, on a resume), or "guard"
+        (``Progress.stopped_by``'s words). A stop signal raises ``Interrupted``."""
         run, p = self.run, self.run.progress
         self.announce()
         with self.stops:
             reached = run.targets.already(p.elapsed) if p.start else None
             if reached is not None:  # a resume of a run at its limit or target: no more
-                p.stopped_by = reached
                 self.log(
                     f"{run.folder.path} is already stopped: {run.targets.said(reached)}; "
                     "change that option on --resume to train on"
                 )
-                return
+                return reached
             self.sink.open_events(p.start)
             # rank 0's reading, taken before any rank writes
             if run.kind.agree(run.guard is not None and not run.folder.kept_checkpoints()):
@@ -158,15 +161,18 @@ class Trainer:
             self.sink.open(p.start)
             self.evaluator.owed = self.evaluation_owed()
             self.began, self.items, before = time.perf_counter(), 0, p.elapsed
+            why = None
             try:
-                while not p.done() and self.window(before):
-                    pass
+                while why is None and not p.done():
+                    why = self.window(before)
             finally:
                 self.sink.close(self.memory, run.carried)
+            return why or "length"
 
-    def window(self, before: float) -> bool:
-        """One window and what follows it (its line, evaluation, checkpoint, exports);
-        False when the run stops here. ``before``: training seconds of earlier sessions."""
+    def window(self, before: float) -> str | None:
+        """One window and what follows it (its line, evaluation, checkpoint, exports); why
+        the run stops here ("guard", a target or limit), None where it goes on. ``before``:
+        training seconds of earlier sessions."""
         run, p, memory = self.run, self.run.progress, self.memory
         t0, size, done_before = time.perf_counter(), p.next_size(), p.fraction()
         lr = self.lr.apply(run.optimizer, size)
@@ -182,9 +188,7 @@ class Trainer:
         if incident is not None:
             gave_up = self.rollback.roll_back(incident)
             self.sink.restart(p.step)
-            if gave_up:
-                p.stopped_by = "guard"
-            return not gave_up
+            return "guard" if gave_up else None
         p.skip_ahead()
         p.passed(step)
         self.items += result.count
@@ -206,9 +210,8 @@ class Trainer:
         if at.stopping:
             raise self.stops.interrupted(step, run.folder.path, getattr(self.log, "failure", None))
         if at.hit:
-            p.stopped_by = at.hit
             self.log(f"stopping at step {step}: {run.targets.said(at.hit)}")
-        return not at.hit
+        return at.hit
 
     def evaluation_owed(self) -> bool:
         """Whether the resumed run's first window evaluates: the session before it stopped
