@@ -238,7 +238,9 @@ def test_gradaccum_plan_names_a_poisoned_entry_plans_over_it_and_exits_0(tmp_pat
     recomputed, so only the plan's own check can see it) is named and planned over by
     `gradaccum plan`, which prints a positive micro-batch and exits 0."""
     monkeypatch.setenv("GRADACCUM_PLAN_CACHE", str(tmp_path / "plans"))
-    args = ["plan", "--recipe", "digits", "--effective-batch", "8", "--budget", "300MB", "--json"]
+    # --prefer largest: the size is the memory's answer, not a race a loaded machine decides
+    args = ["plan", "--recipe", "digits", "--effective-batch", "8", "--budget", "300MB", "--json",
+            "--prefer", "largest"]  # fmt: skip
     first = cli(*args)
     (path,) = (tmp_path / "plans").glob("*.json")
     path.write_text(resealed(json.loads(path.read_text()), micro_size=0))

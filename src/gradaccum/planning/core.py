@@ -92,185 +92,242 @@ def plan(
     asked = PlanRequest.of(*request, **settings)
     if asked.sync == "auto":
         return _plan_sync(model, optimizer, sample_batch, loss_fn, asked, verify, phases)
-    problems = asked.problems()
-    sample_n = 0
-    try:
-        sample_n = batch_size(sample_batch)
-    except (TypeError, ValueError) as err:
-        problems.append(f"sample_batch: {err}")
-    if problems:
-        raise ValueError("cannot plan: " + "; ".join(problems))
-    if sample_n == 0:
-        raise ValueError("cannot plan: sample_batch holds no sample")
-    per_rank, budget_bytes, margin = asked.per_rank, asked.budget_bytes(), asked.margin
-    if asked.probe_sizes is None:
-        probe_sizes = [s for s in (1, 2, 4, 8) if s <= max(2, per_rank)]
-    else:
-        probe_sizes = sorted(set(asked.probe_sizes))
-
-    device = next(p for p in model.parameters()).device
-    memory = MemoryMeter(device, asked.meter)
-    started = time.perf_counter()
-    saved = {
-        "model": copy.deepcopy(model.state_dict()),
-        "optimizer": copy.deepcopy(optimizer.state_dict()),
-        "checkpointing": checkpointing_enabled(model),
-    }
-    usable = budget_bytes * (1 - margin)
-    # The window's input batch is held while it trains (``acc.step(ga.split(batch, m))``):
-    # its bytes, per sample as in the sample batch, are part of the window's need.
-    batch_bytes = round(_input_bytes(sample_batch) / sample_n * per_rank)
+    state = _Planning.start(model, optimizer, sample_batch, loss_fn, asked, verify, phases)
     # the probes' dropout and data order must not advance any generator
     with preserved_rng(), _heap_set_aside():
-
-        def measure(use_ckpt: bool, after: _Line | None = None, fresh: bool = True) -> _Line:
-            prober = Prober(
-                model,
-                optimizer,
-                sample_batch,
-                loss_fn,
-                use_ckpt,
-                asked.precision,
-                asked.accumulate_dtype,
-                memory,
-                asked.sync,
-                batch_bytes,
-            )
-            # A process pays its one-time bytes (thread pools, workspaces) on its first
-            # step: a line measured after another in this process sees them already paid,
-            # and a fresh training process would not. It keeps the first line's.
-            paid = after.m.overhead if after is not None else 0
-            check = verify if fresh else None
-            return _Line.measure(prober, probe_sizes, per_rank, usable, check, paid)
-
         try:
-            use_ckpt, line = asked.checkpointing == "on", None
-            while True:
-                line = measure(use_ckpt, line)
-                if line.fits:
-                    break
-                # Nothing fits as it is, by the line or measured at one sample per
-                # micro-batch: with "auto", try recomputing activations before refusing.
-                if asked.checkpointing != "auto" or use_ckpt:
-                    raise ValueError(
-                        too_small(model, budget_bytes, margin, use_ckpt, line.need, line.verified)
-                    )
-                use_ckpt = True
-                _restore(model, optimizer, saved)
-            lines, raced_note = [line], None
-            # What timing may add: half of what the plan took so far (planning grows by half
-            # at most), the checkpointed line's measurement and verification included.
-            allowed = 0.5 * (time.perf_counter() - started)
-            race_budget = allowed
-            extra = _checkpointed_extra(model, asked, line, probe_sizes, per_rank, allowed)
-            if extra is not None and not extra.affordable:
-                raced_note = extra.why_not()
-            elif extra is not None:
-                # "auto" with a size that fits without: whether recomputing fits a larger
-                # one, its line measured in this process (a fresh process only for a winner)
-                _restore(model, optimizer, saved)
-                began = time.perf_counter()
-                try:
-                    ckpt = measure(True, line, fresh=False)
-                except torch.OutOfMemoryError:  # a device ran out on its second probe
-                    ckpt = None
-                spent = time.perf_counter() - began
-                raced_note = _checkpointed_note(line, ckpt, spent)
-                race_budget = allowed - spent
-                if ckpt is not None and ckpt.fits and ckpt.micro_size > line.micro_size:
-                    lines.append(ckpt)
-                    race_budget = extra.race_budget(spent)
-            # the fastest of the sizes up to the one measured to fit
-            raced = _race(lines, asked, per_rank, race_budget)
-            if raced is not None and raced.chosen > line.micro_size and verify is not None:
-                # the checkpointed winner measured where training runs, in the time held back
-                lines[-1] = _verified_fresh(lines[-1], verify, per_rank, usable)
-                if not lines[-1].fits:
-                    refused = (
-                        f"activation checkpointing's {raced.chosen}, timed faster, peaked at "
-                        f"{format_bytes(lines[-1].need)} in a fresh process, above the "
-                        f"{format_bytes(usable)} usable"
-                    )
-                    raced = without_checkpointed(raced, refused)
-            timings = _timings(raced, lines)
-            micro_size, chosen, remeasured = line.micro_size, line, ()
-            if raced is not None:
-                micro_size = raced.chosen
-                chosen = lines[-1] if micro_size > line.micro_size else line
-            if raced is not None and micro_size < line.micro_size and verify is not None:
-                # The line reads a smaller size from the measured one by what that sat
-                # above the line: a process's one-time bytes stay, glibc's steeper slope
-                # does not (gpt at 16 of 32: read 19% above its run). Measured instead,
-                # after the race and on top of its half: held back from the race, one
-                # fresh process's seconds left segment's race no window.
-                probe, _ = _fresh_probe(line.m, micro_size, verify, per_rank)
-                measured = line.m.base + probe.peak_bytes
-                if measured <= usable:
-                    remeasured = (probe,)
-                    timings = tuple(
-                        replace(t, peak_bytes=measured) if t.micro_size == micro_size else t
-                        for t in timings
-                    )
-                else:  # above what the line read: the largest, measured, instead
-                    refused = (
-                        f"{micro_size}, timed faster, peaked at {format_bytes(measured)} in a "
-                        f"fresh process, above the {format_bytes(usable)} usable"
-                    )
-                    raced = replace(
-                        raced,
-                        chosen=line.micro_size,
-                        why=f"the largest that fits; {refused}",
-                    )
-                    micro_size = line.micro_size
-            need = next((t.peak_bytes for t in timings if t.micro_size == micro_size), line.need)
-            # the run's other parts as training will run them, its checkpointing on
-            (enable_checkpointing if chosen.m.blocks else disable_checkpointing)(model)
-            measured_phases = measure_phases(
-                phases or {}, memory, chosen.m, micro_size, usable, budget_bytes, margin
-            )
+            state.fit()
+            state.checkpointed()
+            state.race()
+            state.remeasure()
+            state.run_phases()
         finally:
-            _restore(model, optimizer, saved)
-    m = chosen.m
+            _restore(model, optimizer, state.saved)
+    return state.result()
 
-    micro_batches = math.ceil(per_rank / micro_size)
-    last = per_rank - (micro_batches - 1) * micro_size
-    notes = list(m.notes)
-    # (a line off by more than 5%: Plan.summary() says so, and how the size was found)
-    if raced_note:
-        notes.append(raced_note)
-    return Plan(
-        effective_batch=asked.effective_batch,
-        world_size=asked.world_size,
-        per_rank_batch=per_rank,
-        micro_size=micro_size,
-        micro_batches=micro_batches,
-        last_micro_size=last,
-        budget=budget_bytes,
-        margin=float(margin),
-        # what training will peak at is what the planned size peaked at, measured as it
-        # will run; the fit only chose the size to measure
-        predicted_peak=need,
-        static_bytes=m.static,
-        overhead_bytes=m.overhead,
-        batch_bytes=m.batch,
-        bytes_per_sample=m.peak_fit.slope,
-        peak_fit=m.peak_fit,
-        activation_fit=m.activation_fit,
-        probes=m.probes + chosen.checked + remeasured,
-        checkpointing=bool(m.blocks),
-        checkpointed_blocks=m.blocks,
-        device=str(device),
-        seconds=time.perf_counter() - started,
-        largest_fitting=chosen.largest,
-        notes=tuple(notes),
-        precision=asked.precision,
-        sync=asked.sync,
-        phases=measured_phases,
-        prefer=asked.prefer,
-        timings=timings,
-        choice=raced.why if raced is not None else "",
-        timing_seconds=raced.spent if raced is not None else 0.0,
-    )
+
+class _Planning:
+    """One plan's state as its stages fill it in, in order: ``fit`` (the line that fits,
+    checkpointing tried before refusing where "auto"), ``checkpointed`` ("auto" with a size
+    that fits: whether recomputing fits a larger one), ``race`` (the fastest of the sizes
+    up to the one measured to fit, a checkpointed winner verified where training runs),
+    ``remeasure`` (a smaller size the race chose, measured fresh), ``run_phases`` (the
+    run's other parts at the chosen size); then ``result``, the ``Plan``."""
+
+    @classmethod
+    def start(cls, model, optimizer, sample_batch, loss_fn, asked, verify, phases) -> _Planning:
+        """The request checked (every problem in one line), and what every stage uses."""
+        problems = asked.problems()
+        sample_n = 0
+        try:
+            sample_n = batch_size(sample_batch)
+        except (TypeError, ValueError) as err:
+            problems.append(f"sample_batch: {err}")
+        if problems:
+            raise ValueError("cannot plan: " + "; ".join(problems))
+        if sample_n == 0:
+            raise ValueError("cannot plan: sample_batch holds no sample")
+        return cls(model, optimizer, sample_batch, loss_fn, asked, verify, phases, sample_n)
+
+    def __init__(self, model, optimizer, sample_batch, loss_fn, asked, verify, phases, n):
+        self.model, self.optimizer, self.sample_batch, self.loss_fn = (
+            model, optimizer, sample_batch, loss_fn,
+        )  # fmt: skip
+        self.asked, self.verify, self.phases = asked, verify, phases
+        self.per_rank, self.budget_bytes, self.margin = (
+            asked.per_rank, asked.budget_bytes(), asked.margin,
+        )  # fmt: skip
+        if asked.probe_sizes is None:
+            self.probe_sizes = [s for s in (1, 2, 4, 8) if s <= max(2, self.per_rank)]
+        else:
+            self.probe_sizes = sorted(set(asked.probe_sizes))
+        self.device = next(p for p in model.parameters()).device
+        self.memory = MemoryMeter(self.device, asked.meter)
+        self.started = time.perf_counter()
+        self.saved = {
+            "model": copy.deepcopy(model.state_dict()),
+            "optimizer": copy.deepcopy(optimizer.state_dict()),
+            "checkpointing": checkpointing_enabled(model),
+        }
+        self.usable = self.budget_bytes * (1 - self.margin)
+        # The window's input batch is held while it trains (``acc.step(ga.split(batch, m))``):
+        # its bytes, per sample as in the sample batch, are part of the window's need.
+        self.batch_bytes = round(_input_bytes(sample_batch) / n * self.per_rank)
+        self.line: _Line = None  # type: ignore[assignment]  # (fit)
+        self.lines: list[_Line] = []
+        self.raced_note: str | None = None
+        self.race_budget = 0.0
+        self.raced: Race | None = None
+        self.timings: tuple[Timing, ...] = ()
+        self.micro_size, self.chosen, self.remeasured = 0, None, ()
+        self.need, self.measured_phases = 0, None
+
+    def measure(self, use_ckpt: bool, after: _Line | None = None, fresh: bool = True) -> _Line:
+        asked = self.asked
+        prober = Prober(
+            self.model,
+            self.optimizer,
+            self.sample_batch,
+            self.loss_fn,
+            use_ckpt,
+            asked.precision,
+            asked.accumulate_dtype,
+            self.memory,
+            asked.sync,
+            self.batch_bytes,
+        )
+        # A process pays its one-time bytes (thread pools, workspaces) on its first step: a
+        # line measured after another in this process sees them already paid, and a fresh
+        # training process would not. It keeps the first line's.
+        paid = after.m.overhead if after is not None else 0
+        check = self.verify if fresh else None
+        return _Line.measure(prober, self.probe_sizes, self.per_rank, self.usable, check, paid)
+
+    def fit(self) -> None:
+        """The line that fits: nothing fitting as it is, by the line or measured at one
+        sample per micro-batch, "auto" tries recomputing activations before refusing."""
+        asked, use_ckpt, line = self.asked, self.asked.checkpointing == "on", None
+        while True:
+            line = self.measure(use_ckpt, line)
+            if line.fits:
+                break
+            if asked.checkpointing != "auto" or use_ckpt:
+                raise ValueError(
+                    too_small(
+                        self.model, self.budget_bytes, self.margin, use_ckpt, line.need,
+                        line.verified,
+                    )
+                )  # fmt: skip
+            use_ckpt = True
+            _restore(self.model, self.optimizer, self.saved)
+        self.line, self.lines = line, [line]
+
+    def checkpointed(self) -> None:
+        """ "auto" with a size that fits without: whether recomputing fits a larger one, its
+        line measured in this process (a fresh process only for a winner). What timing may
+        add is half of what the plan took so far (planning grows by half at most), this
+        line's measurement and verification included."""
+        line = self.line
+        allowed = 0.5 * (time.perf_counter() - self.started)
+        self.race_budget = allowed
+        extra = _checkpointed_extra(
+            self.model, self.asked, line, self.probe_sizes, self.per_rank, allowed
+        )
+        if extra is not None and not extra.affordable:
+            self.raced_note = extra.why_not()
+        elif extra is not None:
+            _restore(self.model, self.optimizer, self.saved)
+            began = time.perf_counter()
+            try:
+                ckpt = self.measure(True, line, fresh=False)
+            except torch.OutOfMemoryError:  # a device ran out on its second probe
+                ckpt = None
+            spent = time.perf_counter() - began
+            self.raced_note = _checkpointed_note(line, ckpt, spent)
+            self.race_budget = allowed - spent
+            if ckpt is not None and ckpt.fits and ckpt.micro_size > line.micro_size:
+                self.lines.append(ckpt)
+                self.race_budget = extra.race_budget(spent)
+
+    def race(self) -> None:
+        """The fastest of the sizes up to the one measured to fit; a checkpointed winner
+        measured where training runs, in the time held back."""
+        lines, line = self.lines, self.line
+        raced = _race(lines, self.asked, self.per_rank, self.race_budget)
+        if raced is not None and raced.chosen > line.micro_size and self.verify is not None:
+            lines[-1] = _verified_fresh(lines[-1], self.verify, self.per_rank, self.usable)
+            if not lines[-1].fits:
+                refused = (
+                    f"activation checkpointing's {raced.chosen}, timed faster, peaked at "
+                    f"{format_bytes(lines[-1].need)} in a fresh process, above the "
+                    f"{format_bytes(self.usable)} usable"
+                )
+                raced = without_checkpointed(raced, refused)
+        self.raced, self.timings = raced, _timings(raced, lines)
+        self.micro_size, self.chosen = line.micro_size, line
+        if raced is not None:
+            self.micro_size = raced.chosen
+            self.chosen = lines[-1] if self.micro_size > line.micro_size else line
+
+    def remeasure(self) -> None:
+        """A smaller size than the one measured, chosen by the race, measured in a fresh
+        process: the line reads it by what the measured size sat above the line, and a
+        process's one-time bytes stay while glibc's steeper slope does not (gpt at 16 of
+        32: read 19% above its run). After the race and on top of its half: held back
+        from the race, one fresh process's seconds left segment's race no window."""
+        line, raced, micro_size = self.line, self.raced, self.micro_size
+        if raced is not None and micro_size < line.micro_size and self.verify is not None:
+            probe, _ = _fresh_probe(line.m, micro_size, self.verify, self.per_rank)
+            measured = line.m.base + probe.peak_bytes
+            if measured <= self.usable:
+                self.remeasured = (probe,)
+                self.timings = tuple(
+                    replace(t, peak_bytes=measured) if t.micro_size == micro_size else t
+                    for t in self.timings
+                )
+            else:  # above what the line read: the largest, measured, instead
+                refused = (
+                    f"{micro_size}, timed faster, peaked at {format_bytes(measured)} in a "
+                    f"fresh process, above the {format_bytes(self.usable)} usable"
+                )
+                self.raced = replace(
+                    raced, chosen=line.micro_size, why=f"the largest that fits; {refused}"
+                )
+                self.micro_size = line.micro_size
+        self.need = next(
+            (t.peak_bytes for t in self.timings if t.micro_size == self.micro_size), line.need
+        )
+
+    def run_phases(self) -> None:
+        """The run's other parts as training will run them, its checkpointing on."""
+        chosen = self.chosen
+        (enable_checkpointing if chosen.m.blocks else disable_checkpointing)(self.model)
+        self.measured_phases = measure_phases(
+            self.phases or {}, self.memory, chosen.m, self.micro_size, self.usable,
+            self.budget_bytes, self.margin,
+        )  # fmt: skip
+
+    def result(self) -> Plan:
+        asked, chosen, raced, micro_size = self.asked, self.chosen, self.raced, self.micro_size
+        m, per_rank = chosen.m, self.per_rank
+        micro_batches = math.ceil(per_rank / micro_size)
+        notes = list(m.notes)
+        # (a line off by more than 5%: Plan.summary() says so, and how the size was found)
+        if self.raced_note:
+            notes.append(self.raced_note)
+        return Plan(
+            effective_batch=asked.effective_batch,
+            world_size=asked.world_size,
+            per_rank_batch=per_rank,
+            micro_size=micro_size,
+            micro_batches=micro_batches,
+            last_micro_size=per_rank - (micro_batches - 1) * micro_size,
+            budget=self.budget_bytes,
+            margin=float(self.margin),
+            # what training will peak at is what the planned size peaked at, measured as it
+            # will run; the fit only chose the size to measure
+            predicted_peak=self.need,
+            static_bytes=m.static,
+            overhead_bytes=m.overhead,
+            batch_bytes=m.batch,
+            bytes_per_sample=m.peak_fit.slope,
+            peak_fit=m.peak_fit,
+            activation_fit=m.activation_fit,
+            probes=m.probes + chosen.checked + self.remeasured,
+            checkpointing=bool(m.blocks),
+            checkpointed_blocks=m.blocks,
+            device=str(self.device),
+            seconds=time.perf_counter() - self.started,
+            largest_fitting=chosen.largest,
+            notes=tuple(notes),
+            precision=asked.precision,
+            sync=asked.sync,
+            phases=self.measured_phases,
+            prefer=asked.prefer,
+            timings=self.timings,
+            choice=raced.why if raced is not None else "",
+            timing_seconds=raced.spent if raced is not None else 0.0,
+        )
 
 
 @dataclass(frozen=True)
