@@ -605,29 +605,36 @@ def _verify(
         below = range(1, probe.micro_size)
         largest = max((s for s in below if m.base + scale * m.peak_fit(s) <= usable), default=1)
     if verify is not None and len(checked) > 1 and fits(checked[-1]):
-        low, high = checked[-1], checked[-2]  # fits; the smallest size that did not
-        # the line through the two fresh measurements (rising: high's is over, low's not)
-        per_sample = (high.peak_bytes - low.peak_bytes) / (high.micro_size - low.micro_size)
-        between = low.micro_size + int((usable - m.base - low.peak_bytes) // per_sample)
-        between = min(between, high.micro_size - 1)
-        size = _balanced(per_rank, between)
-        # worth a fresh process where the window's micro-batches are a third fewer or more
-        # (minilm 15 to 16 was not: 18 micro-batches to 16, for a process of 40 s)
-        if 3 * math.ceil(per_rank / size) <= 2 * math.ceil(per_rank / low.micro_size):
-            probe, seconds = measured(size, STEPPED_UP)
-            fresh_s = max(fresh_s, seconds)
-            # never below the line through the two: a size read at the edge of the budget is
-            # planned only when its one draw fits, so a low draw is the one kept (minilm's 5,
-            # between a fresh 3 and 22, measured 13.6 MB above 3 where the line has 47, and
-            # its run peaked 12% above the plan)
-            line_at = low.peak_bytes + per_sample * (size - low.micro_size)
-            probe = replace(probe, peak_bytes=max(probe.peak_bytes, int(math.ceil(line_at))))
-            if fits(probe):
-                checked.append(probe)
-                largest = between
-            else:  # the deciding measurement stays last
-                checked.insert(-1, probe)
+        largest, seconds = _step_up(checked, largest, per_rank, usable, m.base, measured, fits)
+        fresh_s = max(fresh_s, seconds)
     return largest, checked[-1].micro_size, tuple(checked), fresh_s
+
+
+def _step_up(checked: list[Probe], largest: int, per_rank: int, usable: float, base: int,
+             measured, fits) -> tuple[int, float]:  # fmt: skip
+    """After a step down: the size the line through the last two fresh measurements reads
+    between them (the last fits, the one before did not), measured where it makes the
+    window's micro-batches a third fewer or more, ``checked`` with it in place (the deciding
+    measurement last); the largest size that fits and the seconds measured. Its peak is
+    never below the line through the two: a size read at the edge of the budget is planned
+    only when its one draw fits, so a low draw is the one kept (bench/results/planner.md:
+    minilm's run above its plan where it was not)."""
+    low, high = checked[-1], checked[-2]
+    per_sample = (high.peak_bytes - low.peak_bytes) / (high.micro_size - low.micro_size)
+    between = low.micro_size + int((usable - base - low.peak_bytes) // per_sample)
+    between = min(between, high.micro_size - 1)
+    size = _balanced(per_rank, between)
+    # a fresh process is worth it only where the window's micro-batches are a third fewer
+    if 3 * math.ceil(per_rank / size) > 2 * math.ceil(per_rank / low.micro_size):
+        return largest, 0.0
+    probe, seconds = measured(size, STEPPED_UP)
+    line_at = low.peak_bytes + per_sample * (size - low.micro_size)
+    probe = replace(probe, peak_bytes=max(probe.peak_bytes, int(math.ceil(line_at))))
+    if fits(probe):
+        checked.append(probe)
+        return between, seconds
+    checked.insert(-1, probe)  # the deciding measurement stays last
+    return largest, seconds
 
 
 def _balanced(per_rank: int, largest: int) -> int:
