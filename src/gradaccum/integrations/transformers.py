@@ -64,6 +64,7 @@ loss (refused with ``loss_fn=``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,27 @@ __all__ = [
     "router_inputs",
     "router_term",
 ]
+
+
+@dataclasses.dataclass
+class _WindowState:
+    """The mixin's open window as the Trainer runs it, in one place (the Trainer calls its
+    override points in turn: ``get_batch_samples``, then ``training_step`` and
+    ``compute_loss`` once per micro-batch)."""
+
+    epoch_iterator: Any = None  # the epoch whose micro-batches are counted (schedule=)
+    epoch_done: int = 0  # micro-batches fetched in this epoch
+    batches: list[Any] = dataclasses.field(default_factory=list)  # the window's, as fetched
+    size: int = 0  # its micro-batches
+    calls: int = 0  # the Trainer's training_step calls in the window so far
+    next_counts: dict[str, Any] | None = None  # the next window's counts, with counts=
+    counts: dict[str, Any] | None = None  # the open window's counts
+    replayed: bool = False  # this window replayed after an out-of-memory error
+    micro: tuple[Any] | None = None  # the micro-batch's count, from compute_loss
+    pass_size: int | None = None  # the routing pass's micro-batch running now
+    last_batch: int | None = None  # the last window's samples, for the logs
+    last_b_simple: float | None = None  # the noise scale after the last window
+    last_terms: dict[str, float | None] | None = None  # each named term's mean, last window
 
 
 class ExactAccumulationMixin:
@@ -182,13 +204,6 @@ class ExactAccumulationMixin:
         if schedule is not None:
             world = self.args.world_size
             self.schedule = ScheduledWindows(schedule, self.args.per_device_train_batch_size, world)
-        self._epoch_iterator: Any = None  # the epoch whose micro-batches are counted
-        self._epoch_done = 0  # micro-batches fetched in this epoch
-        self._last_batch: int | None = None  # the last window's samples, for the logs
-        self._window_batches: list[Any] = []  # the window's micro-batches, as fetched
-        self._calls = 0  # the Trainer's training_step calls in the window so far
-        self._counts_now: dict[str, Any] | None = None  # the open window's counts
-        self._replayed = False  # this window replayed after an out-of-memory error
         self.oom_replays = 0  # windows replayed, in all
         self.loss_fn, self.counts = loss_fn, counts
         self.items = items
@@ -197,14 +212,9 @@ class ExactAccumulationMixin:
         self._rl = is_rl_trainer(self)  # TRL's GRPOTrainer: its loss, normalized over the window
         self._window: FrameworkWindow | None = None
         self._router: RouterTerm | None = None  # the model's router loss, as its own term
-        self._pass_size: int | None = None  # the routing pass's micro-batch running now
-        self._window_size = 0
-        self._window_counts: dict[str, Any] | None = None  # the next window's, with counts=
-        self._micro: tuple[Any] | None = None  # the micro-batch's count, in training_step
-        self._last_b_simple: float | None = None
         self._resume_from: str | None = None
         self.add_callback(_NoiseCheckpoint(self))
-        self._last_terms: dict[str, float | None] | None = None
+        self._state = _WindowState()  # the open window, as the Trainer runs it
 
     # -- the window, through the Trainer's documented override points ---------------------
 
@@ -232,16 +242,16 @@ class ExactAccumulationMixin:
         """The Trainer fetches each window's micro-batches up front: their number is the
         window's size. Its own item count (``num_items_in_batch``) is not used."""
         if self.schedule is not None:  # the schedule's window, ending where the Trainer steps
-            if epoch_iterator is not self._epoch_iterator:
-                self._epoch_iterator, self._epoch_done = epoch_iterator, 0
-            accumulate, num_batches = self.schedule.next_window(self._epoch_done)
+            if epoch_iterator is not self._state.epoch_iterator:
+                self._state.epoch_iterator, self._state.epoch_done = epoch_iterator, 0
+            accumulate, num_batches = self.schedule.next_window(self._state.epoch_done)
             self.args.gradient_accumulation_steps = accumulate
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._epoch_done += len(batch_samples)
-        self._window_size = len(batch_samples)
-        self._window_batches, self._calls = batch_samples, 0
+        self._state.epoch_done += len(batch_samples)
+        self._state.size = len(batch_samples)
+        self._state.batches, self._state.calls = batch_samples, 0
         if self.counts is not None:  # named terms: each term's count, before any backward
-            self._window_counts = window_counts(self.counts, batch_samples)
+            self._state.next_counts = window_counts(self.counts, batch_samples)
         return batch_samples, None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -253,43 +263,43 @@ class ExactAccumulationMixin:
             self._window = self._open(model)
             self._restore_noise()
         window = self._window
-        if self._calls == 0:
-            self._counts_now, self._window_counts = self._window_counts, None
-            self._replayed = False
+        if self._state.calls == 0:
+            self._state.counts, self._state.next_counts = self._state.next_counts, None
+            self._state.replayed = False
             if self._router is not None:  # the model's router loss: the window's routing first
-                self._counts_now = self._route_window(model)
-            if self._counts_now is not None:
-                window.begin(self._counts_now)
-        self._calls += 1
+                self._state.counts = self._route_window(model)
+            if self._state.counts is not None:
+                window.begin(self._state.counts)
+        self._state.calls += 1
         if self.oom is None:
             loss = self._micro_step(model, inputs)
         else:
             loss = self._replaying(model, inputs)
-        if self._calls < self._window_size:
+        if self._state.calls < self._state.size:
             return torch.zeros_like(loss)
         if self._router is not None:
             self._router.check()  # before the window's end: the Trainer has not stepped
         end = window.end(self._grads(), scale=self._loss_scale())
-        if self.oom is not None and not self._replayed:
-            self.oom.window_done(self._window_batches, self.state.global_step)
+        if self.oom is not None and not self._state.replayed:
+            self.oom.window_done(self._state.batches, self.state.global_step)
         if self.schedule is not None:
-            self._last_batch = sum(batch_size(mb) for mb in self._window_batches)
-            self.schedule.window_done(end, self._last_batch)
-        self._last_b_simple = end.b_simple
-        self._last_terms = end.terms
+            self._state.last_batch = sum(batch_size(mb) for mb in self._state.batches)
+            self.schedule.window_done(end, self._state.last_batch)
+        self._state.last_b_simple = end.b_simple
+        self._state.last_terms = end.terms
         return torch.full_like(loss, end.loss if end.loss is not None else 0.0)
 
     def _micro_step(self, model, inputs) -> torch.Tensor:
         """The Trainer's own training_step (forward and backward) of one micro-batch, its
         count recorded in the window."""
         loss = super().training_step(model, inputs, None)
-        if self._micro is None:
+        if self._state.micro is None:
             raise RuntimeError(
                 "gradaccum's Trainer: training_step ran without its compute_loss; a subclass "
                 "overriding compute_loss must call super().compute_loss(...) in training"
             )
-        (count,) = self._micro
-        self._micro = None
+        (count,) = self._state.micro
+        self._state.micro = None
         if self.noise is not None:
             self._window.after_backward(count, self._grads(), self._loss_scale())
         return loss
@@ -313,21 +323,21 @@ class ExactAccumulationMixin:
                 raise error
             error = None
             self.oom_replays += 1
-            self._replayed = True
+            self._state.replayed = True
             free_memory()
-            todo = self._window_batches[: self._calls]
+            todo = self._state.batches[: self._state.calls]
 
     def _drop_window(self) -> None:
         """Forget the open window: its gradient, counts and noise prefixes (parameters and
         the optimizer are untouched until the window's end)."""
-        self._micro = None
+        self._state.micro = None
         for p in self.model.parameters():
             p.grad = None
         self._window.drop()
         if self._router is not None:
             self._router.restart()
-        if self._counts_now is not None:
-            self._window.begin(self._counts_now)
+        if self._state.counts is not None:
+            self._window.begin(self._state.counts)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """In training: the micro-batch's summed loss (recorded in the window with its count),
@@ -349,22 +359,22 @@ class ExactAccumulationMixin:
         else:
             loss_sum, count, outputs = self._model_loss(model, inputs)
         loss_sum, count = self._window.record(loss_sum, count)
-        self._micro = (count,)
+        self._state.micro = (count,)
         return (loss_sum, outputs) if return_outputs else loss_sum
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Training logs gain ``b_simple``, the gradient noise scale so far, and each named
         term's mean over the last window (``loss_<name>``)."""
-        if "loss" in logs and self._last_b_simple is not None:
-            logs = {**logs, "b_simple": self._last_b_simple}
-        if "loss" in logs and self._last_batch is not None:
-            logs = {**logs, "effective_batch": self._last_batch * self.args.world_size}
+        if "loss" in logs and self._state.last_b_simple is not None:
+            logs = {**logs, "b_simple": self._state.last_b_simple}
+        if "loss" in logs and self._state.last_batch is not None:
+            logs = {**logs, "effective_batch": self._state.last_batch * self.args.world_size}
         if "loss" in logs and self.oom_replays:
             logs = {**logs, "oom_replays": self.oom_replays}
-        if "loss" in logs and self._last_terms:
+        if "loss" in logs and self._state.last_terms:
             logs = {
                 **logs,
-                **{f"loss_{k}": v for k, v in self._last_terms.items() if v is not None},
+                **{f"loss_{k}": v for k, v in self._state.last_terms.items() if v is not None},
             }
         super().log(logs, *args, **kwargs)
 
@@ -504,30 +514,30 @@ class ExactAccumulationMixin:
         expert, summed over the ranks. With ``oom=``, a pass that runs out of memory runs
         again, smaller (no gradient yet: nothing to drop)."""
         while True:
-            self._pass_size = None
+            self._state.pass_size = None
             try:
                 return self._routing_pass(model)
             except torch.OutOfMemoryError as err:
                 error = err  # its traceback holds the failed pass's tensors: let go below
             if (
                 self.oom is None
-                or self.oom.shrink(self._pass_size, self.state.global_step + 1) is None
+                or self.oom.shrink(self._state.pass_size, self.state.global_step + 1) is None
             ):
                 raise error
             error = None
             self.oom_replays += 1
-            self._replayed = True
+            self._state.replayed = True
             free_memory()
 
     def _routing_pass(self, model: torch.nn.Module) -> dict[str, Any]:
         router, base = self._router, self._base_model(model)
         run = self.accelerator.unwrap_model(model)  # not DDP's: no collective in the pass
-        batches = self._window_batches
+        batches = self._state.batches
         assigned, rows, tokens = None, 0.0, 0
         model.train()
         with torch.no_grad(), self.compute_loss_context_manager():
             for batch in self.oom.arrange(batches) if self.oom is not None else batches:
-                self._pass_size = batch_size(batch)
+                self._state.pass_size = batch_size(batch)
                 inputs = self._prepare_inputs(batch)
                 tokens = tokens + _next_token_count(inputs)
                 rest = router_inputs(base, inputs)
