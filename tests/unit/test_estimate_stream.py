@@ -189,6 +189,7 @@ def test_a_length_read_off_a_smaller_model_is_the_trace_at_that_length(
             assert getattr(read, field) == getattr(real, field), (micro, field)
 
 
+@pytest.mark.slow  # nine traces, seconds: the slow tier keeps make test-fast under a minute
 def test_a_length_is_not_read_off_traces_that_do_not_show_it():
     """No reading where the short traces are of other windows (another micro-batch size),
     where the whole model's activations are not among theirs, or where one allocation of
