@@ -1,4 +1,4 @@
-"""gradaccum.app.export: the run's exports and the whole model gathered from shards, on a
+"""gradaccum.app.exporter: the run's exports and the whole model gathered from shards, on a
 real digits run (a built-in recipe exports no formats) and a kind that holds shards."""
 
 from types import SimpleNamespace
@@ -7,7 +7,7 @@ import torch
 from support.runs import digits_run, quiet
 
 from gradaccum.app.boundary import Boundary
-from gradaccum.app.export import Exporter
+from gradaccum.app.exporter import Exporter
 from gradaccum.app.folder import MODEL
 
 

@@ -12,7 +12,7 @@ that does not write:
     evaluation.py      the held-out evaluation
     report/sink.py     metrics.jsonl, TensorBoard, the progress bar and the log line
     checkpoints.py     when to checkpoint, and the checkpoint files
-    export.py          the exports and the whole model gathered from shards
+    exporter.py        the exports and the whole model gathered from shards
     targets.py         targets met and limits reached
     report/summary.py  the end: summary.json, plots, report.html, the summary table
 
@@ -33,7 +33,7 @@ from gradaccum.app.build import build_run
 from gradaccum.app.checkpoints import Checkpointer, Checkpoints
 from gradaccum.app.config import TrainConfig, invalid_configuration
 from gradaccum.app.evaluation import Evaluator
-from gradaccum.app.export import Exporter
+from gradaccum.app.exporter import Exporter
 from gradaccum.app.folder import THIRD_PARTY
 from gradaccum.app.guard import Probe, Rollback
 from gradaccum.app.lr import LearningRate

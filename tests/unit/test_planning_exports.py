@@ -1,5 +1,6 @@
-"""Plan.export: each framework's own object, built from the export, runs the effective batch
-exactly; a request that does not split into equal micro-batches is refused with the numbers."""
+"""gradaccum.planning.exports, Plan.export: each framework's own object, built from the
+export, runs the effective batch exactly; a request that does not split into equal
+micro-batches is refused with the numbers."""
 
 import json
 
