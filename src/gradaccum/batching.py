@@ -17,6 +17,7 @@ from gradaccum.validate import positive_int
 __all__ = [
     "batch_size",
     "join_batches",
+    "largest_share",
     "map_tensors",
     "shard",
     "split",
@@ -115,6 +116,19 @@ def windows(micro_batches: Iterable[Any], n: int) -> Iterator[list[Any]]:
         yield window
 
 
+def largest_share(size: int, world: int) -> int:
+    """The samples of the fullest of ``world`` processes that split a batch of ``size``
+    (``shard``: shares differ by at most one), the per-rank batch a plan is made for; refuses
+    a batch smaller than ``world``, with both numbers."""
+    size, world = positive_int(size, "the batch's size"), positive_int(world, "world")
+    if size < world:
+        raise ValueError(
+            f"a batch of {size} samples cannot be split across {world} processes: each needs "
+            "at least one"
+        )
+    return -(-size // world)
+
+
 def shard(batch: Any, rank: int, world: int) -> Any:
     """Rank ``rank``'s contiguous share of a global ``batch`` split across ``world`` processes.
 
@@ -125,11 +139,7 @@ def shard(batch: Any, rank: int, world: int) -> Any:
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError(f"rank must be an integer in [0, {world}), got {rank!r}")
     size = batch_size(batch)
-    if size < world:
-        raise ValueError(
-            f"a batch of {size} samples cannot be split across {world} processes: each needs "
-            "at least one"
-        )
+    largest_share(size, world)  # (refuses a batch smaller than world)
     base, extra = divmod(size, world)
     start = rank * base + min(rank, extra)
     return _rebuild(batch, start, base + (rank < extra))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gradaccum as ga
-from gradaccum.batching import batch_size
+from gradaccum.batching import batch_size, largest_share
 
 
 def test_split_tensor_keeps_every_sample_once():
@@ -78,6 +78,8 @@ def test_shard_splits_a_global_batch_exactly_across_processes(size, world):
     sizes = [len(s["x"]) for s in shares]
     assert sum(sizes) == size and max(sizes) - min(sizes) <= 1
     assert sizes == sorted(sizes, reverse=True)  # the larger shares go to the first ranks
+    # the per-rank batch a plan is made for is the fullest rank's share, as shard makes it
+    assert largest_share(size, world) == max(sizes)
     # every sample once, in order, rows kept together
     assert torch.equal(torch.cat([s["x"] for s in shares]), batch["x"])
     assert torch.equal(torch.cat([s["y"] for s in shares]), batch["y"])
@@ -90,6 +92,8 @@ def test_shard_refuses_what_it_cannot_split():
         ga.shard(torch.zeros(3, 2), 2, 2)
     with pytest.raises(ValueError, match="world must be an integer >= 1, got 0"):
         ga.shard(torch.zeros(3, 2), 0, 0)
+    with pytest.raises(ValueError, match="a batch of 3 samples cannot be split across 4"):
+        largest_share(3, 4)
 
 
 def test_windows_keeps_the_last_partial_window_and_is_lazy():

@@ -95,7 +95,7 @@ def test_a_runs_plan_is_keyed_by_what_shapes_its_memory_and_not_by_its_length_or
 
     def key(**options):
         cfg = TrainConfig.of(recipe="gpt", **options)
-        asked = request(cfg, cfg.batch.effective_batch, each_rank=False)
+        asked = request(cfg, 1, each_rank=False)
         return plan_cache.key(cache_settings(cfg, asked, 1))
 
     base = key()
@@ -125,7 +125,7 @@ def test_a_runs_cached_plan_is_said_before_its_model_and_data_are_built(tmp_path
         recipe="digits", effective_batch=64, budget="300MB", steps=1, out=str(tmp_path / "run")
     )
     Planner(
-        torch.device("cpu"), cache_settings(cfg, request(cfg, 64, each_rank=False), 1),
+        torch.device("cpu"), cache_settings(cfg, request(cfg, 1, each_rank=False), 1),
         (None, None), log=print,
     ).keep(dataclasses.replace(make_plan(64, micro=16), budget=300_000_000).to_dict())  # fmt: skip
     said = []

@@ -23,6 +23,7 @@ from gradaccum.app.kinds import RunKind
 from gradaccum.app.recipes import Recipe, get_recipe, hf_recipe
 from gradaccum.app.recipes.userdata import DataError, SequenceData, load_sequences, save_cache
 from gradaccum.app.run import Progress, Run
+from gradaccum.batching import largest_share
 from gradaccum.checkpoint import preserved_rng
 from gradaccum.memory import Resident
 from gradaccum.schedule import BatchSchedule
@@ -217,7 +218,7 @@ def _assemble(cfg, kind, recipe, loaded, folder, saved_cfg, log, cached=None) ->
         and micro_size * kind.replicas >= effective
         and saved is None
     ):
-        micro_size = max(1, math.ceil(effective / kind.replicas / 2))
+        micro_size = max(1, math.ceil(largest_share(effective, kind.replicas) / 2))
         log(
             f"--batch-schedule auto measures the noise scale, which needs 2+ micro-batches "
             f"per window: micro-batch {micro_size}"

@@ -46,6 +46,7 @@ from typing import Any
 from gradaccum.app import plan_cache
 from gradaccum.app.config import PlanConfig
 from gradaccum.app.process import say
+from gradaccum.batching import largest_share
 from gradaccum.memory import format_bytes, parse_bytes
 
 __all__ = ["config_problems", "estimate_command", "head_loss", "main", "render", "task_of"]
@@ -575,7 +576,7 @@ class _Search:
         self.tracing = trace  # False: answer from ``known`` alone, or raise _Untraced
         self.progress = _Progress(active=trace)
         self.budget = parse_bytes(cfg.budget)
-        self.per_rank = math.ceil(cfg.effective_batch / cfg.world_size)
+        self.per_rank = largest_share(cfg.effective_batch, cfg.world_size)
         self.syncs = ("window", "micro") if cfg.shard == "fsdp" else ("window",)
         self._estimates: dict[int, tuple[dict, Any]] = {}  # id -> (trace, parsed): _parsed
 

@@ -5,7 +5,6 @@ command's, so the plan's advice is translated into flags here."""
 
 from __future__ import annotations
 
-import math
 import re
 import tempfile
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from gradaccum.app.measure import FreshProcessVerifier, fresh_process_verifier
 from gradaccum.app.planner import Planner
 from gradaccum.app.recipes import Recipe
 from gradaccum.app.recipes.userdata import SequenceData
+from gradaccum.batching import largest_share
 from gradaccum.checkpoint import preserved_rng
 from gradaccum.planning import Plan, PlanRequest
 from gradaccum.precision import PRECISIONS
@@ -139,13 +139,12 @@ def window_plan(
     on. ``started``: the verifier ``here`` plans with, started before the model was built.
     ``cached``: rank 0's plan, already read from the cache (``cached_plan``).
     """
-    per_rank = math.ceil(cfg.batch.effective_batch / world)
     info = None
     if cached is not None and rank == 0 and not each_rank:
         info = cached
     elif rank == 0 or each_rank:
         # (FSDP2's plans are collectives of every rank: each rank plans, never from a file)
-        asked = request(cfg, per_rank, each_rank)
+        asked = request(cfg, world, each_rank)
         planner = run_planner(cfg, asked, device, world, log, cached=not each_rank)
         if here or each_rank or world > 1 or device.type != "cpu":
 
@@ -177,7 +176,7 @@ def cached_plan(cfg: TrainConfig, device: torch.device, world: int, log) -> dict
     """Rank 0's plan from the cache, read before the model and data are built (the key needs
     neither: ``cache_settings`` and the files'), so a rerun's plan is answered at once; None
     when none is stored, or --replan."""
-    asked = request(cfg, math.ceil(cfg.batch.effective_batch / world), each_rank=False)
+    asked = request(cfg, world, each_rank=False)
     return run_planner(cfg, asked, device, world, log).answer()
 
 
@@ -306,10 +305,12 @@ def cache_settings(cfg: TrainConfig, asked: PlanRequest, world: int) -> dict[str
     return {"run": run, **asked.to_dict(), "world": world}
 
 
-def request(cfg: TrainConfig, per_rank: int, each_rank: bool) -> PlanRequest:
-    """What a run asks of its plan: its per-rank batch in its budget, with its settings."""
+def request(cfg: TrainConfig, world: int, each_rank: bool) -> PlanRequest:
+    """What a run asks of its plan: the per-rank batch of its fullest process
+    (``largest_share`` of the effective batch over ``world``, as ``shard`` splits it) in its
+    budget, with its settings; one process plans it, as a request of one rank."""
     return PlanRequest(
-        effective_batch=per_rank,
+        effective_batch=largest_share(cfg.batch.effective_batch, world),
         budget=cfg.memory.budget_bytes,
         margin=cfg.memory.margin,
         meter=cfg.memory.meter,

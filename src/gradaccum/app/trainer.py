@@ -43,7 +43,7 @@ from gradaccum.app.report.summary import report
 from gradaccum.app.run import Run
 from gradaccum.app.stops import Interrupted, StopSignals
 from gradaccum.app.targets import TargetWatch
-from gradaccum.batching import batch_size, to_device
+from gradaccum.batching import batch_size, largest_share, to_device
 from gradaccum.memory import TrainingMemory
 
 __all__ = ["Trainer", "train"]
@@ -253,7 +253,7 @@ class Trainer:
         """The run's first lines: its length and batch, and its targets."""
         run, cfg, kind = self.run, self.run.cfg, self.run.kind
         effective, schedule = cfg.batch.effective_batch, run.progress.schedule
-        per_rank = math.ceil(effective / kind.replicas)
+        per_rank = largest_share(effective, kind.replicas)
         per_window = math.ceil(per_rank / run.micro_size)
         plural = "es" if per_window > 1 else ""
         shape = f"{per_window} micro-batch{plural} of up to {run.micro_size}"
