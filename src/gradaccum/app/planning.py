@@ -194,7 +194,7 @@ def train_plan_for(cfg: PlanConfig, device: torch.device, log) -> Plan | None:
         train = resolve_train(flags)
     except ValueError:
         return None
-    asked = request(train, train.batch.effective_batch, each_rank=False)
+    asked = request(train, 1, each_rank=False)
     found = run_planner(train, asked, device, 1, lambda _line: None).stored()
     if found is None:
         return None
