@@ -28,8 +28,9 @@ class Boundary:
 
     @property
     def last(self) -> bool:
-        """Whether the run ends at this boundary, for any reason (what a checkpoint or an
-        export at the end is due on)."""
+        """Whether the run ends at this boundary, for any reason, a stop signal included
+        (what a checkpoint is due on; the exports' end is ``end`` or ``hit`` alone: a
+        stopped run goes on when resumed)."""
         return self.end or bool(self.hit) or self.stopping
 
 
