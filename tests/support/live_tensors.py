@@ -100,6 +100,8 @@ class LiveBytes(TorchDispatchMode):
                 if isinstance(inner, torch.Tensor):
                     self.count(inner)
             return
+        if tensor.device.type == "meta":  # shapes only (DeepSpeed keeps such copies): no bytes
+            return
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key not in self.storages:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from gradaccum.planning.estimate import allocator as alloc
-from gradaccum.planning.estimate import cuda, fsdp
+from gradaccum.planning.estimate import cuda, fsdp, zero
 from gradaccum.planning.estimate.devices import gpu as find_gpu
 from gradaccum.planning.estimate.optimizers import bitsandbytes_refusal
 from gradaccum.planning.estimate.result import PARTS, Estimate
@@ -30,7 +30,7 @@ from gradaccum.planning.estimate.trace import (
 __all__ = ["at_length", "at_size", "estimate"]
 
 _DEVICES = ("cuda", "cpu")
-_SHARDS = ("ddp", "fsdp")
+_SHARDS = ("ddp", "fsdp", "zero")
 
 
 def estimate(
@@ -54,6 +54,7 @@ def estimate(
     sync: str = "window",
     repeat: bool = False,
     keep: bool = False,
+    deepspeed: zero.ZeroConfig | None = None,
 ) -> Estimate:
     """The peak memory of a window of ``micro_batches`` micro-batches on ``device``, without
     that device, without the model's weights, without compute.
@@ -69,7 +70,11 @@ def estimate(
     the root, modelled from the unsharded trace (``gradaccum.planning.estimate.fsdp``), with
     gradaccum's gradient ``sync`` ("window": the unsharded gradient kept between
     micro-batches, one reduce-scatter per window; "micro": one per micro-batch, the sharded
-    gradient accumulated); the peak is rank 0's (the largest shards). bitsandbytes' quantized
+    gradient accumulated); the peak is rank 0's (the largest shards). ``shard="zero"``:
+    DeepSpeed's engine with ZeRO stage 1 or 2 as ``deepspeed`` (a
+    ``gradaccum.planning.estimate.zero.ZeroConfig``) sets it, on rank 0 of ``world_size``,
+    modelled by ``gradaccum.planning.estimate.zero`` (``precision`` is then the
+    configuration's: the module cast, no autocast). bitsandbytes' quantized
     layers are refused for ``gradaccum.planning.estimate.quantized.quantize``'s model of them.
     ``repeat=True`` traces the first window and repeats its events for the second (half
     the time): right where a trace of both showed the second to be the first repeated
@@ -101,7 +106,9 @@ def estimate(
     if callable(sample) and micro_size is None:
         raise ValueError("micro_size is needed when sample is a function of it")
     if shard not in _SHARDS:
-        raise ValueError(f"shard must be 'ddp' or 'fsdp', got {shard!r}")
+        raise ValueError(f"shard must be 'ddp', 'fsdp' or 'zero', got {shard!r}")
+    if (shard == "zero") != (deepspeed is not None):
+        raise ValueError("shard='zero' and deepspeed=ZeroConfig(...) go together")
     if sync not in fsdp.SYNCS:
         raise ValueError(f"sync must be 'window' or 'micro', got {sync!r}")
     if shard == "fsdp" and (refusal := _fsdp_refusal(world_size, precision, evaluate)):
@@ -128,6 +135,7 @@ def estimate(
             shard=shard,
             sync=sync,
             repeat=repeat,
+            deepspeed=deepspeed,
         )
     kept = None
     if keep and shard != "fsdp" and callable(sample) and micro_size is not None:
@@ -312,7 +320,8 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
             )
         units = fsdp.layout(module, how["world_size"]) if sharded else None
         marks = fsdp.Marks(units, tally) if sharded else contextlib.nullcontext()
-        buckets = ddp_buckets(trainable) if how["world_size"] > 1 and not sharded else []
+        ddp = how["world_size"] > 1 and how["shard"] == "ddp"
+        buckets = ddp_buckets(trainable) if ddp else []
         for bucket in buckets:  # DistributedDataParallel(model) allocates them when built
             tally.tag(bucket, "gradients")
         if buckets:
@@ -323,7 +332,13 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
                 "constructor makes them (their rebuild into 25 MiB buckets after the first "
                 "step, the same bytes, not modelled)"
             )
-        opt = optimizer(trainable)
+        engine = None
+        if how["shard"] == "zero":
+            engine = zero.Engine(module, optimizer, how["deepspeed"], how["world_size"], tally.tag)
+            assumptions.append(how["deepspeed"].describe(how["world_size"]))
+            opt, precision = engine.optimizer, "fp32"  # the module cast: no autocast
+        else:
+            opt = optimizer(trainable)
         if refusal := bitsandbytes_refusal(opt):
             raise ValueError(refusal)
         if on_cuda and cuda.prefer_foreach(opt):
@@ -335,14 +350,16 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
                 "fp16: every window steps (a window whose gradient overflowed skips its "
                 "optimizer step and holds no more than one that steps)"
             )
-        acc = Accumulator(module, opt, precision=chosen, max_grad_norm=how["max_grad_norm"])
+        acc = engine or Accumulator(
+            module, opt, precision=chosen, max_grad_norm=how["max_grad_norm"]
+        )
         low = PRECISIONS[precision]
         cuda_model = cuda.CudaModel(low) if on_cuda else None
         if cuda_model is not None and low is not None:
             # CUDA's autocast lists, not the CPU's (an attribute of this one Precision object)
             acc.precision.autocast = cuda_model.region
             assumptions.append(f"autocast: CUDA's {precision} op lists")
-        for p in trainable:
+        for p in trainable if engine is None else ():
             p.register_post_accumulate_grad_hook(lambda p: tally.tag(p.grad, "gradients"))
 
         def make() -> Any:
@@ -353,7 +370,8 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
             )
 
         def traced_loss(m: torch.nn.Module, batch: Any) -> Any:
-            for p in trainable:  # the accumulation buffers of the micro-batches before
+            # the accumulation buffers of the micro-batches before (the engine tags its own)
+            for p in trainable if engine is None else ():
                 tally.tag(acc.precision.accumulated(p), "gradients")
             return loss_fn(m, batch)
 

@@ -1,0 +1,57 @@
+"""A real DeepSpeed engine's live tensor bytes on this CPU, to check the estimate's model of
+ZeRO stages 1 and 2 against (test_zero_estimate_against_real.py): one process (world
+size 1, gloo on 127.0.0.1), the GPT-shaped ``estimate_worker.Net`` given to
+``deepspeed.initialize`` with a configuration dict, two windows of ``engine.backward`` and
+``engine.step`` as Hugging Face's Trainer drives them, measured by
+``support.live_tensors.LiveBytes`` from before the model is built (no code of the estimate).
+
+    python zero_worker.py CONFIG_JSON MICRO_SIZE MICRO_BATCHES PORT   (tests/ on PYTHONPATH)
+
+prints ``{"peak": bytes, "optimizer": class name}``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import torch
+
+
+def main(config: dict, micro_size: int, micro_batches: int, port: int) -> dict:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
+    import deepspeed
+    import estimate_worker as worker
+    from support.live_tensors import LiveBytes
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    config = {
+        **config,
+        "train_micro_batch_size_per_gpu": micro_size,
+        "gradient_accumulation_steps": micro_batches,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "gradient_clipping": 1.0,
+    }
+    meter = LiveBytes()
+    with meter:
+        model = worker.Net()
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+        del model
+        for _ in range(2):
+            for _ in range(micro_batches):
+                loss, count = worker.loss_fn(engine, worker.sample(micro_size))
+                engine.backward(loss / count)
+                engine.step()
+    return {"peak": meter.peak, "optimizer": type(optimizer).__name__}
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    config, micro, count, port = sys.argv[1:5]
+    print(json.dumps(main(json.loads(config), int(micro), int(count), int(port))))
