@@ -217,3 +217,33 @@ def test_fsdp_falls_back_to_micro_sync_where_window_sync_does_not_fit():
     result = json.loads(done.stdout)
     assert result["sync"] == "micro" and result["total"] == micro
     assert "(window) does not fit the budget" in " ".join(result["assumptions"])
+
+
+def test_a_deepspeed_zero_2_config_is_estimated_as_deepspeed_holds_the_run(tmp_path):
+    """--deepspeed FILE as a Hugging Face run passes it: bf16 'auto' (the run's precision),
+    AdamW from the file. Against the plain bf16 estimate of the same run: the
+    optimizer state is the float32 master with its two moments (12 B a parameter, not 8), the
+    parameters are bf16, and the assumptions say what was read."""
+    config = {"bf16": {"enabled": "auto"}, "optimizer": {"type": "AdamW"},
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": 65536}}  # fmt: skip
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    args = ("plan", "--device", "cuda", "--recipe", "gpt", "--micro-batch", "2",
+            "--effective-batch", "4", "--gpu", "t4", "--precision", "bf16", "--json")  # fmt: skip
+    plain = json.loads(in_process(*args).stdout)
+    done = in_process(*args, "--deepspeed", str(tmp_path / "ds.json"))
+    assert done.returncode == 0, done.stderr
+    zero = json.loads(done.stdout)
+    assert "DeepSpeed ZeRO stage 2 (bf16, rank 0 of 1)" in " ".join(zero["assumptions"])
+    states = zero["parts"]["optimizer state"] / plain["parts"]["optimizer state"]
+    assert 1.45 <= states <= 1.55, states  # 12 B against AdamW's 8 B a parameter
+    assert zero["parts"]["parameters"] < 0.55 * plain["parts"]["parameters"]
+
+
+def test_a_deepspeed_config_the_estimate_does_not_model_is_refused_in_one_line(tmp_path):
+    (tmp_path / "z3.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    done = in_process("plan", "--device", "cuda", "--recipe", "gpt", "--micro-batch", "2",
+                      "--deepspeed", str(tmp_path / "z3.json"))  # fmt: skip
+    assert done.returncode != 0 and "ZeRO stage 3 is not modelled" in done.stderr
+    assert done.stderr.strip().count("\n") == 0, done.stderr
+    done = in_process("plan", "--recipe", "gpt", "--deepspeed", str(tmp_path / "z3.json"))
+    assert done.returncode == 2 and "apply to the estimate" in done.stderr

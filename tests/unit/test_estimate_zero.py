@@ -33,7 +33,7 @@ def test_auto_bucket_is_the_hidden_size_squared_and_precision_follows_the_run():
          "offload_optimizer to cpu"),
         ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
           "data_types": {"grad_accum_dtype": "fp32"}}, "grad_accum_dtype fp32"),
-        ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}, "no hidden_size"),
+        ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}, "set it to a number"),
         ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "big"}}, "'big': expected"),
     ],
 )  # fmt: skip

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import re
 import types
@@ -178,6 +179,18 @@ def _lora_spec(value: str) -> str | None:
     )
 
 
+def _deepspeed_spec(value: str) -> str | None:
+    """A DeepSpeed configuration file: a JSON object (what a run passes as --deepspeed)."""
+    path = Path(value)
+    if not path.is_file():
+        return f"must be a DeepSpeed configuration file (JSON); {path} does not exist"
+    try:
+        parsed = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"must be a DeepSpeed configuration file (JSON); {path}: {err}"
+    return None if isinstance(parsed, dict) else f"{path} holds no JSON object"
+
+
 def _positive(value: float) -> str | None:
     return None if math.isfinite(value) and value > 0 else "must be a positive finite number"
 
@@ -327,7 +340,9 @@ ESTIMATE_TASKS = (
     "token-classification",
     "image-classification",
 )
-ESTIMATE_ONLY = ("task", "seq_len", "micro_batch", "quantize", "attn_implementation")
+ESTIMATE_ONLY = (
+    "task", "seq_len", "micro_batch", "quantize", "attn_implementation", "deepspeed",
+)  # fmt: skip
 QUANTIZED = ("8bit", "nf4", "fp4")
 
 
@@ -939,6 +954,14 @@ class PlanConfig:
         "on each repeated block and the root; gradient sync 'window' where it fits, else "
         "'micro', as the plan chooses)"
     )
+    deepspeed: str | None = Opt(
+        None,
+        "estimate the run under DeepSpeed with this configuration file (its ZeRO stage 1 or 2, "
+        "bf16/fp16, reduce_bucket_size and overlap_comm; 'auto' as Hugging Face's Trainer "
+        "fills it), on rank 0 of --world-size",
+        check=_deepspeed_spec,
+        metavar="CONFIG.json",
+    )()
     quantize: str | None = Opt(
         None,
         "a frozen bitsandbytes base under --lora (QLoRA): 8bit (Linear8bitLt) or nf4, fp4 "
@@ -1015,6 +1038,8 @@ class PlanConfig:
                 out.append(f"shard fsdp needs --world-size 2 or more, got {self.world_size}")
             if self.quantize is not None:
                 out.append("shard fsdp with --quantize: a sharded quantized base is not modelled")
+        if self.deepspeed is not None and self.shard == "fsdp":
+            out.append("deepspeed with --shard fsdp: a run is sharded by one or the other")
         if self.quantize is not None and self.lora is None:
             out.append("quantize needs --lora R: a quantized base trains adapters only")
         if self.double_quant and self.quantize not in ("nf4", "fp4"):

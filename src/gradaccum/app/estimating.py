@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from gradaccum.app import plan_cache
@@ -199,7 +200,7 @@ def _cache_key(cfg: PlanConfig, traces: bool = False) -> dict[str, Any]:
 
         settings["transformers"] = importlib.metadata.version("transformers")
     lora = cfg.lora if cfg.lora is not None and not cfg.lora.isdigit() else None
-    return plan_cache.signature(torch.device("cpu"), settings, (cfg.hf_model, lora))
+    return plan_cache.signature(torch.device("cpu"), settings, (cfg.hf_model, lora, cfg.deepspeed))
 
 
 def _cached(parts: dict[str, Any], quiet: bool = False) -> dict[str, Any] | None:
@@ -910,9 +911,10 @@ class _Search:
         def watched(model):
             return self.progress.watch(prepare(model) if prepare is not None else model)
 
+        zero, optimizer = self.deepspeed(w)
         est = ga.estimate(
             w.build(layers),
-            _optimizer(self.cfg.optimizer),
+            optimizer,
             w.sample,
             w.loss_fn,
             micro_size=micro,
@@ -922,13 +924,38 @@ class _Search:
             checkpointing=w.checkpointing,
             prepare=watched,
             world_size=self.cfg.world_size,
-            shard=self.cfg.shard,
+            shard="zero" if zero is not None else self.cfg.shard,
             sync=sync,
             repeat=repeat,
             keep=layers in (None, 2),
+            deepspeed=zero,
         )
         self.traces[key] = {**est.to_dict(), "steady": est.steady and not repeat}
         return self.traces[key]
+
+    def deepspeed(self, w: _Workload):
+        """--deepspeed's configuration as the estimate models it (None without it), and the
+        optimizer: DeepSpeed's FusedAdam (modelled as torch's fused AdamW: in place, its
+        moments made at the first step) where the file names one, else --optimizer's, which
+        Hugging Face's Trainer builds and hands to DeepSpeed."""
+        if self.cfg.deepspeed is None:
+            return None, _optimizer(self.cfg.optimizer)
+        import torch
+
+        from gradaccum.planning.estimate.zero import from_deepspeed
+
+        config = json.loads(Path(self.cfg.deepspeed).read_text(encoding="utf-8-sig"))
+        zero = from_deepspeed(config, hidden_size=w.hidden_size, precision=self.cfg.precision)
+        kind = str((config.get("optimizer") or {}).get("type", "")).lower()
+        if kind in ("adam", "adamw"):
+            fused = lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True)  # noqa: E731
+            return zero, fused
+        if kind:
+            raise ValueError(
+                f"DeepSpeed's optimizer {config['optimizer']['type']!r} is not modelled "
+                "(Adam and AdamW are, or none: --optimizer's, built by the Trainer)"
+            )
+        return zero, _optimizer(self.cfg.optimizer)
 
     # -- the search ------------------------------------------------------------------------
 
@@ -1151,7 +1178,7 @@ class _Workload:
         self.key = "|".join(
             str(x)
             for x in (cfg.precision, cfg.lora, cfg.quantize, cfg.seq_len, checkpointing)
-            + (cfg.attn_implementation,)
+            + (cfg.attn_implementation, cfg.deepspeed)
         )
         # traces of its 2-block model already made: its blocks were found identical then
         self.known = any(
@@ -1161,6 +1188,7 @@ class _Workload:
         self.task: str | None = None  # --hf-model's head (None: a recipe)
         self.positions: int | None = None
         self.length: int | None = None  # tokens per sequence, a text model's
+        self.hidden_size: int | None = None  # --hf-model's (DeepSpeed's 'auto' buckets)
         self._cfg, self._pending = cfg, False
         if cfg.hf_model is None:
             from gradaccum.app.recipes import get_recipe
@@ -1221,6 +1249,10 @@ class _Workload:
         positions = [getattr(config, n, None) for n in _POSITIONS]
         positions = [p for p in positions if isinstance(p, int) and p >= 1]
         self.positions = min(positions) if positions else None
+        text = getattr(config, "text_config", None) or config
+        self.hidden_size = getattr(config, "hidden_size", None) or getattr(
+            text, "hidden_size", None
+        )
         self.length = None if images else (cfg.seq_len or min([128, *positions]))
         length = cfg.seq_len or min([128, *positions])
         low = cfg.lora is not None and cfg.precision == "bf16"

@@ -119,8 +119,8 @@ def from_deepspeed(
     if bucket == "auto":
         if hidden_size is None:
             raise ValueError(
-                "DeepSpeed's reduce_bucket_size 'auto' is the model's hidden_size squared; "
-                "no hidden_size was given"
+                "DeepSpeed's reduce_bucket_size 'auto' is the model's hidden_size squared, "
+                "and this model has no config giving one: set it to a number of elements"
             )
         bucket = hidden_size * hidden_size
     overlap = zero.get("overlap_comm", False)
