@@ -84,3 +84,28 @@ def test_the_output_embedding_and_trainable_layers_stay_as_they_are():
     assert type(model.base).__name__ == "Quantized4bit" and type(model.head) is torch.nn.Linear
     with pytest.raises(ValueError, match="kind must be one of 8bit, nf4, fp4"):
         quantize(Adapted(), "int4")
+
+
+def test_a_4bit_layer_keeps_its_input_to_the_backward_as_matmul4bit_does():
+    """bitsandbytes' MatMul4Bit keeps A (ctx.tensors = (A, B)) whenever A needs a gradient,
+    though its backward reads only the weight: the input lives until the backward, and is
+    let go of with the graph; an input that needs no gradient is not kept."""
+    import weakref
+
+    from gradaccum.planning.estimate.quantized import Quantized4bit
+
+    layer = Quantized4bit(torch.nn.Linear(16, 16), double_quant=False,
+                          compute_dtype=torch.float32, nested_code=None)  # fmt: skip
+    h = torch.randn(4, 16, requires_grad=True) * 2  # an activation, made by an op
+    kept = weakref.ref(h.untyped_storage())
+    out = layer(h)
+    del h
+    assert kept() is not None  # held by the layer's backward context
+    out.sum().backward()
+    del out
+    assert kept() is None
+    h = torch.randn(4, 16) * 2
+    kept = weakref.ref(h.untyped_storage())
+    layer(h)
+    del h
+    assert kept() is None

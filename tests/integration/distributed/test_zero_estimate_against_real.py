@@ -5,7 +5,8 @@ fresh process (zero_worker.py: no code of the estimate). The estimate must be at
 measured peak and within 5% of it. The cases: DeepSpeed's default bucket (5e8 elements: a
 1 GB bucket that dwarfs this model), Hugging Face's 'auto' bucket (the hidden size squared)
 at 3 micro-batches, a small bucket with overlap_comm (two buckets, many reductions), stage 1,
-float32.
+float32; and two processes under torchrun (gloo), where the estimate is rank 0's (the larger
+share) and must bound both.
 
 Slow tier: DeepSpeed compiles its CPU ops (FusedAdam, the shared-memory collective) into the
 tests' private cache on first use, about a minute."""
@@ -19,7 +20,7 @@ from pathlib import Path
 import estimate_worker as worker
 import pytest
 from helpers import ROOT, run
-from launch import free_port
+from launch import free_port, torchrun
 
 import gradaccum as ga
 from gradaccum.planning.estimate.zero import from_deepspeed
@@ -62,3 +63,22 @@ def test_zero_estimate_bounds_a_real_deepspeed_engine_within_5_percent(case, mon
         deepspeed=from_deepspeed(config, hidden_size=worker.WIDTH),
     )  # fmt: skip
     assert real["peak"] <= est.allocated <= 1.05 * real["peak"], (est.allocated, real["peak"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_estimate_bounds_both_ranks_of_a_real_two_process_run(stage, monkeypatch):
+    config = {"bf16": {"enabled": True},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 500_000}}  # fmt: skip
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
+    worker_file = Path(__file__).with_name("zero_worker.py")
+    out = run([*torchrun(2), worker_file, json.dumps(config), 4, 2, 0], ROOT, timeout=600)
+    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith('{"rank"')]
+    peaks = {x["rank"]: x["peak"] for x in lines}
+    assert sorted(peaks) == [0, 1], out.stdout[-2000:]
+    est = ga.estimate(
+        worker.Net, worker.fused_adamw, worker.sample, worker.loss_fn, micro_size=4,
+        micro_batches=2, device="cpu", shard="zero", world_size=2,
+        deepspeed=from_deepspeed(config),
+    )  # fmt: skip
+    assert max(peaks.values()) <= est.allocated <= 1.05 * peaks[0], (est.allocated, peaks)

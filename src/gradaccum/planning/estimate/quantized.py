@@ -12,8 +12,10 @@ what its training path allocates (bitsandbytes/autograd/_functions.py, ``MatMul4
   layer and one 256-entry ``float32`` map shared by all. Forward and backward each dequantize
   the weight to the compute dtype (the dequantize-then-linear path bitsandbytes takes at
   training's row counts; its fused kernel for a few rows needs less), one layer at a time;
-  nothing of the weight is saved for the backward. PEFT's LoRA layer over a 4-bit layer clones
-  the base's output.
+  nothing of the weight is saved for the backward, but the layer's input is (``MatMul4Bit``
+  keeps ``ctx.tensors = (A, B)`` whenever A needs a gradient), as a context attribute that
+  saved-tensor hooks, and so non-reentrant checkpointing, do not see. PEFT's LoRA layer
+  over a 4-bit layer clones the base's output.
 - ``8bit`` (``Linear8bitLt``, ``has_fp16_weights=False``): the weight ``int8`` with a
   ``float32`` scale per row (``SCB``). Forward: the input cast to ``float16``, quantized to
   ``int8`` with a ``float32`` scale per row, an ``int32`` product, the output in the input's
@@ -41,6 +43,9 @@ class _Dequantized(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, shape, dtype):
         ctx.shape, ctx.dtype = shape, dtype
+        # MatMul4Bit keeps its input (ctx.tensors = (A, B)) whenever it needs a gradient, though
+        # the backward reads only the weight: held to the backward, past saved-tensor hooks
+        ctx.x = x if ctx.needs_input_grad[0] else None
         weight = torch.empty(shape, dtype=dtype, device=x.device)
         return F.linear(x, weight, bias)
 
