@@ -70,6 +70,32 @@ QWEN = {
     "7B": qwen1(4096, 32, 32, 22016, 151936),
     "14B": qwen1(5120, 40, 40, 27392, 152064),
 }
+# litgpt's resource tables' models (tutorials/resource-tables.md) in transformers' classes of the
+# same shapes: its GPT with a fused qkv is the same parameters as transformers' phi, GPT-NeoX
+# (StableLM Alpha) and Llama with their own attention layouts; phi's GELU is litgpt's
+# (torch's tanh approximation, one op: transformers' gelu_new is the same formula in six)
+LITGPT = {
+    "phi-1.5": ({
+        "architectures": ["PhiForCausalLM"], "model_type": "phi", "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 24, "num_attention_heads": 32,
+        "vocab_size": 51200, "max_position_embeddings": 2048, "partial_rotary_factor": 0.5,
+        "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": False}, ["q_proj", "v_proj"]),
+    "StableLM Alpha 3B": ({
+        "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_size": 4096,
+        "intermediate_size": 16384, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "vocab_size": 50688, "max_position_embeddings": 4096, "rotary_pct": 0.25,
+        "use_parallel_residual": True, "tie_word_embeddings": False}, ["query_key_value"]),
+    "Llama 2 7B": ({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+        "tie_word_embeddings": False}, ["q_proj", "v_proj"]),
+    "Llama 2 13B": ({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 5120,
+        "intermediate_size": 13824, "num_hidden_layers": 40, "num_attention_heads": 40,
+        "num_key_value_heads": 40, "vocab_size": 32000, "max_position_embeddings": 4096,
+        "tie_word_embeddings": False}, ["q_proj", "v_proj"]),
+}  # fmt: skip
 # Qwen's finetune.py targets c_attn, c_proj, w1, w2: in Qwen2's names, every linear layer
 QWEN_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -105,18 +131,57 @@ def express(row: dict) -> tuple[str, dict, list[str], str] | str:
                    "target_modules": QWEN_TARGETS, "bias": "none",
                    "modules_to_save": ["embed_tokens", "lm_head"]
                    if row["method"] == "lora+emb" else None}  # fmt: skip
+        world = row["num_gpus"]
+        if world > 1:
+            return (
+                f"not modelled: FSDP over {world} GPUs with bf16-true parameters (litgpt ran "
+                "FSDP1; the estimate's FSDP2 model takes float32 trainable parameters)"
+            )
         flags = ["--seq-len", str(row["seq_len"]), "--micro-batch", str(row["micro_batch"]),
                  "--effective-batch", str(row["micro_batch"] * row["grad_accum"]),
-                 "--precision", "bf16", "--checkpointing", "on", "--gpu", "a100-80gb",
+                 "--precision", "bf16-true", "--checkpointing", "on", "--gpu", "a100-80gb",
                  "--attn-implementation", "flash_attention_2", "--lora", adapter]  # fmt: skip
         key = f"qwen-{row['params']}-{row['method']}"
         return key, QWEN[row["params"]], flags, "c_attn's LoRA as q, k and v's"
+    if repo == "Lightning-AI/litgpt":
+        name = next((k for k in LITGPT if row["model"].startswith(k)), None)
+        if name is None:
+            return f"no config here for {row['model']}"
+        config, targets = LITGPT[name]
+        lora = row["lora"]
+        adapter = {
+            "peft_type": "LORA",
+            "r": lora["r"],
+            "lora_alpha": lora["alpha"],
+            "lora_dropout": lora["dropout"],
+            "target_modules": targets,
+            "bias": "none",
+            "modules_to_save": None,
+        }
+        world = row["num_gpus"]
+        if world > 1:
+            return (
+                f"not modelled: FSDP over {world} GPUs with bf16-true parameters (litgpt ran "
+                "FSDP1; the estimate's FSDP2 model takes float32 trainable parameters)"
+            )
+        flags = ["--seq-len", str(row["seq_len"]), "--micro-batch", str(row["micro_batch"]),
+                 "--effective-batch", str(row["micro_batch"] * row["grad_accum"]),
+                 "--precision", "bf16-true",
+                 "--checkpointing", "on" if row["gradient_checkpointing"] else "off",
+                 "--gpu", "a100-40gb", "--attn-implementation", "sdpa",
+                 "--lora", adapter]  # fmt: skip
+        said = "litgpt's chunked head loss as the model's own (its logits whole, upcast)"
+        if row["method"] == "qlora":
+            flags += ["--quantize", "nf4"]
+            if "double" in row["quantization"]:
+                flags.append("--double-quant")
+            said += "; Fabric's nf4 head kept bf16 (as bitsandbytes under PEFT keeps it)"
+        key = f"litgpt-{name.replace(' ', '-').lower()}-{row['method']}"
+        return key, config, flags, said
     return _NOT_MODELLED.get(repo, f"not asked: {row['framework']}")
 
 
 _NOT_MODELLED = {
-    "Lightning-AI/litgpt": "not modelled: litgpt's own model and its head's loss in chunks "
-    "of 128 tokens (lm_head_chunk_size), in bf16-true",
     "pytorch/torchtune": "not modelled: torchtune's chunked cross-entropy, compile and "
     "activation offloading",
 }
@@ -134,7 +199,9 @@ def case_of(row: dict, config: dict, flags: list) -> dict:
         "config": config, "params": parameters(config, value.get("--task", "causal-lm")),
         "seq_len": int(value["--seq-len"]), "micro_batch": micro,
         "grad_accum": int(value["--effective-batch"]) // micro,
-        "precision": value["--precision"], "optimizer": value.get("--optimizer", "adamw"),
+        # bf16-true as each peer's bf16 (theirs hold the weights in bf16 too)
+        "precision": value["--precision"].removesuffix("-true"),
+        "optimizer": value.get("--optimizer", "adamw"),
         "lora": None if lora is None else {
             "r": lora["r"], "alpha": lora["lora_alpha"], "target_modules": lora["target_modules"],
             "modules_to_save": lora["modules_to_save"]},
@@ -162,8 +229,12 @@ def parameters(config: dict, task: str) -> int:
 
 def ask_peers(row: dict, config: dict, flags: list) -> dict:
     """Each peer's answer for the row (bytes and what it said, or why it cannot say)."""
+    from peer_estimators import PEERS as NAMES
     from peer_estimators import ask
 
+    world = flags[flags.index("--world-size") + 1] if "--world-size" in flags else "1"
+    if world != "1":  # none of the five takes a world size or a sharding
+        return {p: {"why": f"FSDP over {world} GPUs: no world size in its input"} for p in NAMES}
     return ask(case_of(row, config, flags))
 
 
@@ -172,9 +243,17 @@ def published_bytes(row: dict) -> tuple[float, str]:
     unit = row["unit"]
     if unit.startswith("MiB"):
         return row["value"] * MiB, "MiB"
+    if unit.startswith("GB (1e9"):
+        return row["value"] * GB, "GB"
     if unit.startswith("G as written"):
         return row["value"] * GiB, "G as GiB"  # Qwen's 'G' (GB or GiB unstated): both shown
     raise ValueError(f"unit {unit!r} not read here")
+
+
+def compared(row: dict) -> str:
+    """The estimate's number that reads as the row's meter: ``allocated`` for
+    ``torch.cuda.max_memory_allocated``, else the device total (nvidia-smi's view)."""
+    return "allocated" if row["meter"].startswith("torch.cuda.max_memory_allocated") else "total"
 
 
 def main() -> None:
@@ -238,7 +317,8 @@ def main() -> None:
         result = {"id": row["id"], "model": key, "seq_len": row["seq_len"],
                   "micro_batch": row["micro_batch"], "published": row["value"], "unit": unit,
                   "meter": row["meter"], "total": est["total"], "reserved": est["reserved"],
-                  "allocated": est["allocated"], "error": est["total"] / value - 1,
+                  "allocated": est["allocated"], "compared": compared(row),
+                  "error": est[compared(row)] / value - 1,
                   "error_gb": est["total"] / (row["value"] * GB) - 1 if "G as" in unit else None,
                   "wall": took, "load": load, "assumed": assumed,
                   "source": f"{row['source']['repo']}/{row['source']['path']}"}  # fmt: skip
@@ -260,7 +340,8 @@ PEERS = ("fitcheck-llm", "ftuneai", "alloc", "gpu-estimator", "hf-vram-calc")
 
 
 def _published(a: dict) -> float:
-    return a["total"] / (1 + a["error"])  # the published number in bytes, as the row read it
+    # the published number in bytes, as the row read it
+    return a[a.get("compared", "total")] / (1 + a["error"])
 
 
 def _peer_error(a: dict, peer: str) -> float | None:

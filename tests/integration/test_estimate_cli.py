@@ -247,3 +247,20 @@ def test_a_deepspeed_config_the_estimate_does_not_model_is_refused_in_one_line(t
     assert done.stderr.strip().count("\n") == 0, done.stderr
     done = in_process("plan", "--recipe", "gpt", "--deepspeed", str(tmp_path / "z3.json"))
     assert done.returncode == 2 and "apply to the estimate" in done.stderr
+
+
+def test_bf16_true_holds_every_weight_and_optimizer_state_in_bf16():
+    """--precision bf16-true (Lightning's and litgpt's): the parameters and AdamW's two
+    moments half of float32's, and said; the measured plan does not take it."""
+    args = ("plan", "--device", "cuda", "--recipe", "gpt", "--micro-batch", "2",
+            "--effective-batch", "4", "--gpu", "t4", "--json")  # fmt: skip
+    fp32 = json.loads(in_process(*args).stdout)
+    done = in_process(*args, "--precision", "bf16-true")
+    assert done.returncode == 0, done.stderr
+    true = json.loads(done.stdout)
+    assert "bf16-true: every parameter" in " ".join(true["assumptions"])
+    for part in ("parameters", "optimizer state"):
+        half = fp32["parts"][part] / 2
+        assert half <= true["parts"][part] <= 1.02 * half, (part, true["parts"], fp32["parts"])
+    done = in_process("plan", "--recipe", "gpt", "--precision", "bf16-true")
+    assert done.returncode == 2 and "bf16-true applies to the estimate" in done.stderr

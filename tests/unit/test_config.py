@@ -76,6 +76,13 @@ def test_plan_and_train_share_their_options_and_defaults():
                 # users configure it); train's is the rank apply_lora takes
                 assert plan_fields["lora"].metadata["opt"].check("16") is None
                 continue
+            if name == "precision" and other is plan_fields:
+                # plan's --precision also takes bf16-true (the estimate's alone): train's
+                # choices and default, and that one more
+                opt, trains = plan_fields["precision"].metadata["opt"], train_field.metadata["opt"]
+                assert opt.default == trains.default
+                assert tuple(opt.choices) == (*trains.choices, "bf16-true")
+                continue
             if name in other:  # the same declaration, so the same check and choices
                 assert other[name].metadata["opt"] is train_field.metadata["opt"], name
 

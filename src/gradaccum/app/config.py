@@ -304,6 +304,13 @@ PREFER_OPT = Opt(
     choices=PREFER,
 )
 PRECISION = Opt("fp32", "fp32, bf16 (autocast) or fp16 (autocast + GradScaler)", choices=PRECISIONS)
+PLAN_PRECISION = Opt(
+    "fp32",
+    "fp32, bf16 (autocast) or fp16 (autocast + GradScaler); for the estimate also bf16-true "
+    "(every weight, gradient and optimizer state in bf16, no autocast: Lightning's and "
+    "litgpt's precision='bf16-true')",
+    choices=(*PRECISIONS, "bf16-true"),
+)
 SEQ_LEN = Opt(
     None,
     "tokens per sequence for --data (default: the model's own length, at most 128); "
@@ -880,7 +887,7 @@ class PlanConfig:
     meter: str = METER()
     checkpointing: str = CHECKPOINTING_OPT()
     prefer: str = PREFER_OPT()
-    precision: str = PRECISION()
+    precision: str = PLAN_PRECISION()
     export: str | None = Opt(
         None,
         "write the plan as this framework's file to stdout (the plan itself to stderr; with "
@@ -1038,6 +1045,11 @@ class PlanConfig:
                 out.append(f"shard fsdp needs --world-size 2 or more, got {self.world_size}")
             if self.quantize is not None:
                 out.append("shard fsdp with --quantize: a sharded quantized base is not modelled")
+        if self.precision == "bf16-true":
+            if not (self.estimate or self.device == "cuda"):
+                out.append("precision bf16-true applies to the estimate: add --device cuda")
+            if self.deepspeed is not None:
+                out.append("precision bf16-true with --deepspeed: its file's bf16 decides")
         if self.deepspeed is not None and self.shard == "fsdp":
             out.append("deepspeed with --shard fsdp: a run is sharded by one or the other")
         if self.quantize is not None and self.lora is None:

@@ -1255,7 +1255,7 @@ class _Workload:
         )
         self.length = None if images else (cfg.seq_len or min([128, *positions]))
         length = cfg.seq_len or min([128, *positions])
-        low = cfg.lora is not None and cfg.precision == "bf16"
+        low = cfg.precision == "bf16-true" or (cfg.lora is not None and cfg.precision == "bf16")
         if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
             config.pad_token_id = 0  # a decoder's head finds each sequence's last token by it
         if images:

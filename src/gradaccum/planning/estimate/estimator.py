@@ -31,6 +31,7 @@ __all__ = ["at_length", "at_size", "estimate"]
 
 _DEVICES = ("cuda", "cpu")
 _SHARDS = ("ddp", "fsdp", "zero")
+TRUE_BF16 = "bf16-true"  # a precision of the estimate alone: the model cast, no autocast
 
 
 def estimate(
@@ -90,7 +91,10 @@ def estimate(
     ``PYTORCH_CUDA_ALLOC_CONF`` string or an ``AllocatorConfig``); ``gpu`` names the family
     whose constants are added (``gradaccum.planning.estimate.devices.GPUS``).
     ``device="cpu"`` traces as the CPU runs, so the trace can be checked against a real run
-    here.
+    here. ``precision``: as ``Accumulator`` takes it ("fp32", "bf16", "fp16"), or
+    "bf16-true": every floating parameter cast to bf16 after ``prepare`` (so its gradient
+    and the optimizer's state are bf16 too) and no autocast, as Lightning's and litgpt's
+    ``precision="bf16-true"`` trains.
     """
     if device not in _DEVICES:
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
@@ -287,8 +291,10 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
     from gradaccum.recompute import enable_checkpointing
 
     precision = how["precision"]
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision not in (*PRECISIONS, TRUE_BF16):
+        raise ValueError(
+            f"precision must be one of {', '.join((*PRECISIONS, TRUE_BF16))}, got {precision!r}"
+        )
     assumptions: list[str] = []
     fake, tally = fake_mode(), Tally()
     with fake:
@@ -304,6 +310,15 @@ def _trace(model, optimizer, sample, loss_fn, *, micro_size, micro_batches, on_c
             raise TraceError("the model's construction", "model()", reason) from err
         if refusal := _unmodelled(module):
             raise ValueError(refusal)
+        if precision == TRUE_BF16:  # every weight in bf16 and no autocast
+            for p in module.parameters():
+                if p.is_floating_point() and p.dtype != torch.bfloat16:
+                    p.data = p.data.to(torch.bfloat16)
+            assumptions.append(
+                "bf16-true: every parameter, its gradient and the optimizer's state in bf16, "
+                "no autocast (Lightning's and litgpt's precision='bf16-true')"
+            )
+            precision = "fp32"  # the Accumulator's: no autocast, no scaler
         if how["checkpointing"]:
             enable_checkpointing(module)
         params: dict[int, tuple[int, ...]] = {}  # the parameters' storages, for FSDP2's shards
