@@ -131,15 +131,9 @@ def express(row: dict) -> tuple[str, dict, list[str], str] | str:
                    "target_modules": QWEN_TARGETS, "bias": "none",
                    "modules_to_save": ["embed_tokens", "lm_head"]
                    if row["method"] == "lora+emb" else None}  # fmt: skip
-        world = row["num_gpus"]
-        if world > 1:
-            return (
-                f"not modelled: FSDP over {world} GPUs with bf16-true parameters (litgpt ran "
-                "FSDP1; the estimate's FSDP2 model takes float32 trainable parameters)"
-            )
         flags = ["--seq-len", str(row["seq_len"]), "--micro-batch", str(row["micro_batch"]),
                  "--effective-batch", str(row["micro_batch"] * row["grad_accum"]),
-                 "--precision", "bf16-true", "--checkpointing", "on", "--gpu", "a100-80gb",
+                 "--precision", "bf16", "--checkpointing", "on", "--gpu", "a100-80gb",
                  "--attn-implementation", "flash_attention_2", "--lora", adapter]  # fmt: skip
         key = f"qwen-{row['params']}-{row['method']}"
         return key, QWEN[row["params"]], flags, "c_attn's LoRA as q, k and v's"
@@ -250,6 +244,30 @@ def published_bytes(row: dict) -> tuple[float, str]:
     raise ValueError(f"unit {unit!r} not read here")
 
 
+BAND = HERE.parent / "src" / "gradaccum" / "planning" / "estimate" / "band.json"
+
+
+def kind(flags: list) -> str:
+    """The kind of run a row's command asks (gradaccum.planning.estimate.band.kind_of)."""
+    return "qlora" if "--quantize" in flags else "lora" if "--lora" in flags else "full"
+
+
+def write_band(asked: list[dict], at: str) -> None:
+    """band.json: for each kind of run, how many rows and the lowest and highest of
+    measured / estimate - 1 (what the estimate states beside its number)."""
+    rows = {r["id"]: r for r in map(json.loads, ROWS.read_text().splitlines()) if r}
+    kinds: dict[str, list[float]] = {}
+    for a in asked:
+        a.setdefault("kind", kind(express(rows[a["id"]])[2]))  # a run before kinds were kept
+        kinds.setdefault(a["kind"], []).append(1 / (1 + a["error"]) - 1)
+    out = {
+        "source": f"bench/results/published.md at {at}",
+        "kinds": {k: {"rows": len(v), "low": round(min(v), 4), "high": round(max(v), 4)}
+                  for k, v in sorted(kinds.items())},
+    }  # fmt: skip
+    BAND.write_text(json.dumps(out, indent=1) + "\n")
+
+
 def compared(row: dict) -> str:
     """The estimate's number that reads as the row's meter: ``allocated`` for
     ``torch.cuda.max_memory_allocated``, else the device total (nvidia-smi's view)."""
@@ -318,6 +336,7 @@ def main() -> None:
                   "micro_batch": row["micro_batch"], "published": row["value"], "unit": unit,
                   "meter": row["meter"], "total": est["total"], "reserved": est["reserved"],
                   "allocated": est["allocated"], "compared": compared(row),
+                  "kind": kind(flags),
                   "error": est[compared(row)] / value - 1,
                   "error_gb": est["total"] / (row["value"] * GB) - 1 if "G as" in unit else None,
                   "wall": took, "load": load, "assumed": assumed,
@@ -420,6 +439,7 @@ def _estimates_at() -> str:
 def write(asked: list[dict], apart: list[tuple[dict, str]], at: str | None = None) -> None:
     out = HERE / "results"
     at = at or commit()
+    write_band(asked, at)  # (each row's kind kept in published.json too)
     (out / "published.json").write_text(json.dumps({"estimates_at": at, "asked": asked, "apart": [
         {"id": r["id"], "why": why} for r, why in apart]}, indent=1))  # fmt: skip
     errors = [abs(a["error"]) for a in asked]

@@ -155,5 +155,5 @@ def test_low_precision_parameters_are_refused_in_one_line():
     with pytest.raises(ValueError, match="torch.bfloat16 trainable parameters is not modelled"):
         ga.estimate(half, adamw, sample, loss, micro_size=2, device="cpu", world_size=2,
                     shard="fsdp")  # fmt: skip
-    with pytest.raises(ValueError, match="shard must be 'ddp' or 'fsdp', got 'zero3'"):
+    with pytest.raises(ValueError, match="shard must be 'ddp', 'fsdp' or 'zero', got 'zero3'"):
         ga.estimate(Net, adamw, sample, loss, micro_size=2, world_size=2, shard="zero3")

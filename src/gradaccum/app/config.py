@@ -1050,6 +1050,8 @@ class PlanConfig:
                 out.append("precision bf16-true applies to the estimate: add --device cuda")
             if self.deepspeed is not None:
                 out.append("precision bf16-true with --deepspeed: its file's bf16 decides")
+            if self.export is not None:
+                out.append("precision bf16-true with --export: the exports take fp32, bf16, fp16")
         if self.deepspeed is not None and self.shard == "fsdp":
             out.append("deepspeed with --shard fsdp: a run is sharded by one or the other")
         if self.quantize is not None and self.lora is None:

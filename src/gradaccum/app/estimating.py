@@ -426,6 +426,10 @@ def render(result: dict[str, Any], budget: int | None, said: str | None = None) 
     ]
     if result.get("largest"):
         lines.append(f"largest micro-batch that fits: {result['largest']}")
+    if result.get("band"):
+        from gradaccum.planning.estimate.band import line
+
+        lines.append(line(result["band"], result["total"], budget))
     if "longest" in result:
         longest = result["longest"]
         lines.append(

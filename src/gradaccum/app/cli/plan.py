@@ -19,6 +19,7 @@ from gradaccum.app.recipes import get_recipe
 from gradaccum.app.report.plots import plan_plot
 from gradaccum.memory import format_bytes
 from gradaccum.planning import Export, Plan
+from gradaccum.planning.estimate.band import band, kind_of
 from gradaccum.planning.exports import BatchShape, export
 
 
@@ -152,6 +153,9 @@ def estimated(cfg: PlanConfig) -> int:
     for a measured plan); where nothing fits, the estimate at micro-batch 1 and what would
     fit, then the refusal in one line."""
     result = estimate_command(cfg)
+    kind = kind_of(cfg.lora, cfg.quantize or result.get("quantize"))
+    if (published := band(kind)) is not None:
+        result["band"] = {"kind": kind, **published}
     fits = result["total"] <= result["budget"]
     exported = None
     if cfg.export and fits:
