@@ -98,6 +98,18 @@ LITGPT = {
 }  # fmt: skip
 # Qwen's finetune.py targets c_attn, c_proj, w1, w2: in Qwen2's names, every linear layer
 QWEN_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Qwen's finetune/ds_config_zero2.json (at af22d5e), which its Q-LoRA script passes
+QWEN_ZERO2 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                               "weight_decay": "auto"}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none", "pin_memory": True},
+                          "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                          "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
+                          "contiguous_gradients": True},
+}  # fmt: skip
 
 
 def express(row: dict) -> tuple[str, dict, list[str], str] | str:
@@ -118,15 +130,36 @@ def express(row: dict) -> tuple[str, dict, list[str], str] | str:
         # eager: BERT's only attention in 2022's transformers
         return "bert-large", BERT_LARGE, flags, "Trainer's AdamW as torch's foreach AdamW"
     if repo == "QwenLM/Qwen":
-        if row["method"] not in ("lora", "lora+emb"):
-            what = (
-                "a GPTQ int4 base under DeepSpeed ZeRO-2"
-                if row["method"] == "qlora"
-                else (row["framework"])
-            )
-            return f"not modelled: {what}"
+        if row["method"] not in ("lora", "lora+emb", "qlora"):
+            return f"not modelled: {row['framework']}"
         if row["params"] not in QWEN:
             return f"no config here for Qwen-{row['params']}"
+        if row["method"] == "qlora":  # finetune_qlora_single_gpu.sh: fp16, ds_config_zero2.json
+            config = {
+                **QWEN[row["params"]],
+                "quantization_config": {
+                    "quant_method": "gptq",
+                    "bits": 4,
+                    "group_size": 128,
+                    "desc_act": False,
+                },
+            }
+            adapter = {
+                "peft_type": "LORA",
+                "r": 64,
+                "lora_alpha": 16,
+                "lora_dropout": 0.05,
+                "target_modules": QWEN_TARGETS,
+                "bias": "none",
+                "modules_to_save": None,
+            }
+            flags = ["--seq-len", str(row["seq_len"]), "--micro-batch", str(row["micro_batch"]),
+                     "--effective-batch", str(row["micro_batch"] * row["grad_accum"]),
+                     "--precision", "fp16", "--checkpointing", "on", "--gpu", "a100-80gb",
+                     "--attn-implementation", "flash_attention_2", "--lora", adapter,
+                     "--deepspeed", QWEN_ZERO2]  # fmt: skip
+            key = f"qwen-{row['params']}-qlora"
+            return key, config, flags, "Qwen-*-Chat-Int4's GPTQ layout; ZeRO-2 as Qwen's file"
         adapter = {"peft_type": "LORA", "r": 64, "lora_alpha": 16, "lora_dropout": 0.05,
                    "target_modules": QWEN_TARGETS, "bias": "none",
                    "modules_to_save": ["embed_tokens", "lm_head"]
@@ -199,7 +232,11 @@ def case_of(row: dict, config: dict, flags: list) -> dict:
         "lora": None if lora is None else {
             "r": lora["r"], "alpha": lora["lora_alpha"], "target_modules": lora["target_modules"],
             "modules_to_save": lora["modules_to_save"]},
-        "quantization": value.get("--quantize"), "checkpointing": value["--checkpointing"] == "on",
+        # a GPTQ int4 base (config.json's quantization_config) as each peer's 4-bit: none
+        # models GPTQ's layout
+        "quantization": value.get("--quantize") or ("nf4" if "quantization_config" in config
+                                                    else None),
+        "checkpointing": value["--checkpointing"] == "on",
         "gpu": value["--gpu"], "task": value.get("--task", "causal-lm"),
         "attention": value.get("--attn-implementation"),
     }  # fmt: skip
@@ -313,6 +350,10 @@ def main() -> None:
             folder.mkdir()
             (folder / "config.json").write_text(json.dumps(config))
         flags = list(flags)
+        if "--deepspeed" in flags:  # the DeepSpeed configuration as its own file
+            at = flags.index("--deepspeed") + 1
+            (folder / "ds_config.json").write_text(json.dumps(flags[at]))
+            flags[at] = str(folder / "ds_config.json")
         if "--lora" in flags:  # the adapter as its own adapter_config.json
             at = flags.index("--lora") + 1
             (folder / "adapter").mkdir(exist_ok=True)

@@ -460,9 +460,20 @@ def test_a_config_s_quantization_config_is_the_estimate_s_base(tmp_path):
                                                             "8bit"),
         "trains adapters only: add --lora R": (quantized, "--seq-len", 32, "--micro-batch", 2),
     }  # fmt: skip
-    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
-    refusals["its quantization_config is gptq (4-bit, group size 128)"] = (
-        llama(tmp_path / "gptq", quantization_config=gptq),
+    # GPTQ 4-bit is the estimate's base too (auto-gptq's packed layer, the config's group
+    # size), as --quantize gptq gives it; GPTQ 8-bit and AWQ are refused
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False}
+    packed = estimate("--hf-model", llama(tmp_path / "gptq", quantization_config=gptq), *common)
+    assert "GPTQ 4-bit, group size 32, as --hf-model's config.json's" in packed["assumptions"][0]
+    assert packed["parts"]["parameters"] < unquantized["parts"]["parameters"]
+    gptq8 = {**gptq, "bits": 8}
+    refusals["its quantization_config is gptq (8-bit, group size 32)"] = (
+        llama(tmp_path / "gptq8", quantization_config=gptq8),
+        *common,
+    )
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    refusals["its quantization_config is awq (4-bit, group size 128)"] = (
+        llama(tmp_path / "awq", quantization_config=awq),
         *common,
     )
     for needle, args in refusals.items():

@@ -109,3 +109,38 @@ def test_a_4bit_layer_keeps_its_input_to_the_backward_as_matmul4bit_does():
     layer(h)
     del h
     assert kept() is None
+
+
+def test_a_gptq_layer_holds_auto_gptqs_packed_buffers_counted_by_hand():
+    """Linear(256, 512) with a bias at group size 128: qweight 32 x 512 int32 (65,536 B),
+    qzeros 2 x 64 int32 (512 B), scales 2 x 512 float16 (2,048 B), g_idx 256 int32 (1,024 B),
+    the bias 512 float16 (1,024 B); and the shift table (8 int32, not saved)."""
+    from gradaccum.planning.estimate.quantized import GPTQLinear
+
+    layer = GPTQLinear(torch.nn.Linear(256, 512), group_size=128)
+    held = {name: b.untyped_storage().nbytes() for name, b in layer.named_buffers()}
+    assert held == {"qweight": 65_536, "qzeros": 512, "scales": 2_048, "g_idx": 1_024,
+                    "bias": 1_024, "wf": 32}  # fmt: skip
+    assert "wf" not in layer.state_dict()
+    with pytest.raises(ValueError, match="group size 100: expected features divisible"):
+        GPTQLinear(torch.nn.Linear(256, 512), group_size=100)
+
+
+def test_a_gptq_layer_keeps_its_dequantized_float16_weight_for_the_backward():
+    """auto-gptq's torch path: matmul(x.half(), weight) with a weight that needs no gradient
+    keeps the float16 (in, out) weight for the input's gradient, and nothing when the input
+    needs none either."""
+    from gradaccum.planning.estimate.quantized import GPTQLinear
+
+    layer = GPTQLinear(torch.nn.Linear(64, 32, bias=False), group_size=-1)
+    for needs, expected in ((True, [(torch.float16, (64, 32))]), (False, [])):
+        saved = []
+
+        def pack(t, saved=saved):
+            saved.append((t.dtype, tuple(t.shape)))
+            return t
+
+        x = torch.randn(4, 64, requires_grad=needs)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(x)
+        assert [s for s in saved if s[1] == (64, 32)] == expected

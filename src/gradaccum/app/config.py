@@ -350,7 +350,7 @@ ESTIMATE_TASKS = (
 ESTIMATE_ONLY = (
     "task", "seq_len", "micro_batch", "quantize", "attn_implementation", "deepspeed",
 )  # fmt: skip
-QUANTIZED = ("8bit", "nf4", "fp4")
+QUANTIZED = ("8bit", "nf4", "fp4", "gptq")
 
 
 @dataclass(kw_only=True)
@@ -971,8 +971,9 @@ class PlanConfig:
     )()
     quantize: str | None = Opt(
         None,
-        "a frozen bitsandbytes base under --lora (QLoRA): 8bit (Linear8bitLt) or nf4, fp4 "
-        "(Linear4bit), modelled by their documented layout",
+        "a frozen quantized base under --lora (QLoRA): bitsandbytes' 8bit (Linear8bitLt) or "
+        "nf4, fp4 (Linear4bit), or gptq (auto-gptq's 4-bit QuantLinear, group size 128 unless "
+        "--hf-model's quantization_config says), modelled by their layout",
         choices=QUANTIZED,
     )()
     double_quant: bool = Opt(

@@ -125,6 +125,19 @@ def estimate_command(cfg: PlanConfig) -> dict[str, Any]:
 _BNB_4BIT = ("nf4", "fp4")
 
 
+def _gptq_group(cfg: PlanConfig) -> int:
+    """The GPTQ group size --hf-model's quantization_config names (auto-gptq's 128 if none)."""
+    from gradaccum.app.recipes import hf_config_file
+    from gradaccum.planning.estimate.quantized import GPTQ_GROUP
+
+    if cfg.hf_model is None:
+        return GPTQ_GROUP
+    data = json.loads(plan_cache.read_text(hf_config_file(cfg.hf_model)) or "{}")
+    quant = data.get("quantization_config") if isinstance(data, dict) else None
+    group = quant.get("group_size") if isinstance(quant, dict) else None
+    return group if isinstance(group, int) else GPTQ_GROUP
+
+
 def _quantization_of(cfg: PlanConfig) -> tuple[PlanConfig, str | None]:
     """``cfg`` with the base quantized as ``--hf-model``'s config.json says
     (``quantization_config``, as transformers' ``from_pretrained`` applies it), and the line
@@ -141,6 +154,22 @@ def _quantization_of(cfg: PlanConfig) -> tuple[PlanConfig, str | None]:
     if quant is None:
         return cfg, None
     method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method == "gptq" and quant.get("bits") == 4:
+        if cfg.quantize not in (None, "gptq"):
+            raise ValueError(
+                f"--quantize {cfg.quantize} disagrees with --hf-model's quantization_config "
+                f"(GPTQ 4-bit, in {path}): give the config's, or none"
+            )
+        if cfg.lora is None:
+            raise ValueError(
+                f"--hf-model {path}: its quantization_config quantizes the base (GPTQ 4-bit), "
+                "which trains adapters only: add --lora R (or an adapter_config.json)"
+            )
+        said = (
+            f"quantization: GPTQ 4-bit, group size {_gptq_group(cfg)}, as --hf-model's "
+            "config.json's quantization_config says"
+        )
+        return dataclasses.replace(cfg, quantize="gptq", double_quant=False), said
     if method != "bitsandbytes":
         what = f"{method}" if isinstance(method, str) else "of no quant_method"
         bits = quant.get("bits") if isinstance(quant, dict) else None
@@ -150,9 +179,9 @@ def _quantization_of(cfg: PlanConfig) -> tuple[PlanConfig, str | None]:
             f"--hf-model {path}: its quantization_config is {what}"
             + (f" ({shape})" if shape else "")
             + ", whose packed layers the estimate does not model (it models bitsandbytes' "
-            "nf4, fp4 and 8-bit bases); estimating it unquantized would not be this model's "
-            "memory. Remove quantization_config from a copy of config.json to estimate the "
-            "model unquantized"
+            "nf4, fp4 and 8-bit bases and GPTQ 4-bit); estimating it unquantized would not be "
+            "this model's memory. Remove quantization_config from a copy of config.json to "
+            "estimate the model unquantized"
         )
     if quant.get("load_in_4bit"):
         kind = str(quant.get("bnb_4bit_quant_type", "fp4"))
@@ -1346,7 +1375,15 @@ class _Workload:
             )
         base = "bf16" if low else "fp32"
         self.assumed.append(f"{what}, base frozen in {base}")
-        if cfg.quantize is not None:
+        if cfg.quantize == "gptq":
+            group = _gptq_group(cfg)
+            self.assumed.append(
+                f"base's linear layers but the output embedding as auto-gptq's 4-bit QuantLinear "
+                f"(group size {group}; packed int32 weights and zeros, float16 scales), "
+                "dequantized in torch to a float16 weight that is kept for the backward; "
+                f"the other parameters stay in {base}"
+            )
+        elif cfg.quantize is not None:
             kind = "Linear8bitLt" if cfg.quantize == "8bit" else f"Linear4bit {cfg.quantize}"
             self.assumed.append(
                 f"base's linear layers but the output embedding as bitsandbytes' {kind}"
@@ -1366,7 +1403,9 @@ class _Workload:
             if cfg.quantize is not None:
                 from gradaccum.planning.estimate.quantized import quantize
 
-                model = quantize(model, cfg.quantize, double_quant=cfg.double_quant)
+                model = quantize(
+                    model, cfg.quantize, double_quant=cfg.double_quant, group_size=_gptq_group(cfg)
+                )
             return model
 
         return prepare

@@ -30,11 +30,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK_4BIT", "KINDS", "Quantized4bit", "Quantized8bit", "quantize"]
+__all__ = ["BLOCK_4BIT", "KINDS", "GPTQLinear", "Quantized4bit", "Quantized8bit", "quantize"]
 
 BLOCK_4BIT = 64  # quantize_4bit's default blocksize
 NESTED_BLOCK = 256  # double quantization: one float32 absmax per 256 uint8 absmax
-KINDS = ("8bit", "nf4", "fp4")
+KINDS = ("8bit", "nf4", "fp4", "gptq")
+GPTQ_GROUP = 128  # auto-gptq's and transformers' GPTQConfig default group size
 
 
 class _Dequantized(torch.autograd.Function):
@@ -140,18 +141,84 @@ class Quantized8bit(torch.nn.Linear):
         return out.clone() if self.clone_output else out
 
 
+class GPTQLinear(torch.nn.Module):
+    """A GPTQ 4-bit layer as auto-gptq's ``QuantLinear`` holds and trains it
+    (auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py: the layer ``GPTQConfig(bits=4,
+    disable_exllama=True)`` loads, which training needs): ``qweight`` int32 ``(in / 8, out)``
+    (eight 4-bit values a word), ``qzeros`` int32 ``(groups, out / 8)``, ``scales`` float16
+    ``(groups, out)``, ``g_idx`` int32 ``(in,)``, a float16 bias where the layer has one.
+    At training's row counts (past its kernel's 128-row switch) the forward dequantizes in
+    torch: the words shifted into an int32 ``(in / 8, 8, out)`` and narrowed to int8, the
+    zeros likewise per group, ``scales * (weight - zeros)`` a float16 ``(in, out)`` weight,
+    then ``matmul(x.half(), weight)``; autograd keeps that float16 weight for the input's
+    gradient (the weight needs none), so each layer's dequantized weight lives until its
+    backward, unless checkpointing recomputes it there."""
+
+    def __init__(self, linear: torch.nn.Linear, group_size: int = GPTQ_GROUP) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        group = self.in_features if group_size == -1 else group_size
+        if group < 1 or self.in_features % group or self.in_features % 8 or self.out_features % 8:
+            raise ValueError(
+                f"GPTQ 4-bit layer {self.out_features}x{self.in_features} with group size "
+                f"{group_size}: expected features divisible by 8 and by the group size"
+            )
+        self.group_size, groups = group, self.in_features // group
+        device = linear.weight.device
+        words = torch.empty(
+            self.in_features // 8, self.out_features, dtype=torch.int32, device=device
+        )
+        self.register_buffer("qweight", words)
+        zeros = torch.empty(groups, self.out_features // 8, dtype=torch.int32, device=device)
+        self.register_buffer("qzeros", zeros)
+        scales = torch.empty(groups, self.out_features, dtype=torch.float16, device=device)
+        self.register_buffer("scales", scales)
+        self.register_buffer(
+            "g_idx", torch.empty(self.in_features, dtype=torch.int32, device=device)
+        )
+        bias = (
+            None
+            if linear.bias is None
+            else torch.empty(self.out_features, dtype=torch.float16, device=device)
+        )
+        self.register_buffer("bias", bias)
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=device).unsqueeze(0)
+        self.register_buffer("wf", shifts, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        given = x.dtype
+        zeros = torch.bitwise_right_shift(
+            self.qzeros.unsqueeze(2).expand(-1, -1, 8), self.wf.unsqueeze(0)
+        ).to(torch.int8)
+        zeros = torch.bitwise_and(zeros + 1, 15).reshape(-1, 1, self.out_features)
+        scales = self.scales.reshape(-1, 1, self.out_features)
+        weight = torch.bitwise_right_shift(
+            self.qweight.unsqueeze(1).expand(-1, 8, -1), self.wf.unsqueeze(-1)
+        ).to(torch.int8)
+        weight = torch.bitwise_and(weight, 15).reshape(-1, self.group_size, self.out_features)
+        weight = (scales * (weight - zeros)).reshape(self.in_features, self.out_features)
+        out = torch.matmul(x.reshape(-1, self.in_features).half(), weight)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(given)
+
+
 def quantize(
     model: torch.nn.Module,
     kind: str,
     *,
     double_quant: bool = False,
     compute_dtype: torch.dtype | None = None,
+    group_size: int = GPTQ_GROUP,
 ) -> torch.nn.Module:
     """``model`` with each frozen ``nn.Linear`` (but its output embedding) replaced by
     bitsandbytes' ``kind`` (``"8bit"``, ``"nf4"``, ``"fp4"``) as modelled here, in place; for
     ``ga.estimate``'s ``prepare``, after LoRA adapters are added (they stay as they are, and
     a LoRA layer's base clones its output, as PEFT's 4-bit and 8-bit layers do).
-    ``compute_dtype``: the 4-bit layers' (default: the replaced weight's dtype)."""
+    ``compute_dtype``: the 4-bit layers' (default: the replaced weight's dtype). ``"gptq"``:
+    auto-gptq's 4-bit layer (``GPTQLinear``) with ``group_size`` (-1: one group), whose LoRA
+    layer does not clone the base's output."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -160,8 +227,12 @@ def quantize(
         for name, child in list(parent.named_children()):
             if type(child) is not torch.nn.Linear or child is head or child.weight.requires_grad:
                 continue
+            if kind == "gptq":
+                new: torch.nn.Module = GPTQLinear(child, group_size)
+                setattr(parent, name, new)
+                continue
             if kind == "8bit":
-                new: torch.nn.Module = Quantized8bit(child)
+                new = Quantized8bit(child)
             else:
                 if double_quant and nested is None:
                     nested = torch.empty(256, dtype=torch.float32, device=child.weight.device)
