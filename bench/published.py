@@ -284,9 +284,12 @@ def published_bytes(row: dict) -> tuple[float, str]:
 BAND = HERE.parent / "src" / "gradaccum" / "planning" / "estimate" / "band.json"
 
 
-def kind(flags: list) -> str:
-    """The kind of run a row's command asks (gradaccum.planning.estimate.band.kind_of)."""
-    return "qlora" if "--quantize" in flags else "lora" if "--lora" in flags else "full"
+def kind(flags: list, config: dict) -> str:
+    """The kind of run a row's command asks (gradaccum.planning.estimate.band.kind_of): a
+    base quantized by a flag or by its config.json, LoRA, or full training."""
+    if "--quantize" in flags or "quantization_config" in config:
+        return "qlora"
+    return "lora" if "--lora" in flags else "full"
 
 
 def write_band(asked: list[dict], at: str) -> None:
@@ -295,7 +298,8 @@ def write_band(asked: list[dict], at: str) -> None:
     rows = {r["id"]: r for r in map(json.loads, ROWS.read_text().splitlines()) if r}
     kinds: dict[str, list[float]] = {}
     for a in asked:
-        a.setdefault("kind", kind(express(rows[a["id"]])[2]))  # a run before kinds were kept
+        _, config, flags, _ = express(rows[a["id"]])
+        a["kind"] = kind(flags, config)
         kinds.setdefault(a["kind"], []).append(1 / (1 + a["error"]) - 1)
     out = {
         "source": f"bench/results/published.md at {at}",
@@ -377,7 +381,7 @@ def main() -> None:
                   "micro_batch": row["micro_batch"], "published": row["value"], "unit": unit,
                   "meter": row["meter"], "total": est["total"], "reserved": est["reserved"],
                   "allocated": est["allocated"], "compared": compared(row),
-                  "kind": kind(flags),
+                  "kind": kind(flags, config),
                   "error": est[compared(row)] / value - 1,
                   "error_gb": est["total"] / (row["value"] * GB) - 1 if "G as" in unit else None,
                   "wall": took, "load": load, "assumed": assumed,
