@@ -1375,8 +1375,9 @@ class _Workload:
             )
         base = "bf16" if low else "fp32"
         self.assumed.append(f"{what}, base frozen in {base}")
-        if cfg.quantize == "gptq":
-            group = _gptq_group(cfg)
+        # the GPTQ group size, read once for the assumption and every trace's layers
+        group = _gptq_group(cfg) if cfg.quantize == "gptq" else None
+        if group is not None:
             self.assumed.append(
                 f"base's linear layers but the output embedding as auto-gptq's 4-bit QuantLinear "
                 f"(group size {group}; packed int32 weights and zeros, float16 scales), "
@@ -1403,9 +1404,8 @@ class _Workload:
             if cfg.quantize is not None:
                 from gradaccum.planning.estimate.quantized import quantize
 
-                model = quantize(
-                    model, cfg.quantize, double_quant=cfg.double_quant, group_size=_gptq_group(cfg)
-                )
+                sized = {} if group is None else {"group_size": group}
+                model = quantize(model, cfg.quantize, double_quant=cfg.double_quant, **sized)
             return model
 
         return prepare

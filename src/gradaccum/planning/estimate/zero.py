@@ -52,7 +52,6 @@ class ZeroConfig:
     precision: str = "bf16"
     reduce_bucket_size: int = _DEFAULT_BUCKET
     overlap_comm: bool = False
-    contiguous_gradients: bool = True
 
     def describe(self, world_size: int) -> str:
         return (
@@ -137,7 +136,6 @@ def from_deepspeed(
         precision=chosen,
         reduce_bucket_size=bucket,
         overlap_comm=bool(overlap),
-        contiguous_gradients=True,
     )
 
 
@@ -165,7 +163,8 @@ class Engine:
             self.offsets.append(at)
             at += p.numel()
         self.partition = padded // world_size  # rank 0's: [0, partition)
-        # the parameters whose elements meet rank 0's partition, each counted whole
+        # the parameters whose elements meet rank 0's partition (the flat buffer's first
+        # elements), each counted whole
         self.mine = [i for i, o in enumerate(self.offsets) if o < self.partition]
         self.in_partition = sum(self.params[i].numel() for i in self.mine)
         master = self.flat[: self.partition].clone().float()  # a copy also in float32 runs
@@ -220,11 +219,9 @@ class Engine:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         at = 0
         for p in params:
-            n = p.numel()
-            if self.index[id(p)] in self.mine:
-                target = self._partition()
-                start = self.offsets[self.index[id(p)]]
-                target[start : start + n].copy_(flat[at : at + n])
+            n, start = p.numel(), self.offsets[self.index[id(p)]]
+            if start < self.partition:  # one of rank 0's
+                self._partition()[start : start + n].copy_(flat[at : at + n])
             at += n
             p.grad = None
         del flat
