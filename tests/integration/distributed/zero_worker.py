@@ -66,4 +66,7 @@ def main(config: dict, micro_size: int, micro_batches: int, port: int) -> dict:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     config, micro, count, port = sys.argv[1:5]
-    print(json.dumps(main(json.loads(config), int(micro), int(count), int(port))))
+    line = json.dumps(main(json.loads(config), int(micro), int(count), int(port))) + "\n"
+    # one write call (under PIPE_BUF, so atomic): torchrun's two ranks share the pipe, and a
+    # print's text and its newline in two writes interleaved them onto one line
+    os.write(sys.stdout.fileno(), line.encode())
